@@ -1,0 +1,566 @@
+"""
+A GPT-2-style language model in one file.
+
+References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
+The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
+
+Speed switches live in GPTConfig and none of them changes what the model computes beyond float rounding:
+  attention="math" | "sdpa", sdpa_backend="auto" | "flash" | "efficient" | "cudnn" | "math",
+  vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ATTENTION_CHOICES = ("math", "sdpa")
+SDPA_BACKENDS = {
+    "auto": None,  # PyTorch picks the fastest kernel that can run
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+# Kernels that PyTorch only implements for CUDA; on another device they cannot run at all.
+_CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
+
+
+class GPTError(ValueError):
+    """A model setting or input the user can fix; scripts print it as a one-line error."""
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257  # the tokenizer's real size (GPT-2 BPE: 50257)
+    vocab_padding_multiple: int = 64  # pad embedding/head rows up to a multiple of this (1: no padding)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2; False is a bit better and faster
+    attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
+    sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.attention not in ATTENTION_CHOICES:
+            problems.append(f"attention={self.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            problems.append(f"sdpa_backend={self.sdpa_backend!r} is not one of {', '.join(SDPA_BACKENDS)}")
+        for name in ("block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.n_head >= 1 and self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if problems:
+            raise GPTError("; ".join(problems))
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_padding_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+class KVCache:
+    """
+    Keys and values of the positions seen so far, for every layer, so that generating one more token costs
+    one position of compute instead of the whole context. Buffers are allocated on first use, in the dtype the
+    attention produces (bf16 under autocast).
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int):
+        self.config = config
+        self.batch_size = batch_size
+        self.pos = 0  # number of positions stored
+        self.k: list[torch.Tensor | None] = [None] * config.n_layer
+        self.v: list[torch.Tensor | None] = [None] * config.n_layer
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v (B, nh, T, hs) of one layer; return all keys and values so far (B, nh, pos+T, hs)."""
+        B, nh, T, hs = k.shape
+        if self.k[layer] is None:
+            shape = (B, nh, self.config.block_size, hs)
+            self.k[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
+        ck, cv = self.k[layer], self.v[layer]
+        ck[:, :, self.pos : self.pos + T] = k
+        cv[:, :, self.pos : self.pos + T] = v
+        return ck[:, :, : self.pos + T], cv[:, :, : self.pos + T]
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.attention = config.attention
+        self.sdpa_backend = config.sdpa_backend
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.SCALE_INIT = True  # a residual projection: GPT-2 scales its init by 1/sqrt(2 * n_layer)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # (block_size, block_size) lower-triangular "may attend" mask; not saved in checkpoints
+        self.register_buffer(
+            "causal_mask", torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril(), persistent=False
+        )
+
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence length, n_embd
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+
+        past = 0
+        if kv_cache is not None:
+            past = kv_cache.pos
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past + T, hs)
+        mask = self._mask(T, past, key_padding_mask)  # None (plain causal), or (B or 1, 1, T, past + T) bool
+
+        if self.attention == "math":
+            y = self._math_attention(q, k, v, mask, past)
+        else:
+            y = self._sdpa(q, k, v, mask, is_causal=mask is None and T > 1)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def _mask(self, T: int, past: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The boolean "may attend" mask, or None where plain causal attention (or no mask at all) is exact."""
+        if key_padding_mask is None:
+            if past == 0 or T == 1:
+                return None  # causal from position 0, or one new query that may see every stored key
+            return self.causal_mask[past : past + T, : past + T].view(1, 1, T, past + T)
+        causal = self.causal_mask[:T, :T]  # (T, T)
+        mask = causal & key_padding_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+        # A padding query with no real key before it would see nothing, and softmax over nothing is NaN;
+        # letting every query see itself keeps it finite and changes no real token (they see themselves anyway).
+        return mask | torch.eye(T, dtype=torch.bool, device=mask.device)
+
+    def _math_attention(self, q, k, v, mask: torch.Tensor | None, past: int) -> torch.Tensor:
+        T, S = q.size(-2), k.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+        if mask is None:
+            mask = self.causal_mask[past : past + T, :S]  # (T, S); for T == 1 all True
+        att = att.masked_fill(~mask, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        return att @ v  # (B, nh, T, S) x (B, nh, S, hs) -> (B, nh, T, hs)
+
+    def _sdpa(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        backend = SDPA_BACKENDS[self.sdpa_backend]
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        if self.sdpa_backend in _CUDA_ONLY_BACKENDS and q.device.type != "cuda":
+            raise GPTError(
+                f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type}: PyTorch has no "
+                f"{self.sdpa_backend} kernel there (use 'flash', 'math' or 'auto')"
+            )
+        try:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+                )
+        except RuntimeError as e:
+            if "No viable backend" not in str(e):
+                raise
+            raise GPTError(self._why_backend_failed(q, k, v, mask, dropout_p, is_causal, backend)) from None
+
+    def _why_backend_failed(self, q, k, v, mask, dropout_p, is_causal, backend) -> str:
+        # PyTorch explains why a kernel was rejected only through warnings: run once more to collect them.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+            except RuntimeError:
+                pass
+        reasons = "; ".join(str(w.message).strip().replace("\n", " ") for w in caught) or "no reason given by PyTorch"
+        return (
+            f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type} with dtype {q.dtype}, "
+            f"head size {q.size(-1)}, {'a' if mask is not None else 'no'} mask: {reasons} "
+            f"(choose another sdpa_backend, or 'auto')"
+        )
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.SCALE_INIT = True
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, key_padding_mask=None, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), key_padding_mask, kv_cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "SCALE_INIT", False):
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the position embeddings are left out by default (the token embedding is the
+        head's weight, so it counts as compute)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
+        attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
+        kv_cache: optional KVCache; idx then holds only the positions after those already cached.
+        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets.
+        """
+        x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, padded_vocab_size)
+        loss = None
+        if targets is not None:
+            if self.config.padded_vocab_size > self.config.vocab_size:
+                # Padded rows are not tokens: -inf logits give them zero probability and zero gradient, so the
+                # loss equals that of the unpadded model while the matmul keeps its fast multiple-of-64 shape.
+                logits[..., self.config.vocab_size :] = float("-inf")
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits[..., : self.config.vocab_size], loss
+
+    def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:
+        B, T = idx.size()
+        past = kv_cache.pos if kv_cache is not None else 0
+        if past + T > self.config.block_size:
+            raise GPTError(
+                f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
+                f"crop the input to the last {self.config.block_size} tokens"
+            )
+        if attention_mask is not None and kv_cache is not None:
+            raise GPTError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, attention_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        return self.transformer.ln_f(x)
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size, for fine-tuning on short sequences."""
+        if not 1 <= block_size <= self.config.block_size:
+            raise GPTError(f"block_size={block_size} must be between 1 and the model's {self.config.block_size}")
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        for block in self.transformer.h:
+            block.attn.causal_mask = block.attn.causal_mask[:block_size, :block_size]
+
+    # ------------------------------------------------------------------------------------------- GPT-2 weights
+
+    @classmethod
+    def from_pretrained(
+        cls, model_type: str, override_args: dict | None = None, vocab_padding_multiple: int = 64
+    ) -> "GPT":
+        """
+        Load GPT-2 weights through HF transformers: "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a local
+        folder written by `save_pretrained`. Only `dropout`, `attention` and `sdpa_backend` may be overridden.
+        """
+        override_args = dict(override_args or {})
+        allowed = {"dropout", "attention", "sdpa_backend"}
+        if set(override_args) - allowed:
+            raise GPTError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
+        if model_type not in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl") and not os.path.isdir(model_type):
+            raise GPTError(
+                f"unknown GPT-2 model {model_type!r}: use gpt2, gpt2-medium, gpt2-large, gpt2-xl or a local folder"
+            )
+        from transformers import GPT2LMHeadModel  # only needed here
+
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        return cls.from_hf_model(hf_model, vocab_padding_multiple=vocab_padding_multiple, **override_args)
+
+    @classmethod
+    def from_hf_model(cls, hf_model, vocab_padding_multiple: int = 64, **overrides) -> "GPT":
+        hf = hf_model.config
+        if getattr(hf, "activation_function", "gelu_new") != "gelu_new":
+            raise GPTError(f"unsupported GPT-2 activation {hf.activation_function!r}: this model uses gelu_new")
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if getattr(hf, flag, False):
+                raise GPTError(f"unsupported GPT-2 option {flag}=True")
+        config = GPTConfig(
+            block_size=hf.n_positions,
+            vocab_size=hf.vocab_size,
+            vocab_padding_multiple=vocab_padding_multiple,
+            n_layer=hf.n_layer,
+            n_head=hf.n_head,
+            n_embd=hf.n_embd,
+            bias=True,
+            **overrides,
+        )
+        model = cls(config)
+        sd = model.state_dict()
+        sd_hf = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
+        theirs = set(sd_hf) - {"lm_head.weight"}
+        if ours != theirs:
+            raise GPTError(
+                f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
+            )
+        # HF's GPT-2 uses Conv1D modules whose weights are stored (in, out): transpose them into nn.Linear's (out, in).
+        conv1d = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+        with torch.no_grad():
+            for k in sorted(theirs):
+                src = sd_hf[k].t() if k.endswith(conv1d) else sd_hf[k]
+                dst = sd[k]
+                if k == "transformer.wte.weight":  # our table may have extra (padding) rows: copy the real ones
+                    dst = dst[: config.vocab_size]
+                    sd[k][config.vocab_size :].zero_()
+                if src.shape != dst.shape:
+                    raise GPTError(f"GPT-2 checkpoint key {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(src)
+        return model
+
+    # ------------------------------------------------------------------------------------------- training helpers
+
+    def configure_optimizers(
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float],
+        device_type: str,
+        fused: bool | None = None,
+        verbose: bool = True,
+    ) -> torch.optim.AdamW:
+        """AdamW with weight decay on 2-D weights (matmuls, embeddings) only; biases and LayerNorms are not decayed.
+        fused=None uses the fused kernel where the device has one."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if fused is None:
+            fused = fused_adamw_available(device_type)
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
+        if verbose:
+            print(
+                f"optimizer: AdamW ({'fused' if fused else 'foreach'}), {len(decay)} decayed tensors "
+                f"({sum(p.numel() for p in decay):,} params), {len(no_decay)} not decayed "
+                f"({sum(p.numel() for p in no_decay):,} params)"
+            )
+        return optimizer
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N for the matmuls with the weights,
+        plus 12·L·H·Q·T for attention scores and values."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        N = self.get_num_params()
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+
+    def estimate_mfu(
+        self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None, seq_len: int | None = None
+    ) -> float | None:
+        """Model FLOPs utilisation: achieved FLOP/s over the device's peak (bf16 dense). None if the peak is unknown."""
+        peak = peak_flops if peak_flops is not None else device_peak_flops()
+        if peak is None or dt <= 0:
+            return None
+        T = seq_len or self.config.block_size
+        flops_per_iter = self.flops_per_token(T) * T * fwdbwd_per_iter
+        return flops_per_iter / dt / peak
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """
+        Extend idx (B, T) by max_new_tokens tokens, sampled from softmax(logits / temperature) after the optional
+        top-k and top-p (nucleus) filters; temperature=0 takes the most likely token (greedy).
+        The context is the last block_size tokens, exactly as without the cache: past block_size the window
+        slides, so every new position changes every position embedding and the cache is re-filled (crop and
+        re-prefill); up to block_size each new token costs one position.
+        The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            cache = KVCache(self.config, idx.size(0)) if use_cache else None
+            for _ in range(max_new_tokens):
+                logits = self._next_token_logits(idx, cache)  # (B, vocab_size)
+                idx_next = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
+        finally:
+            self.train(was_training)
+        return idx
+
+    def _next_token_logits(self, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        block_size = self.config.block_size
+        if cache is None:
+            x = self._hidden(idx[:, -block_size:])
+        elif cache.pos == 0 or cache.pos >= block_size or cache.pos != idx.size(1) - 1:
+            cache.reset()  # (re-)prefill with the last block_size tokens
+            x = self._hidden(idx[:, -block_size:], kv_cache=cache)
+        else:
+            x = self._hidden(idx[:, -1:], kv_cache=cache)  # one new position
+        return self.lm_head(x[:, -1, :])[:, : self.config.vocab_size].float()  # (B, vocab_size)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties at the k-th value are kept), set the rest to -inf."""
+    k = min(k, logits.size(-1))
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p (always at least one)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = F.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
+    remove_sorted = mass_before >= p  # the first token has mass_before == 0 and always stays
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B, 1)."""
+    if temperature < 0:
+        raise GPTError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise GPTError(f"top_p={top_p} must be in (0, 1]")
+    if top_k is not None and top_k < 1:
+        raise GPTError(f"top_k={top_k} must be at least 1")
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def fused_adamw_available(device_type: str) -> bool:
+    """PyTorch's fused AdamW runs on CUDA, and on the CPU since 2.4."""
+    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
+        return False
+    if device_type == "cuda":
+        return True
+    if device_type == "cpu":
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+        return (major, minor) >= (2, 4)
+    return False
+
+
+# Peak dense bf16/fp16 tensor-core FLOP/s by device name; longer names first so "H100 PCIe" beats "H100".
+PEAK_FLOPS = [
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A6000", 155e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+]
+
+
+def device_peak_flops(device_name: str | None = None) -> float | None:
+    """Peak bf16 FLOP/s of a known GPU (the current CUDA device by default); None if unknown or not a GPU."""
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for name, flops in PEAK_FLOPS:
+        if name in device_name:
+            return flops
+    return None
