@@ -1,8 +1,21 @@
-"""Shared runtime logic for train.py, sample.py and bench.py: user errors, device and dtype, checkpoints."""
+"""
+The one place for what train.py, sample.py and bench.py share: user errors, device and precision setup,
+distributed setup, and checkpoints (atomic writes, safe loads, the uncompiled module's state).
+"""
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
+import subprocess
 import sys
-from typing import Callable, NoReturn
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn
+
+import torch
+import torch.nn as nn
+
+from model import GPT, GPTConfig, GPTError
 
 
 class UserError(Exception):
@@ -10,13 +23,269 @@ class UserError(Exception):
 
 
 def exit_on_user_error(main: Callable[[], object]) -> object:
-    """Run `main`; a UserError becomes a one-line message on stderr and exit status 2."""
+    """Run `main`; a UserError (or a GPTError from the model's settings) becomes a one-line message on stderr
+    and exit status 2."""
     try:
         return main()
-    except UserError as e:
+    except (UserError, GPTError) as e:
         _fail(str(e))
 
 
 def _fail(msg: str) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------- device, dtype
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' if a GPU is there, else 'mps', else 'cpu'; anything else is checked and returned."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise UserError(f"device={device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={device!r} but no CUDA GPU is available: use --device=cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device={device!r} but MPS is not available: use --device=cpu")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """
+    'auto' -> bfloat16 where it is fast and exact enough to train with: CUDA GPUs with bf16 support (else
+    float16 with a grad scaler), and the CPU, where autocast runs the matmuls in bf16 (on AVX-512-BF16/AMX CPUs
+    ~4x faster than float32, and the loss curve matches float32's; see README, "Performance").
+    """
+    device_type = device.split(":")[0]
+    if dtype == "auto":
+        if device_type == "cuda":
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        if device_type == "cpu":
+            return "bfloat16"
+        return "float32"
+    if dtype not in DTYPES:
+        raise UserError(f"dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    if dtype == "float16" and device_type == "cpu":
+        raise UserError("dtype='float16' is not supported for training on the CPU: use bfloat16 or float32")
+    if dtype == "bfloat16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("this GPU does not support bfloat16: use --dtype=float16 (with a grad scaler) or float32")
+    return dtype
+
+
+def autocast_context(device: str, dtype: str) -> contextlib.AbstractContextManager:
+    """Mixed precision: matmuls in bf16/fp16, reductions (softmax, loss, norms) in float32; float32: no autocast."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.split(":")[0], dtype=DTYPES[dtype])
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor-core matmuls and convolutions on Ampere+ GPUs (10-bit mantissa inputs, float32 accumulate).
+    CUDA only: the CPU has no TF32."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the API since torch 2.9
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued device work, so timings measure it (a no-op on the CPU, which runs eagerly)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif device.startswith("mps"):
+        torch.mps.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 or "RANK" in os.environ
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str, backend: str = "auto") -> Dist:
+    """
+    Under torchrun (RANK in the environment) join the process group: nccl on CUDA (one GPU per local rank),
+    gloo on the CPU. Otherwise a single process on `device`.
+    """
+    device = resolve_device(device)
+    if "RANK" not in os.environ:
+        return Dist(device=device)
+    import torch.distributed as dist
+
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device_type = device.split(":")[0]
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise UserError(f"backend={backend!r} is not one of auto, nccl, gloo")
+    if backend == "nccl" and device_type != "cuda":
+        raise UserError(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
+    if device_type == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def cleanup_distributed(d: Dist) -> None:
+    if d.enabled:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- run info
+
+
+def run_info(device: str) -> dict[str, str]:
+    """Versions and hardware for the log: enough to reproduce and compare runs."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "device": device,
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
+        or platform.machine(),
+        "threads": str(torch.get_num_threads()),
+        "git_commit": git_commit(),
+    }
+    return info
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
+    """Strip wrapper prefixes that old (nanoGPT) checkpoints of compiled or DDP models carry."""
+    out = {}
+    for k, v in sd.items():
+        for prefix in ("_orig_mod.", "module."):
+            while k.startswith(prefix):
+                k = k[len(prefix) :]
+        out[k] = v
+    return out
+
+
+def save_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """
+    Write atomically: a temporary file in the same folder, flushed and fsynced, then renamed over `path`.
+    A crash at any moment leaves either the old checkpoint or the new one, never a torn file.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    with contextlib.suppress(OSError):  # make the rename itself durable (not possible on every OS)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint without running code from it (weights_only); a missing or damaged file is a UserError."""
+    if not os.path.exists(path):
+        raise UserError(f"no checkpoint at {path}: train first, or set --out_dir to the run's folder")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {first_line[:200]}): "
+            f"restore it from a backup or start again with --init_from=scratch"
+        ) from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise UserError(f"{path} is not a checkpoint of this project (no 'model' and 'model_args' entries)")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:
+    """Rebuild the model from the checkpoint alone (model_args + state). `overrides` may change settings that do
+    not touch the weights (dropout, attention, sdpa_backend)."""
+    args = dict(ckpt["model_args"])
+    args.update(overrides)
+    model = GPT(GPTConfig(**args))
+    load_model_state(model, ckpt["model"], source="checkpoint")
+    return model
+
+
+def load_model_state(model: nn.Module, state: dict[str, Any], source: str) -> None:
+    """load_state_dict with an error that names the keys and shapes that differ."""
+    state = clean_state_dict(state)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or wrong:
+        parts = []
+        if wrong:
+            parts.append(f"shapes differ ({source} vs model): {', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+        if missing:
+            parts.append(f"missing keys: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        if unexpected:
+            parts.append(f"unexpected keys: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
+        raise UserError(f"{source} does not fit the model: {'; '.join(parts)}")
+    model.load_state_dict(state)

@@ -1,0 +1,246 @@
+"""Typed config loading: nanoGPT-style config files and `--key=value` overrides, checked against a dataclass.
+
+nanoGPT's configurator exec'd files into the script's globals and asserted on overrides, so a typo silently
+created a new global. Here every file runs in its own namespace, every key is checked against the typed
+defaults, and all problems are reported together in one ConfigError before anything is applied.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import types
+import typing
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from common import UserError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
+
+
+class ConfigError(UserError):
+    """Every problem found in the config files and overrides, on one line joined with "; "."""
+
+
+def configure(config: T, argv: list[str]) -> T:
+    """Return a copy of `config` with the config files and `--key=value` overrides in `argv` applied in order.
+
+    Items without a leading `--` are config files (plain Python assignments); later items win. Nothing is
+    applied unless every item is valid: otherwise one ConfigError lists all the problems, so a user fixes
+    a command line in one round instead of one error at a time.
+    """
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"configure() needs a dataclass instance, got {type(config).__name__}")
+    # get_type_hints resolves string annotations (`from __future__ import annotations` in the scripts).
+    hints = typing.get_type_hints(type(config))
+    field_types = {f.name: hints[f.name] for f in dataclasses.fields(config) if f.init}
+    problems: list[str] = []
+    updates: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            for key, value in _read_config_file(arg, problems).items():
+                checked = _check(key, value, field_types, problems, where=f"{arg}: ")
+                if checked is not _INVALID:
+                    updates[key] = checked
+            continue
+        key, sep, raw = arg[2:].partition("=")
+        if not key:
+            problems.append(f"bad argument {arg!r}: use --key=value")
+            continue
+        if not sep:
+            # `--key value` is the argparse habit; the value would otherwise be read as a config file path.
+            if i < len(argv) and not argv[i].startswith("--") and not argv[i].endswith(".py"):
+                problems.append(f"'{arg} {argv[i]}': use {arg}={argv[i]}")
+                i += 1
+            else:
+                problems.append(f"{arg!r} has no value: use {arg}=VALUE")
+            if key not in field_types:
+                problems.append(_unknown_key(key, field_types))
+            continue
+        if key not in field_types:
+            problems.append(_unknown_key(key, field_types))
+            continue
+        checked = _check_override(key, raw, field_types[key], problems)
+        if checked is not _INVALID:
+            updates[key] = checked
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return dataclasses.replace(config, **updates)
+
+
+def config_summary(config: DataclassInstance) -> str:
+    """One `key = value` line per field, for the run log; the text is itself a valid config file."""
+    return "\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
+
+
+# Marks a rejected value (None can be a legitimate value).
+_INVALID: Any = object()
+
+
+def _read_config_file(path: str, problems: list[str]) -> dict[str, Any]:
+    """Run one config file in a fresh namespace and return the names it defines (see _is_config_name)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except FileNotFoundError:
+        problems.append(f"config file not found: {path!r}")
+        return {}
+    except OSError as e:
+        problems.append(f"config file {path!r} could not be read: {e.strerror or e}")
+        return {}
+    namespace: dict[str, Any] = {"__name__": "__config__", "__file__": path}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except SyntaxError as e:
+        problems.append(f"config file {path!r} failed: {type(e).__name__}: {e.msg} (line {e.lineno})")
+        return {}
+    except Exception as e:
+        line = _line_in_file(e, path)
+        where = f" (line {line})" if line is not None else ""
+        message = " ".join(str(e).split())  # keep the whole report on one line
+        problems.append(f"config file {path!r} failed: {type(e).__name__}: {message}{where}")
+        return {}
+    return {k: v for k, v in namespace.items() if _is_config_name(k, v)}
+
+
+def _is_config_name(name: str, value: object) -> bool:
+    """`_helper` names, imports, functions and classes are the file's own tools, not config keys."""
+    tools = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
+    return not name.startswith("_") and not isinstance(value, tools)
+
+
+def _line_in_file(error: BaseException, path: str) -> int | None:
+    """The line of the config file where `error` was raised (its innermost frame in that file)."""
+    line = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _unknown_key(key: str, field_types: dict[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(field_types), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {key!r}{hint}"
+
+
+def _check(key: str, value: Any, field_types: dict[str, Any], problems: list[str], where: str = "") -> Any:
+    """The value converted to the field's type, or _INVALID after recording why."""
+    if key not in field_types:
+        problems.append(where + _unknown_key(key, field_types))
+        return _INVALID
+    ok, converted = _coerce(value, field_types[key])
+    if not ok:
+        problems.append(where + _wrong_type(key, value, field_types[key]))
+        return _INVALID
+    return converted
+
+
+def _check_override(key: str, raw: str, tp: Any, problems: list[str]) -> Any:
+    """Parse `raw` as a Python literal; fall back to the raw text so `--device=cpu` needs no quotes.
+
+    The literal is tried first, so `--out_dir=2024` would be an int; if the field takes strings and the
+    literal does not fit, the raw text is used instead.
+    """
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        value = raw
+    ok, converted = _coerce(value, tp)
+    if not ok and value is not raw:
+        ok, converted = _coerce(raw, tp)
+    if not ok:
+        problems.append(_wrong_type(key, value, tp))
+        return _INVALID
+    return converted
+
+
+def _wrong_type(key: str, value: Any, tp: Any) -> str:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {shown}"
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(accepted, value converted to `tp`).
+
+    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or
+    `compile=1` is always a mistake, so bools are never ints or floats and ints are never bools. An int is
+    a float (converted, so `learning_rate=1` stores 1.0).
+    """
+    if tp is Any:
+        return True, value
+    if tp is None or tp is type(None):
+        return value is None, value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        accepted = [converted for ok, converted in (_coerce(value, arm) for arm in args) if ok]
+        # Prefer an arm that keeps the value as it is: `int | float` keeps 3 an int.
+        same = [c for c in accepted if type(c) is type(value)]
+        return bool(accepted), (same or accepted or [value])[0]
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args), value
+    if tp is bool:
+        return type(value) is bool, value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        try:
+            return True, float(value)
+        except OverflowError:
+            return False, value
+    if origin in (tuple, list):
+        if not isinstance(value, origin):
+            return False, value
+        if not args:
+            return True, value
+        if origin is tuple and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                return False, value
+            item_types: tuple[Any, ...] = args
+        else:
+            item_types = (args[0],) * len(value)
+        items = [_coerce(v, t) for v, t in zip(value, item_types)]
+        return all(ok for ok, _ in items), origin(c for _, c in items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False, value
+        if not args:
+            return True, value
+        keys = [_coerce(k, args[0]) for k in value]
+        values = [_coerce(v, args[1]) for v in value.values()]
+        ok = all(k_ok for k_ok, _ in keys) and all(v_ok for v_ok, _ in values)
+        return ok, {k: v for (_, k), (_, v) in zip(keys, values)}
+    if origin is not None:
+        return isinstance(value, origin), value
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value  # an annotation we cannot check (a TypeVar...): trust the value
+
+
+def _type_name(tp: Any) -> str:
+    """`int | None`, `tuple[float, float]`: how the annotation is written, without the `typing.` noise."""
+    if tp is None or tp is type(None):
+        return "None"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None and args:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', repr(origin))}[{inner}]"
+    if isinstance(tp, type):
+        return tp.__name__
+    return repr(tp)

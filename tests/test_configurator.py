@@ -1,0 +1,329 @@
+"""Tests for configurator.py: config files and --key=value overrides checked against a typed dataclass."""
+from __future__ import annotations  # the scripts use it too: annotations arrive as strings
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import configurator
+from common import UserError
+from configurator import ConfigError, config_summary, configure
+
+# A module-level name that config files also assign: a file must never reach it.
+batch_size = "test module global"
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out"
+    batch_size: int = 12
+    learning_rate: float = 6e-4
+    compile: bool = True
+    seed: int = 1337
+    lr_decay_iters: int | None = None
+    max_iters: int | None = 5000
+    init_from: Optional[str] = "scratch"
+    device: str = "auto"
+    betas: tuple[float, float] = (0.9, 0.95)
+    eval_iters: list[int] = field(default_factory=lambda: [1, 2])
+
+
+FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def error_of(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        configure(TrainConfig(), argv)
+    return str(info.value)
+
+
+def test_no_args_returns_the_defaults_as_a_new_instance() -> None:
+    defaults = TrainConfig()
+    result = configure(defaults, [])
+    assert result == TrainConfig()
+    assert result is not defaults
+
+
+def test_input_config_is_not_mutated(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.py", "batch_size = 32\n")
+    defaults = TrainConfig()
+    result = configure(defaults, [path, "--learning_rate=0.1"])
+    assert (result.batch_size, result.learning_rate) == (32, 0.1)
+    assert defaults == TrainConfig()
+
+
+def test_config_file_is_applied(tmp_path: Path) -> None:
+    text = 'out_dir = "out-shakespeare"\nbatch_size = 64\nlearning_rate = 1e-3\n'
+    result = configure(TrainConfig(), [write(tmp_path, "shakespeare.py", text)])
+    expected = dataclasses.replace(TrainConfig(), out_dir="out-shakespeare", batch_size=64, learning_rate=1e-3)
+    assert result == expected
+
+
+def test_later_items_override_earlier(tmp_path: Path) -> None:
+    first = write(tmp_path, "first.py", "batch_size = 32\nseed = 1\n")
+    second = write(tmp_path, "second.py", "batch_size = 48\n")
+    assert configure(TrainConfig(), [first, "--batch_size=64"]).batch_size == 64
+    assert configure(TrainConfig(), ["--batch_size=64", first]).batch_size == 32
+    result = configure(TrainConfig(), [first, second])
+    assert (result.batch_size, result.seed) == (48, 1)
+
+
+def test_config_file_runs_in_its_own_namespace(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "helpers.py",
+        "import math\n"
+        "from math import sqrt\n"
+        "_base = 8\n"
+        "def double(x):\n"
+        "    return 2 * x\n"
+        "class Thing:\n"
+        "    pass\n"
+        "batch_size = _base * 4\n"
+        "learning_rate = sqrt(1e-6)\n"
+        "seed = double(21)\n"
+        "max_iters = math.floor(2.5)\n",
+    )
+    result = configure(TrainConfig(), [path])
+    assert (result.batch_size, result.seed, result.max_iters) == (32, 42, 2)
+    assert math.isclose(result.learning_rate, 1e-3)
+    assert batch_size == "test module global"
+    assert not hasattr(configurator, "batch_size")
+    assert not hasattr(configurator, "_base")
+
+
+def test_config_files_do_not_share_names(tmp_path: Path) -> None:
+    first = write(tmp_path, "first.py", "_base = 8\nbatch_size = _base\n")
+    second = write(tmp_path, "second.py", "seed = _base\n")
+    message = f"config file {second!r} failed: NameError: name '_base' is not defined (line 1)"
+    assert error_of([first, second]) == message
+
+
+def test_config_file_cannot_see_configurator_globals(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.py", "seed = 1\nout_dir = str(UserError)\n")
+    assert error_of([path]) == f"config file {path!r} failed: NameError: name 'UserError' is not defined (line 2)"
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--lerning_rate=0.1", "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
+        ("--batchsize=8", "unknown config key 'batchsize' (did you mean 'batch_size'?)"),
+        ("--zzz=1", "unknown config key 'zzz'"),
+    ],
+)
+def test_unknown_override_key(arg: str, message: str) -> None:
+    assert error_of([arg]) == message
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.py", "bach_size = 8\n")
+    assert error_of([path]) == f"{path}: unknown config key 'bach_size' (did you mean 'batch_size'?)"
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--learning_rate=abc", "learning_rate: expected float, got str 'abc'"),
+        ("--learning_rate=True", "learning_rate: expected float, got bool True"),
+        ("--batch_size=1.5", "batch_size: expected int, got float 1.5"),
+        ("--batch_size=True", "batch_size: expected int, got bool True"),
+        ("--batch_size=abc", "batch_size: expected int, got str 'abc'"),
+        ("--batch_size=None", "batch_size: expected int, got NoneType None"),
+        ("--compile=1", "compile: expected bool, got int 1"),
+        ("--compile=true", "compile: expected bool, got str 'true'"),
+        ("--lr_decay_iters=1.5", "lr_decay_iters: expected int | None, got float 1.5"),
+        ("--max_iters=x", "max_iters: expected int | None, got str 'x'"),
+        ("--betas=(0.9,)", "betas: expected tuple[float, float], got tuple (0.9,)"),
+        ("--betas=[0.9, 0.95]", "betas: expected tuple[float, float], got list [0.9, 0.95]"),
+        ("--betas=(0.9, 'a')", "betas: expected tuple[float, float], got tuple (0.9, 'a')"),
+        ("--eval_iters=[1, 'a']", "eval_iters: expected list[int], got list [1, 'a']"),
+    ],
+)
+def test_wrong_type_override(arg: str, message: str) -> None:
+    assert error_of([arg]) == message
+
+
+def test_wrong_type_in_file_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.py", 'batch_size = "32"\n')
+    assert error_of([path]) == f"{path}: batch_size: expected int, got str '32'"
+
+
+def test_int_is_converted_to_float() -> None:
+    result = configure(TrainConfig(), ["--learning_rate=1", "--betas=(1, 0)"])
+    assert result.learning_rate == 1.0 and type(result.learning_rate) is float
+    assert result.betas == (1.0, 0.0) and all(type(b) is float for b in result.betas)
+
+
+def test_none_default_overridden_by_int() -> None:
+    result = configure(TrainConfig(), ["--lr_decay_iters=5000"])
+    assert result.lr_decay_iters == 5000 and type(result.lr_decay_iters) is int
+
+
+def test_optional_fields_can_be_set_to_none(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.py", "lr_decay_iters = 100\n")
+    result = configure(TrainConfig(), [path, "--lr_decay_iters=None", "--max_iters=None", "--init_from=None"])
+    assert (result.lr_decay_iters, result.max_iters, result.init_from) == (None, None, None)
+
+
+@pytest.mark.parametrize("raw, expected", [("False", False), ("True", True)])
+def test_bool_override(raw: str, expected: bool) -> None:
+    start = TrainConfig(compile=not expected)
+    assert configure(start, [f"--compile={raw}"]).compile is expected
+
+
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("--device=cpu", "cpu"),
+        ("--out_dir=out-x", "out-x"),
+        ("--out_dir=2024", "2024"),  # an int literal, but the field takes text
+        ("--out_dir=None", "None"),  # out_dir is not Optional, so this is the text
+        ("--init_from=3", "3"),
+        ("--out_dir='quoted dir'", "quoted dir"),
+        ("--out_dir=", ""),
+    ],
+)
+def test_string_values_need_no_quotes(arg: str, expected: str) -> None:
+    key = arg[2:].partition("=")[0]
+    assert getattr(configure(TrainConfig(), [arg]), key) == expected
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    assert error_of(["config/x.py"]) == "config file not found: 'config/x.py'"
+    path = str(tmp_path / "nope.py")
+    assert error_of([path]) == f"config file not found: {path!r}"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("batch_size = 1\nraise ValueError('boom')\n", "ValueError: boom (line 2)"),
+        ("batch_size = = 3\n", "SyntaxError: invalid syntax (line 1)"),
+        ("seed = 1\n\nseed = 1 / 0\n", "ZeroDivisionError: division by zero (line 3)"),
+        ("raise RuntimeError('two\\nlines')\n", "RuntimeError: two lines (line 1)"),
+    ],
+)
+def test_config_file_that_raises(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, "bad.py", text)
+    assert error_of([path]) == f"config file {path!r} failed: {expected}"
+
+
+def test_all_problems_are_listed_in_one_message(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.py", "bach_size = 8\nseed = 'x'\nout_dir = 'fine'\n")
+    missing = str(tmp_path / "missing.py")
+    defaults = TrainConfig()
+    with pytest.raises(ConfigError) as info:
+        configure(defaults, [path, missing, "--lerning_rate=1", "--batch_size=abc", "--device=cpu"])
+    assert str(info.value) == "; ".join(
+        [
+            f"{path}: unknown config key 'bach_size' (did you mean 'batch_size'?)",
+            f"{path}: seed: expected int, got str 'x'",
+            f"config file not found: {missing!r}",
+            "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)",
+            "batch_size: expected int, got str 'abc'",
+        ]
+    )
+    assert "\n" not in str(info.value)
+    assert defaults == TrainConfig()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch_size", "32"], "'--batch_size 32': use --batch_size=32"),
+        (["--compile"], "'--compile' has no value: use --compile=VALUE"),
+        (["--compile", "--seed=1"], "'--compile' has no value: use --compile=VALUE"),
+        (
+            ["--bach_size", "8"],
+            "'--bach_size 8': use --bach_size=8; unknown config key 'bach_size' (did you mean 'batch_size'?)",
+        ),
+        (["--=5"], "bad argument '--=5': use --key=value"),
+        (["--"], "bad argument '--': use --key=value"),
+    ],
+)
+def test_override_without_equals_sign(argv: list[str], message: str) -> None:
+    assert error_of(argv) == message
+
+
+def test_space_separated_config_file_is_still_read(tmp_path: Path) -> None:
+    # `--compile a.py`: the .py item is a config file, not the flag's value, so its problems are reported too.
+    path = write(tmp_path, "a.py", "seed = 'x'\n")
+    assert error_of(["--compile", path]) == (
+        f"'--compile' has no value: use --compile=VALUE; {path}: seed: expected int, got str 'x'"
+    )
+
+
+def test_config_error_is_a_user_error() -> None:
+    assert issubclass(ConfigError, UserError)
+    with pytest.raises(UserError, match=r"^unknown config key 'nope'$"):
+        configure(TrainConfig(), ["--nope=1"])
+
+
+def test_configure_rejects_a_non_dataclass() -> None:
+    with pytest.raises(TypeError, match="needs a dataclass instance, got dict"):
+        configure({"batch_size": 1}, [])  # type: ignore[type-var]
+
+
+def test_config_summary_lists_every_field_and_reads_back(tmp_path: Path) -> None:
+    config = dataclasses.replace(TrainConfig(), out_dir="out-x", lr_decay_iters=10)
+    summary = config_summary(config)
+    first_lines = ["out_dir = 'out-x'", "batch_size = 12", "learning_rate = 0.0006", "compile = True"]
+    assert summary.splitlines()[:4] == first_lines
+    assert len(summary.splitlines()) == len(FIELDS)
+    # The summary is itself a config file: applying it to the defaults rebuilds the config.
+    assert configure(TrainConfig(), [write(tmp_path, "summary.py", summary)]) == config
+
+
+# Each field with a strategy for its valid values. Floats exclude nan (never equal to itself) and inf
+# (repr 'inf' is not a Python literal).
+VALID_VALUES = st.one_of(
+    st.tuples(st.just("batch_size"), st.integers()),
+    st.tuples(st.just("learning_rate"), st.floats(allow_nan=False, allow_infinity=False)),
+    st.tuples(st.just("compile"), st.booleans()),
+    st.tuples(st.just("out_dir"), st.text()),
+    st.tuples(st.just("lr_decay_iters"), st.none() | st.integers()),
+    st.tuples(st.just("init_from"), st.none() | st.text()),
+    st.tuples(st.just("betas"), st.tuples(st.floats(-1e3, 1e3), st.floats(-1e3, 1e3))),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(VALID_VALUES)
+def test_override_round_trips_any_valid_value(key_value: tuple[str, object]) -> None:
+    key, value = key_value
+    got = getattr(configure(TrainConfig(), [f"--{key}={value!r}"]), key)
+    assert got == value and type(got) is type(value)
+    assert repr(got) == repr(value)  # tells -0.0 from 0.0
+
+
+# Text without quotes (so it is never a string literal) reaches a str field as typed.
+UNQUOTED_TEXT = st.text(st.characters(blacklist_characters="'\"", blacklist_categories=("Cs",)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(UNQUOTED_TEXT)
+def test_unquoted_text_reaches_a_str_field_unchanged(text: str) -> None:
+    assert configure(TrainConfig(), [f"--device={text}"]).device == text
+
+
+UNKNOWN_KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True).filter(lambda k: k not in FIELDS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(UNKNOWN_KEYS, st.integers())
+def test_unknown_key_always_raises_naming_the_key(key: str, value: int) -> None:
+    message = error_of([f"--{key}={value}"])
+    assert message.startswith(f"unknown config key {key!r}")
