@@ -1,0 +1,557 @@
+"""
+Train a GPT: from scratch, from a checkpoint (resume), or from GPT-2 weights (fine-tuning).
+
+One process (a GPU, or the CPU):
+$ python train.py config/train_shakespeare_char_cpu.py
+$ python train.py config/train_gpt2.py --batch_size=8 --compile=False
+
+DDP on one node with 8 GPUs (gloo on the CPU: add --device=cpu):
+$ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
+
+DDP on 2 nodes of 8 GPUs (run on each node, with its own --node_rank; the master's address and a free port):
+$ torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 train.py ...
+(If your cluster has no Infiniband, prepend NCCL_IB_DISABLE=1.)
+
+Config: the TrainConfig defaults below, then config files and --key=value overrides in the order given.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dataio
+from common import (
+    Dist,
+    UserError,
+    autocast_context,
+    cleanup_distributed,
+    exit_on_user_error,
+    load_checkpoint,
+    load_model_state,
+    resolve_dtype,
+    run_info,
+    save_checkpoint,
+    set_tf32,
+    setup_distributed,
+    unwrap_model,
+)
+from configurator import config_summary, configure
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 2000
+    log_interval: int = 1
+    eval_iters: int = 200
+    eval_only: bool = False  # evaluate once and exit
+    always_save_checkpoint: bool = True  # else save only when the val loss improves
+    init_from: str = "scratch"  # "scratch", "resume" (from out_dir/ckpt.pt) or "gpt2", "gpt2-medium", ... a HF folder
+    keep_last: int = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
+    # logging
+    wandb_log: bool = False
+    wandb_project: str = "owt"
+    wandb_run_name: str = "gpt2"
+    # data
+    dataset: str = "openwebtext"
+    data_dir: str | None = None  # default: data/<dataset> beside this file
+    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
+    batch_size: int = 12  # micro-batch size per rank
+    block_size: int = 1024
+    # model
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0  # 0 for pretraining, try 0.1+ for fine-tuning
+    bias: bool = False  # biases in Linears and LayerNorms (GPT-2 has them; False is a bit better and faster)
+    attention: str = "sdpa"  # "math" or "sdpa"
+    sdpa_backend: str = "auto"  # "auto", "flash", "efficient", "cudnn", "math"
+    vocab_padding_multiple: int = 64  # 50257 -> 50304 rows; 1 turns padding off
+    # AdamW
+    learning_rate: float = 6e-4  # max learning rate
+    max_iters: int = 600000  # optimizer steps
+    weight_decay: float = 1e-1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # clip the gradient norm at this value; 0 disables clipping
+    fused_adamw: bool | None = None  # None: fused where the device has the kernel
+    # learning rate schedule: linear warmup, then cosine decay to min_lr
+    decay_lr: bool = True
+    warmup_iters: int = 2000
+    lr_decay_iters: int | None = None  # None: max_iters (~ Chinchilla: about max_iters)
+    min_lr: float = 6e-5  # ~ learning_rate / 10
+    # non-finite losses or gradient norms (float16 leaves them to its grad scaler)
+    max_nonfinite_skips: int = 0  # skip up to this many such steps per run; past that, stop with an error
+    # system
+    backend: str = "auto"  # DDP: "nccl" on CUDA, "gloo" on the CPU
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
+    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
+    compile: bool = True  # torch.compile the model
+    seed: int = 1337
+
+
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def data_paths(cfg: TrainConfig) -> str:
+    return cfg.data_dir or os.path.join(ROOT, "data", cfg.dataset)
+
+
+STREAMS = {"train": 0, "eval_train": 1, "eval_val": 2}  # training batches, and the fixed batches of each eval
+
+
+def batch_generator(seed: int, stream: str, step: int, index: int) -> torch.Generator:
+    """
+    The generator for one micro-batch, derived from (seed, stream, step, micro-batch index over all ranks).
+    So the data stream is a function of the step alone: a resumed run continues it instead of replaying it,
+    each rank reads different windows, and 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps reads.
+    """
+    state = np.random.SeedSequence([seed, STREAMS[stream], step, index]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def get_batch(
+    path: str, batch_size: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of block_size tokens: x (B, T) and the next tokens y (B, T), int64 on the CPU."""
+    # A new memmap per batch: a long-lived one keeps every page it touched mapped and the process grows
+    # (https://stackoverflow.com/questions/45132940).
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    if len(data) <= block_size:
+        raise UserError(
+            f"{path} has {len(data)} tokens, too few for block_size={block_size}: lower block_size or add data"
+        )
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix.tolist()])
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64)) for i in ix.tolist()])
+    return x, y
+
+
+def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    if device.startswith("cuda"):  # pinned memory lets the copy run asynchronously with compute
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# ----------------------------------------------------------------------------------------------- schedule
+
+
+def get_lr(it: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_iters (the first step's LR is not zero), cosine decay to min_lr at
+    lr_decay_iters, min_lr after. `it` counts optimizer steps from 0."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else cfg.max_iters
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+
+
+# ----------------------------------------------------------------------------------------------- steps
+
+
+@torch.no_grad()
+def estimate_loss(model, cfg: TrainConfig, data_dir: str, dist: Dist, ctx) -> dict[str, float]:
+    """Mean loss over eval_iters fixed batches per split (the same batches at every eval, so evals compare);
+    under DDP the ranks share the batches and average them."""
+    model.eval()
+    out = {}
+    for split in ("train", "val"):
+        total = torch.zeros(2, device=dist.device)  # loss sum, batches
+        for k in range(dist.rank, cfg.eval_iters, dist.world_size):
+            gen = batch_generator(cfg.seed, f"eval_{split}", 0, k)
+            x, y = get_batch(os.path.join(data_dir, f"{split}.bin"), cfg.batch_size, cfg.block_size, gen)
+            with ctx:
+                _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
+            total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
+        if dist.enabled:
+            torch_dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train()
+    return out
+
+
+class NonFiniteError(UserError):
+    pass
+
+
+def train_step(model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: Dist) -> tuple[float, float, bool]:
+    """
+    One optimizer step over the micro-batches of this rank. Returns (mean loss over all micro-batches and ranks,
+    gradient norm, whether the step was applied).
+
+    The gradient equals that of one big batch of the same tokens: each micro-batch's mean loss is weighted by
+    its share of all target tokens (those not -1) over every micro-step and rank, so the weighting stays right
+    when some targets are ignored. DDP averages gradients over ranks, hence the factor world_size.
+    """
+    counts = [int((y != -1).sum()) for _, y in batches]  # on the CPU: no device sync
+    n_tokens = torch.tensor(float(sum(counts)), device=dist.device)
+    if dist.enabled:
+        torch_dist.all_reduce(n_tokens)
+    loss_sum = torch.zeros((), device=dist.device)
+    for i, ((x, y), n) in enumerate(zip(batches, counts)):
+        last = i == len(batches) - 1
+        # DDP all-reduces gradients in backward; only the last micro-step needs it.
+        sync_ctx = model.no_sync() if dist.enabled and not last else nullcontext()
+        with sync_ctx:
+            with ctx:
+                _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
+            weight = n * dist.world_size / n_tokens
+            scaler.scale(loss * weight).backward()
+        loss_sum += loss.detach().float() * n
+    if dist.enabled:
+        torch_dist.all_reduce(loss_sum)
+    scaler.unscale_(optimizer)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    mean_loss, norm = (torch.stack([loss_sum / n_tokens, grad_norm.float()])).tolist()
+    finite = math.isfinite(mean_loss) and math.isfinite(norm)
+    if finite or scaler.is_enabled():  # float16: the scaler skips steps with inf/NaN gradients itself
+        scaler.step(optimizer)
+        scaler.update()
+        applied = finite
+    else:
+        applied = False
+    optimizer.zero_grad(set_to_none=True)
+    return mean_loss, norm, applied
+
+
+def checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist) -> dict:
+    return {
+        "model": raw_model.state_dict(),  # the uncompiled, unwrapped module: no `_orig_mod.` or `module.` prefixes
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "iter_num": iter_num,
+        "best_val_loss": best_val_loss,
+        "model_args": asdict(raw_model.config),
+        "config": asdict(cfg),
+        "world_size": dist.world_size,
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        },
+    }
+
+
+def save_run_checkpoint(state: dict, cfg: TrainConfig) -> None:
+    save_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), state)
+    if cfg.keep_last > 0:
+        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{state['iter_num']:07d}.pt"), state)
+        old = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
+        for f in old[: -cfg.keep_last]:
+            os.remove(os.path.join(cfg.out_dir, f))
+
+
+def resume_changes(saved: dict, cfg: TrainConfig, world_size: int, saved_world_size: int) -> list[str]:
+    """Settings that differ from the checkpoint's run. A different model shape cannot resume (UserError);
+    anything else is allowed and returned, to be printed as a warning."""
+    changed = [
+        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
+        for k in (f.name for f in fields(cfg))
+        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from",)
+    ]
+    shape = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
+    if shape:
+        raise UserError(
+            f"cannot resume: the checkpoint's model has a different shape ({'; '.join(shape)}): use the run's "
+            f"settings, or a new out_dir to start a new run"
+        )
+    if world_size != saved_world_size:
+        changed.append(f"world_size: {saved_world_size} -> {world_size}")
+    return changed
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+class Logger:
+    """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked)."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist):
+        self.master = dist.master
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.wandb = None
+        if self.master and cfg.wandb_log:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+
+    def print(self, msg: str) -> None:
+        if self.master:
+            print(msg, flush=True)
+
+    def metrics(self, record: dict) -> None:
+        if not self.master:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["iter"])
+
+
+def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
+    """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary, the checkpoint's,
+    or GPT-2's weights (cropped to block_size)."""
+    settings = dict(dropout=cfg.dropout, attention=cfg.attention, sdpa_backend=cfg.sdpa_backend)
+    if cfg.init_from == "scratch":
+        if meta is None:
+            raise UserError(f"init_from=scratch needs the dataset's meta.json (vocab_size) in {data_paths(cfg)}")
+        args = dict(
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            block_size=cfg.block_size,
+            bias=cfg.bias,
+            vocab_size=meta["vocab_size"],
+            vocab_padding_multiple=cfg.vocab_padding_multiple,
+        )
+        return GPT(GPTConfig(**args, **settings))
+    if cfg.init_from == "resume":
+        model = GPT(GPTConfig(**{**ckpt["model_args"], **settings}))
+        load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, "ckpt.pt"))
+        return model
+    if cfg.init_from.startswith("gpt2") or os.path.isdir(cfg.init_from):
+        model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+        return model
+    raise UserError(
+        f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+        f"or a folder with a HF GPT-2 model"
+    )
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    problems = []
+    if cfg.gradient_accumulation_steps % world_size:
+        problems.append(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
+            f"{world_size} DDP processes: make it a multiple of {world_size}"
+        )
+    for key in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters", "log_interval", "eval_interval"):
+        if getattr(cfg, key) < 1:
+            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.max_iters < 0:
+        problems.append(f"max_iters={cfg.max_iters} must be >= 0")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the training that `cfg` describes; returns the final figures (for tests and scripts)."""
+    dist = setup_distributed(cfg.device, cfg.backend)
+    try:
+        return _train(cfg, dist)
+    finally:
+        cleanup_distributed(dist)
+
+
+def _train(cfg: TrainConfig, dist: Dist) -> dict:
+    check_config(cfg, dist.world_size)
+    device = dist.device
+    device_type = device.split(":")[0]
+    dtype = resolve_dtype(cfg.dtype, device)
+    accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
+    tokens_per_iter = accum_steps * dist.world_size * cfg.batch_size * cfg.block_size
+    if dist.master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    log = Logger(cfg, dist)
+    log.print(config_summary(cfg))
+    log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
+    log.print(f"tokens per iteration: {tokens_per_iter:,} ({accum_steps} micro-steps x {dist.world_size} ranks x "
+              f"{cfg.batch_size} x {cfg.block_size})")
+
+    torch.manual_seed(cfg.seed + dist.rank)  # dropout differs per rank; the data stream has its own generators
+    if device_type == "cuda":
+        set_tf32(cfg.tf32)
+    ctx = autocast_context(device, dtype)
+
+    # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training
+    data_dir = data_paths(cfg)
+    meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else _maybe_meta(data_dir)
+
+    # model
+    ckpt = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), map_location=device) if cfg.init_from == "resume" else None
+    iter_num, best_val_loss = 0, float("inf")
+    if ckpt is not None:
+        for change in resume_changes(ckpt["config"], cfg, dist.world_size, ckpt.get("world_size", 1)):
+            log.print(f"warning: resuming with a changed setting: {change}")
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    model = init_model(cfg, meta, ckpt)
+    if cfg.block_size > model.config.block_size:
+        raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
+    for split in ("train", "val"):
+        dataio.open_tokens(os.path.join(data_dir, f"{split}.bin"), vocab_size=model.config.vocab_size)
+    model.to(device)
+    raw_model = model
+    log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
+
+    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
+    optimizer = raw_model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type, fused=cfg.fused_adamw,
+        verbose=dist.master,
+    )
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        torch.set_rng_state(ckpt["rng"]["torch"].cpu())
+        if device_type == "cuda" and ckpt["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
+    del ckpt  # free its memory
+
+    if cfg.compile:  # after the weights are loaded; checkpoints save raw_model, never the compiled wrapper
+        log.print("compiling the model...")
+        model = torch.compile(model)
+    eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
+    if dist.enabled:
+        # broadcast_buffers=False: the only buffers are the constant causal masks
+        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, broadcast_buffers=False)
+
+    def save(iter_num: int, best_val_loss: float) -> None:
+        if dist.master:
+            state = checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist)
+            save_run_checkpoint(state, cfg)
+            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}")
+
+    with StopRequest(dist) as stop:
+        running_mfu = -1.0
+        nonfinite_skips = 0
+        last_loss = float("nan")
+        t0 = time.time()
+        while True:
+            # evaluate, and save the checkpoint
+            if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only:
+                losses = estimate_loss(eval_model, cfg, data_dir, dist, ctx)
+                log.print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                log.metrics({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
+                improved = losses["val"] < best_val_loss
+                best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
+                if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not cfg.eval_only:
+                    save(iter_num, best_val_loss)
+                t0 = time.time()  # the eval is not part of the next step's time
+            if iter_num >= cfg.max_iters or cfg.eval_only:
+                break
+
+            # one optimizer step
+            lr = get_lr(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = [
+                get_batch(
+                    os.path.join(data_dir, "train.bin"), cfg.batch_size, cfg.block_size,
+                    batch_generator(cfg.seed, "train", iter_num, dist.rank * accum_steps + i),
+                )
+                for i in range(accum_steps)
+            ]
+            loss, grad_norm, applied = train_step(model, optimizer, scaler, batches, ctx, cfg, dist)
+            if not applied and not scaler.is_enabled():
+                nonfinite_skips += 1
+                what = "loss" if not math.isfinite(loss) else "gradient norm"
+                if nonfinite_skips > cfg.max_nonfinite_skips:
+                    raise NonFiniteError(
+                        f"non-finite {what} at iter {iter_num} (loss {loss}, grad norm {grad_norm}); the step was not "
+                        f"applied and the last checkpoint is intact: lower learning_rate, or set max_nonfinite_skips"
+                    )
+                log.print(f"warning: non-finite {what} at iter {iter_num}: step skipped ({nonfinite_skips} so far)")
+            iter_num += 1
+            last_loss = loss
+
+            # timing and logging
+            t1 = time.time()
+            dt, t0 = t1 - t0, t1
+            if iter_num % cfg.log_interval == 0:
+                mfu = raw_model.estimate_mfu(cfg.batch_size * accum_steps, dt, seq_len=cfg.block_size)  # per rank
+                if mfu is not None:
+                    running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
+                mfu_text = f"{running_mfu * 100:.2f}%" if running_mfu >= 0 else "n/a"
+                log.print(
+                    f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.2f}ms, "
+                    f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text}, grad norm {grad_norm:.3f}"
+                )
+                log.metrics({"iter": iter_num, "loss": loss, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt,
+                             "mfu": mfu, "grad_norm": grad_norm})
+            if stop.requested():
+                save(iter_num, best_val_loss)
+                raise SystemExit(stop.message(iter_num))
+
+        return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
+                "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
+
+
+def _maybe_meta(data_dir: str) -> dict | None:
+    return dataio.load_meta(data_dir) if os.path.exists(os.path.join(data_dir, "meta.json")) else None
+
+
+class StopRequest:
+    """
+    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) ask the run to stop after the current optimizer step,
+    with a checkpoint. A second Ctrl-C exits at once. Under DDP every rank stops at the same step: the ranks
+    agree (all-reduce of the flag) before acting, so no rank waits forever in a collective.
+    """
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+        self.signal: int | None = None
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. train() called from a thread): no handlers
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: exit now
+        self.signal = signum
+
+    def requested(self) -> bool:
+        flag = self.signal is not None
+        if self.dist.enabled:
+            t = torch.tensor([1.0 if flag else 0.0], device=self.dist.device)
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+            flag = t.item() > 0
+        return flag
+
+    def message(self, iter_num: int) -> str:
+        name = signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
+        return f"stopped by {name} after iter {iter_num}; checkpoint saved: resume with --init_from=resume"
+
+    def __enter__(self) -> "StopRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    cfg = configure(TrainConfig(), sys.argv[1:] if argv is None else argv)
+    train(cfg)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
