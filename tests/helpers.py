@@ -1,0 +1,59 @@
+"""Small datasets and configs that the tests build themselves (nothing downloaded, nothing large)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import dataio
+from train import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_char_dataset(data_dir, n_chars: int = 60_000, seed: int = 0) -> dict:
+    """A learnable character corpus: words from a small vocabulary in a random but repetitive order."""
+    rng = np.random.default_rng(seed)
+    words = ["the", "king", "queen", "speaks", "to", "his", "her", "lord", "and", "lady", "of", "york", "hath"]
+    text = []
+    while sum(map(len, text)) < n_chars:
+        line = " ".join(rng.choice(words, size=rng.integers(3, 9)))
+        text.append(line.capitalize() + ".\n")
+    text = "".join(text)[:n_chars]
+    itos = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(itos)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    n = int(0.9 * len(ids))
+    os.makedirs(data_dir, exist_ok=True)
+    dataio.write_tokens(os.path.join(data_dir, "train.bin"), ids[:n])
+    dataio.write_tokens(os.path.join(data_dir, "val.bin"), ids[n:])
+    meta = {"vocab_size": len(itos), "tokenizer": "char", "itos": itos, "train_tokens": n,
+            "val_tokens": len(ids) - n, "dtype": "uint16", "source": "tests"}
+    dataio.write_meta(data_dir, meta)
+    return meta
+
+
+def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
+    """A model and run small enough for a test on two CPU cores (seconds, not minutes)."""
+    base = dict(
+        dataset=os.path.basename(str(data_dir)), data_dir=str(data_dir), out_dir=str(out_dir),
+        n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, gradient_accumulation_steps=1,
+        max_iters=20, eval_interval=10, eval_iters=4, log_interval=5, warmup_iters=2, learning_rate=3e-3,
+        min_lr=3e-4, compile=False, device="cpu", dtype="float32", wandb_log=False,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def config_args(cfg: TrainConfig) -> list[str]:
+    """The --key=value arguments that rebuild `cfg` in a train.py subprocess."""
+    return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in vars(cfg).items()]
+
+
+def run_script(args: list[str], timeout: float = 300, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run a python script or module of the repo in a fresh process; output captured as text."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=full_env, **kw)

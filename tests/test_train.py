@@ -1,0 +1,229 @@
+"""train.py: learning, gradient accumulation, DDP, resume, compile, the LR schedule, and its user errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import dataio
+from common import load_checkpoint, model_from_checkpoint
+from helpers import config_args, make_char_dataset, run_script, tiny_config
+from model import GPT, GPTConfig
+from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
+from common import UserError
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    d = tmp_path / "tinychar"
+    make_char_dataset(d)
+    return d
+
+
+def params_of(path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(str(path))["model"]
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_tiny_run_learns_and_writes_checkpoint_and_metrics(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=60, eval_interval=30, learning_rate=1e-2)
+    result = train(cfg)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [0, 30, 60]
+    first, last = evals[0]["val_loss"], evals[-1]["val_loss"]
+    # starts near ln(vocab) (uniform guess), and learns the corpus' structure clearly
+    meta = dataio.load_meta(data_dir)
+    assert abs(first - math.log(meta["vocab_size"])) < 0.3
+    assert last < first - 1.0, (first, last)
+    steps = [r for r in records if "loss" in r]
+    assert [r["iter"] for r in steps] == list(range(5, 61, 5))
+    assert all(r["tok_s"] > 0 and r["ms"] > 0 for r in steps)
+    # the checkpoint rebuilds the model alone, and it generates text in the dataset's alphabet
+    ckpt = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert ckpt["iter_num"] == 60 and ckpt["best_val_loss"] == pytest.approx(result["best_val_loss"])
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    model = model_from_checkpoint(ckpt)
+    tok = dataio.get_tokenizer(meta)
+    start = torch.tensor([tok.encode("The ")])
+    out = model.generate(start, 40, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(0))
+    text = tok.decode(out[0].tolist())
+    assert text.startswith("The ") and len(text) == 44
+    assert set(text) <= set(meta["itos"])
+
+
+def test_lr_schedule_warmup_cosine_and_floor():
+    cfg = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
+    assert get_lr(0, cfg) == pytest.approx(1 / 11)  # the first step learns
+    assert get_lr(9, cfg) == pytest.approx(10 / 11)
+    assert get_lr(10, cfg) == pytest.approx(1.0)
+    assert get_lr(60, cfg) == pytest.approx(0.55)  # half way down the cosine: (1 + 0.1) / 2
+    assert get_lr(110, cfg) == pytest.approx(0.1) and get_lr(150, cfg) == pytest.approx(0.1)
+    lrs = [get_lr(i, cfg) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert get_lr(5, dataclasses.replace(cfg, decay_lr=False)) == 1.0
+    assert get_lr(150, dataclasses.replace(cfg, lr_decay_iters=None)) < 1.0  # defaults to max_iters
+
+
+def test_get_batch_targets_are_next_tokens_and_stream_is_deterministic(data_dir):
+    path = str(data_dir / "train.bin")
+    data = dataio.open_tokens(path)
+    x, y = get_batch(path, 8, 16, batch_generator(1, "train", 3, 0))
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    x2, _ = get_batch(path, 8, 16, batch_generator(1, "train", 3, 0))
+    x3, _ = get_batch(path, 8, 16, batch_generator(1, "train", 3, 1))
+    assert torch.equal(x, x2) and not torch.equal(x, x3)  # same (step, index): same windows; another index: others
+    for row in x:  # every window is a real slice of the file
+        first = row[0].item()
+        assert any(torch.equal(row, torch.from_numpy(data[i : i + 16].astype("int64")))
+                   for i in range(len(data) - 16) if data[i] == first)
+
+
+def _tiny_model(seed=0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, bias=True))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("ignore", [False, True])
+def test_accumulation_equals_one_big_batch(ignore, optimizer):
+    """4 micro-steps of batch 2 give the same parameters after one step as 1 step of batch 8, also when
+    micro-batches hold different numbers of ignored (-1) targets. SGD with lr 1 shows the gradients themselves
+    (atol 1e-6); AdamW's first step divides by sqrt(v), which magnifies rounding of tiny gradients (atol 1e-5)."""
+    torch.manual_seed(1)
+    x = torch.randint(0, 50, (8, 16))
+    y = torch.randint(0, 50, (8, 16))
+    if ignore:  # unequal numbers of real targets per micro-batch: a plain mean of means would be wrong
+        y[0, 3:] = -1
+        y[5, :10] = -1
+    cfg = TrainConfig(grad_clip=0.0)
+    from common import Dist
+
+    results = []
+    for batches in ([(x, y)], [(x[i : i + 2], y[i : i + 2]) for i in range(0, 8, 2)]):
+        model = _tiny_model()
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        else:
+            opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu", verbose=False)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        loss, _, applied = train_step(model, opt, scaler, batches, torch.autocast("cpu", enabled=False), cfg, Dist())
+        assert applied
+        results.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
+    (loss_big, p_big), (loss_acc, p_acc) = results
+    assert loss_acc == pytest.approx(loss_big, abs=1e-6)
+    assert max_param_diff(p_big, p_acc) < (1e-6 if optimizer == "sgd" else 1e-5)
+    assert max_param_diff(p_big, _tiny_model().state_dict()) > 1e-3  # the step did move the weights
+
+
+def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
+    """torchrun --nproc_per_node=2 (gloo, 1 micro-step per rank) == 1 process with 2 micro-steps, same data."""
+    common = dict(gradient_accumulation_steps=2, max_iters=6, eval_interval=3, log_interval=1, dropout=0.0)
+    single = tiny_config(data_dir, tmp_path / "single", **common)
+    ddp = tiny_config(data_dir, tmp_path / "ddp", **common)
+    train(single)
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                    *config_args(ddp)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokens per iteration: 256 (1 micro-steps x 2 ranks" in r.stdout
+    diff = max_param_diff(params_of(tmp_path / "single" / "ckpt.pt"), params_of(tmp_path / "ddp" / "ckpt.pt"))
+    assert diff < 1e-5, diff
+    # rank 0 alone logs: one line per step, and the logged loss (mean over ranks) equals the single process'
+    single_log = [json.loads(l) for l in open(tmp_path / "single" / "metrics.jsonl")]
+    ddp_log = [json.loads(l) for l in open(tmp_path / "ddp" / "metrics.jsonl")]
+    assert len(ddp_log) == len(single_log)
+    for a, b in zip(single_log, ddp_log):
+        for key in ("loss", "val_loss", "train_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-5), (key, a, b)
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(data_dir, tmp_path):
+    """2N iterations == N iterations + resume for N more: same loss and bitwise-equal parameters (CPU float32),
+    with dropout on, so the restored RNG state matters too."""
+    common = dict(max_iters=16, lr_decay_iters=16, eval_interval=8, dropout=0.1, gradient_accumulation_steps=2)
+    full = train(tiny_config(data_dir, tmp_path / "full", **common))
+    train(tiny_config(data_dir, tmp_path / "split", **{**common, "max_iters": 8}))
+    resumed = train(tiny_config(data_dir, tmp_path / "split", **common, init_from="resume"))
+    assert resumed["iter_num"] == full["iter_num"] == 16
+    assert resumed["last_loss"] == full["last_loss"]
+    a, b = params_of(tmp_path / "full" / "ckpt.pt"), params_of(tmp_path / "split" / "ckpt.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    full_opt = load_checkpoint(str(tmp_path / "full" / "ckpt.pt"))["optimizer"]["state"]
+    split_opt = load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))["optimizer"]["state"]
+    assert all(torch.equal(full_opt[i]["exp_avg_sq"], split_opt[i]["exp_avg_sq"]) for i in full_opt)
+
+
+def test_best_val_loss_is_never_overwritten_by_a_worse_value(data_dir, tmp_path):
+    out = tmp_path / "out"
+    first = train(tiny_config(data_dir, out, max_iters=10, eval_interval=10, learning_rate=1e-2))
+    # resume with a learning rate so high that the val loss gets worse; always_save_checkpoint still saves
+    worse = train(tiny_config(data_dir, out, max_iters=20, eval_interval=10, learning_rate=5.0, warmup_iters=0,
+                              grad_clip=0.0, decay_lr=False, init_from="resume"))
+    assert worse["val_loss"] > first["val_loss"] + 0.5  # the case the test is about did happen
+    ckpt = load_checkpoint(str(out / "ckpt.pt"))
+    assert ckpt["iter_num"] == 20
+    assert ckpt["best_val_loss"] == worse["best_val_loss"] == first["val_loss"]
+
+
+def test_compiled_run_matches_eager_and_saves_plain_state(data_dir, tmp_path):
+    common = dict(max_iters=6, eval_interval=3)
+    eager = train(tiny_config(data_dir, tmp_path / "eager", **common))
+    compiled = train(tiny_config(data_dir, tmp_path / "compiled", compile=True, **common))
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-4)
+    state = params_of(tmp_path / "compiled" / "ckpt.pt")
+    assert not any("_orig_mod" in k for k in state)
+    assert max_param_diff(state, params_of(tmp_path / "eager" / "ckpt.pt")) < 1e-4
+
+
+def test_bf16_autocast_run_tracks_float32(data_dir, tmp_path):
+    common = dict(max_iters=30, eval_interval=30, learning_rate=1e-2)
+    f32 = train(tiny_config(data_dir, tmp_path / "f32", **common))
+    bf16 = train(tiny_config(data_dir, tmp_path / "bf16", dtype="bfloat16", **common))
+    assert bf16["val_loss"] == pytest.approx(f32["val_loss"], abs=0.05)
+
+
+def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
+    d = tmp_path / "shakespeare_char"
+    make_char_dataset(d)
+    os.remove(d / "train.bin")
+    r = run_script(["train.py", *config_args(tiny_config(d, tmp_path / "out"))])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: missing {d / 'train.bin'}: run `python data/shakespeare_char/prepare.py` first"
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lerning_rate=0.1"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
+        (["--batch_size=big"], "batch_size: expected int, got str 'big'"),
+        (["config/no_such_file.py"], "config file not found: 'config/no_such_file.py'"),
+        (["--init_from=gpt3"], "init_from='gpt3' is not one of scratch, resume"),
+        (["--attention=fast"], "attention='fast' is not one of math, sdpa"),
+        (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be at least 1"),
+    ],
+)
+def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message):
+    r = run_script(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out")), *args])
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_none_default_can_be_overridden_on_the_command_line(data_dir, tmp_path):
+    from configurator import configure
+
+    cfg = configure(TrainConfig(), ["--lr_decay_iters=500", "--data_dir=" + str(data_dir)])
+    assert cfg.lr_decay_iters == 500 and cfg.data_dir == str(data_dir)
