@@ -5,6 +5,7 @@ distributed setup, and checkpoints (atomic writes, safe loads, the uncompiled mo
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import platform
 import subprocess
@@ -223,6 +224,9 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
+    for stale in glob.glob(glob.escape(path) + ".tmp.*"):  # left by a process killed mid-write
+        with contextlib.suppress(OSError):
+            os.remove(stale)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

