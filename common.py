@@ -76,7 +76,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype not in DTYPES:
         raise UserError(f"dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if dtype == "float16" and device_type == "cpu":
-        raise UserError("dtype='float16' is not supported for training on the CPU: use bfloat16 or float32")
+        raise UserError("dtype='float16' is not supported on the CPU: use bfloat16 or float32")
     if dtype == "bfloat16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("this GPU does not support bfloat16: use --dtype=float16 (with a grad scaler) or float32")
     return dtype

@@ -337,7 +337,14 @@ class GPT(nn.Module):
             )
         from transformers import GPT2LMHeadModel  # only needed here
 
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        try:
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        except OSError as e:  # transformers' error for no network, no cache, or a folder without weights
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GPTError(
+                f"could not load GPT-2 weights {model_type!r} ({reason}): check your internet connection "
+                f"or pass a local folder written by save_pretrained"
+            ) from None
         return cls.from_hf_model(hf_model, vocab_padding_multiple=vocab_padding_multiple, **override_args)
 
     @classmethod

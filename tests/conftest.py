@@ -13,3 +13,24 @@ if os.path.isdir(os.path.join(SHARED_DATA, "tiktoken_cache")):
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(SHARED_DATA, "tiktoken_cache"))
 if os.path.isfile(os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt")):
     os.environ.setdefault("NANOGPT_SHAKESPEARE_TXT", os.path.join(SHARED_DATA, "tinyshakespeare", "input.txt"))
+
+import hashlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+GPT2_BPE_URLS = (  # the files tiktoken's "gpt2" encoding reads, cached under sha1(url)
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+)
+
+
+@pytest.fixture()
+def gpt2_bpe():
+    """The GPT-2 BPE tokenizer from a tiktoken cache; skips (with the reason) where there is none."""
+    import dataio
+
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR", "")
+    names = [hashlib.sha1(url.encode()).hexdigest() for url in GPT2_BPE_URLS]
+    if not cache or not all(os.path.isfile(os.path.join(cache, n)) for n in names):
+        pytest.skip("GPT-2 BPE unavailable offline: set TIKTOKEN_CACHE_DIR to a folder with tiktoken's gpt2 files")
+    return dataio.gpt2_tokenizer()

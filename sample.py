@@ -1,0 +1,211 @@
+"""
+Sample text from a trained model (out_dir/ckpt.pt) or from GPT-2 weights, with the KV cache.
+
+$ python sample.py --out_dir=out-shakespeare-char
+$ python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?" \
+    --num_samples=5 --max_new_tokens=100
+$ python sample.py --out_dir=out-shakespeare --start=FILE:prompt.txt   # the prompt is the file's text
+
+stdout holds only the samples, each followed by a line of dashes. stderr has the notes (tokenizer, model) and,
+last, one line to parse: `tokens/s: <float> (...)`, the new tokens over the generation wall time.
+
+Config: the SampleConfig defaults below, then config files and --key=value overrides in the order given.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+import dataio
+from common import (
+    UserError,
+    autocast_context,
+    exit_on_user_error,
+    load_checkpoint,
+    model_from_checkpoint,
+    resolve_device,
+    resolve_dtype,
+    synchronize,
+)
+from configurator import configure
+from model import GPT
+from train import TrainConfig, data_paths
+
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+SEPARATOR = "---------------"
+
+
+@dataclass
+class SampleConfig:
+    init_from: str = "resume"  # "resume" (from out_dir/ckpt.pt), "gpt2", "gpt2-medium", ... or a HF GPT-2 folder
+    out_dir: str = "out"  # with init_from=resume: the training run's folder
+    start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
+    num_samples: int = 10
+    max_new_tokens: int = 500  # tokens generated per sample
+    temperature: float = 0.8  # 1.0: the model's distribution; lower: more conservative; 0: greedy
+    top_k: int | None = 200  # keep only the top_k most likely tokens (None: all)
+    top_p: float | None = None  # nucleus sampling: the smallest set of tokens with probability >= top_p
+    seed: int = 1337
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
+    compile: bool = False  # torch.compile the transformer blocks (slow to start: long generations only)
+    attention: str | None = None  # None: the model's setting; else "math" or "sdpa"
+    sdpa_backend: str | None = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
+
+
+@dataclass
+class Generation:
+    ids: list[list[int]]  # per sample: the prompt's tokens, then the new ones
+    texts: list[str]  # per sample: the decoded text, prompt included
+    new_tokens: int  # over all samples
+    seconds: float  # generation wall time over all samples, device synchronised
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.seconds, 1e-9)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def check_config(cfg: SampleConfig) -> None:
+    """Every problem with the settings in one UserError, before anything slow (loading weights) happens."""
+    problems = []
+    if cfg.init_from != "resume" and cfg.init_from not in GPT2_MODELS and not os.path.isdir(cfg.init_from):
+        problems.append(
+            f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)} "
+            f"or a folder with a HF GPT-2 model"
+        )
+    for key in ("num_samples", "max_new_tokens"):
+        if getattr(cfg, key) < 1:
+            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.temperature < 0:
+        problems.append(f"temperature={cfg.temperature} must be >= 0 (0 means greedy)")
+    if cfg.top_k is not None and cfg.top_k < 1:
+        problems.append(f"top_k={cfg.top_k} must be at least 1 (or None)")
+    if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
+        problems.append(f"top_p={cfg.top_p} must be in (0, 1] (or None)")
+    try:
+        resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    except UserError as e:
+        problems.append(str(e))
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def read_prompt(start: str) -> str:
+    """The prompt text: `start` itself, or the contents of the file named after "FILE:"."""
+    if not start.startswith("FILE:"):
+        return start
+    path = start[len("FILE:") :]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"start={start!r}: no prompt file {path!r}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"start={start!r}: cannot read the prompt file {path!r} ({e})") from None
+
+
+def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
+    """The model for init_from, in eval mode on the device, and the tokenizer it was trained with."""
+    device = resolve_device(cfg.device)
+    overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend)) if v is not None}
+    if cfg.init_from == "resume":
+        ckpt = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), map_location=device)
+        model = model_from_checkpoint(ckpt, **overrides)
+        tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
+        del ckpt
+    else:
+        model = GPT.from_pretrained(cfg.init_from, overrides)
+        log(f"tokenizer: GPT-2 BPE (init_from={cfg.init_from})")
+        tokenizer = dataio.gpt2_tokenizer()
+    # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there
+    padded_bpe = isinstance(tokenizer, dataio.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
+    if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
+        raise UserError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{model.config.vocab_size}: sampling needs the meta.json of the dataset the model was trained on "
+            f"(run that dataset's prepare.py)"
+        )
+    model.eval().to(device)
+    if cfg.compile:
+        # generate() runs the blocks, not forward(); dynamic shapes keep the growing KV cache from recompiling
+        # at every step. Each layer still compiles its own variants (its index is a constant), so this pays off
+        # only for long generations, and deep models exceed dynamo's recompile limit (the rest runs eagerly).
+        for block in model.transformer.h:
+            block.compile(dynamic=True)
+    log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
+    return model, tokenizer
+
+
+def checkpoint_tokenizer(run_config: dict) -> dataio.Tokenizer:
+    """The tokenizer of the dataset the checkpoint was trained on (its meta.json), else GPT-2 BPE."""
+    if "dataset" not in run_config and not run_config.get("data_dir"):
+        log("tokenizer: GPT-2 BPE (the checkpoint names no dataset)")
+        return dataio.gpt2_tokenizer()
+    data_dir = data_paths(TrainConfig(dataset=run_config.get("dataset", ""), data_dir=run_config.get("data_dir")))
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        log(f"tokenizer: GPT-2 BPE (no meta.json in {data_dir})")
+        return dataio.gpt2_tokenizer()
+    meta = dataio.load_meta(data_dir)
+    log(f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, from {os.path.join(data_dir, 'meta.json')})")
+    return dataio.get_tokenizer(meta)
+
+
+def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], int]:
+    """The prompt's token ids to start from, and how many leading ids to leave out of the decoded text.
+    An empty prompt starts from <|endoftext|> with GPT-2 BPE (unconditional samples, as GPT-2's own)."""
+    ids = tokenizer.encode(prompt)
+    if ids:
+        return ids, 0
+    if tokenizer.eot is None:
+        raise UserError("start is empty: a char-level model needs at least one character to start from")
+    return [tokenizer.eot], 1
+
+
+def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConfig) -> Generation:
+    """num_samples continuations of `prompt`, one after another from one seeded generator: the same seed and
+    settings give the same text."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    ids, hidden = encode_prompt(tokenizer, prompt)
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    x = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    outputs, seconds = [], 0.0
+    for _ in range(cfg.num_samples):
+        synchronize(device)
+        t0 = time.perf_counter()
+        with autocast_context(device, dtype):
+            y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+        synchronize(device)
+        seconds += time.perf_counter() - t0
+        outputs.append(y[0].tolist())
+    texts = [tokenizer.decode(out[hidden:]) for out in outputs]
+    return Generation(outputs, texts, cfg.num_samples * cfg.max_new_tokens, seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = configure(SampleConfig(), sys.argv[1:] if argv is None else argv)
+    check_config(cfg)
+    prompt = read_prompt(cfg.start)
+    model, tokenizer = load_model(cfg)
+    result = sample(model, tokenizer, prompt, cfg)
+    for text in result.texts:
+        print(text)
+        print(SEPARATOR, flush=True)
+    device = resolve_device(cfg.device)
+    log(
+        f"tokens/s: {result.tokens_per_s:.1f} ({result.new_tokens} new tokens in {result.seconds:.3f} s, "
+        f"{cfg.num_samples} samples, {device}, {resolve_dtype(cfg.dtype, device)})"
+    )
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

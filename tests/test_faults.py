@@ -1,0 +1,294 @@
+"""Nothing lost: signals, kills during checkpoint writes, non-finite losses, bad files, changed resumes."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dataio
+from common import UserError, load_checkpoint, save_checkpoint
+from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
+from model import GPT
+from train import NonFiniteError, batch_generator, get_batch, train
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    d = tmp_path / "tinychar"
+    make_char_dataset(d)
+    return d
+
+
+def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if os.path.exists(metrics_path):
+            iters = [json.loads(l).get("iter", 0) for l in open(metrics_path) if l.strip()]
+            if iters and max(iters) >= at_least:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"no iter {at_least} in {metrics_path}")
+
+
+def start(args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+RUN = dict(max_iters=60, lr_decay_iters=60, eval_interval=1000, log_interval=1, dropout=0.1)
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(data_dir, tmp_path):
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **RUN))
+    cfg = tiny_config(data_dir, tmp_path / "run", **RUN)
+    proc = start(["train.py", *config_args(cfg)])
+    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    stopped_at = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"]
+    assert 5 <= stopped_at < 60
+    assert f"stopped by SIGTERM after iter {stopped_at}; checkpoint saved: resume with --init_from=resume" in err
+    resumed = train(tiny_config(data_dir, tmp_path / "run", **RUN, init_from="resume"))
+    assert resumed["iter_num"] == 60
+    assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=1e-5)
+    assert resumed["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(data_dir, tmp_path):
+    # dropout off: each rank has its own dropout RNG, which one process with 2 micro-steps cannot replay
+    run = {**RUN, "gradient_accumulation_steps": 2, "dropout": 0.0}
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
+    cfg = tiny_config(data_dir, tmp_path / "run", **run)
+    # torchrun's own process group; the signal goes to one worker only, as when one node is preempted first
+    proc = start(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                  *config_args(cfg)], start_new_session=True)
+    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 5, proc)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    stopped_at = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"]
+    assert 5 <= stopped_at < 60, err[-2000:]
+    assert "checkpoint saved: resume with --init_from=resume" in err
+    # resume in one process with 2 micro-steps: the same data stream, so the same end
+    resumed = train(tiny_config(data_dir, tmp_path / "run", **run, init_from="resume"))
+    assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=1e-5)
+
+
+def _save_forever(path: str, ready_w: int) -> None:
+    """Child: write checkpoints of changing content as fast as possible until killed. Tensors come from numpy:
+    a torch op would start OpenMP threads, which deadlock in a forked child of a process that used them."""
+    os.write(ready_w, b"1")
+    i = 0
+    while True:
+        i += 1
+        w = torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + np.float32(i))
+        save_checkpoint(path, {"model": {"w": w}, "model_args": {}, "iter_num": i})
+
+
+def test_sigkill_at_random_moments_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32)}, "model_args": {},
+                           "iter_num": 0})
+    rng = random.Random(0)
+    trials = 40
+    killed_mid_write = 0
+    for _ in range(trials):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            try:
+                os.close(r)
+                _save_forever(path, w)
+            finally:
+                os._exit(1)
+        os.close(w)
+        os.read(r, 1)
+        os.close(r)
+        time.sleep(rng.uniform(0.0, 0.15))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        killed_mid_write += any(".tmp." in f for f in os.listdir(tmp_path))
+        ckpt = load_checkpoint(path)  # loads every time
+        i = ckpt["iter_num"]
+        assert torch.equal(ckpt["model"]["w"], torch.arange(2_000_000, dtype=torch.float32) + i)  # not torn
+    print(f"{trials} kills, {killed_mid_write} in the middle of a write: the checkpoint loaded every time")
+    assert killed_mid_write >= trials // 4  # the kills did land inside writes
+    # temporary files of killed writers are cleaned at the next save
+    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": -1})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_a_crash_between_temporary_write_and_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1})
+
+    def die(*args):
+        raise SystemExit("killed between write and rename")
+
+    monkeypatch.setattr(os, "replace", die)
+    with pytest.raises(SystemExit):
+        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_args": {}, "iter_num": 2})
+    monkeypatch.undo()
+    ckpt = load_checkpoint(path)
+    assert ckpt["iter_num"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
+
+
+def test_injected_nan_stops_with_the_iteration_and_leaves_parameters_untouched(data_dir, tmp_path, monkeypatch):
+    bad_iter = 7
+    clean = train(tiny_config(data_dir, tmp_path / "clean", max_iters=bad_iter, lr_decay_iters=20, eval_interval=1000))
+    calls = {"n": 0, "model": None}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None, **kw):
+        logits, loss = forward(self, idx, targets, **kw)
+        if self.training:
+            calls["n"] += 1
+            calls["model"] = self
+            if calls["n"] == bad_iter + 1:  # the step of iteration `bad_iter` (1 micro-step per iteration)
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    with pytest.raises(NonFiniteError, match=rf"non-finite loss at iter {bad_iter} .*the step was not applied"):
+        train(tiny_config(data_dir, tmp_path / "nan", max_iters=20, lr_decay_iters=20, eval_interval=1000))
+    untouched = calls["model"].state_dict()
+    reference = clean["model"].state_dict()
+    assert all(torch.equal(untouched[k], reference[k]) for k in reference)
+    assert not os.path.exists(tmp_path / "nan" / "ckpt.pt")  # nothing worse than what was on disk
+
+
+def test_nonfinite_steps_can_be_skipped_up_to_a_limit(data_dir, tmp_path, monkeypatch):
+    forward = GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        logits, loss = forward(self, idx, targets, **kw)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] in (3, 5):
+                loss = loss * float("inf")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    result = train(tiny_config(data_dir, tmp_path / "out", max_iters=8, max_nonfinite_skips=2))
+    assert result["iter_num"] == 8 and np.isfinite(result["val_loss"])
+    calls["n"] = 0
+    with pytest.raises(NonFiniteError, match="non-finite loss at iter 4"):
+        train(tiny_config(data_dir, tmp_path / "out2", max_iters=8, max_nonfinite_skips=1))
+
+
+# ------------------------------------------------------------------------------------------- bad files
+
+
+def _error_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    path = tmp_path / "out" / "ckpt.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume"]))
+    assert f"checkpoint {path} is truncated or corrupt" in line and "--init_from=scratch" in line
+    path.write_bytes(b"garbage")
+    assert "is truncated or corrupt" in _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume"]))
+
+
+def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--n_embd=64"]))
+    assert "cannot resume: the checkpoint's model has a different shape (n_embd: 32 -> 64)" in line
+
+
+def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    path = str(tmp_path / "out" / "ckpt.pt")
+    ckpt = load_checkpoint(path)
+    ckpt["model"]["transformer.wpe.weight"] = torch.zeros(7, 32)
+    save_checkpoint(path, ckpt)
+    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume"]))
+    assert "does not fit the model: shapes differ" in line and "transformer.wpe.weight (7, 32) vs (32, 32)" in line
+
+
+def test_resume_with_changed_settings_warns_and_lists_them(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    r = run_script(["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4", "--batch_size=8",
+                    "--learning_rate=0.001"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [l for l in r.stdout.splitlines() if l.startswith("warning: resuming with a changed setting")]
+    assert warnings == [
+        "warning: resuming with a changed setting: batch_size: 4 -> 8",
+        "warning: resuming with a changed setting: learning_rate: 0.003 -> 0.001",
+        "warning: resuming with a changed setting: max_iters: 2 -> 4",
+    ]
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
+
+
+@pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "missing_meta"])
+def test_bad_data_files_are_clear_errors(tmp_path, case):
+    d = tmp_path / "mydata"
+    meta = make_char_dataset(d, n_chars=5000)
+    cfg = tiny_config(d, tmp_path / "out")
+    args = ["train.py", *config_args(cfg)]
+    if case == "ids_beyond_vocab":
+        ids = np.fromfile(d / "val.bin", dtype=np.uint16)
+        ids[10] = 999
+        ids.tofile(d / "val.bin")
+        expected = f"{d / 'val.bin'} holds token id 999 but the vocab size is {meta['vocab_size']}"
+    elif case == "odd_size":
+        with open(d / "train.bin", "ab") as f:
+            f.write(b"\x01")
+        expected = "not a whole number of uint16 tokens"
+    elif case == "block_too_large":
+        args.append("--block_size=600")  # val.bin has 500 tokens
+        expected = f"{d / 'val.bin'} has 500 tokens, too few for block_size=600: lower block_size or add data"
+    else:
+        os.remove(d / "meta.json")
+        expected = f"no meta.json in {d}: run `python data/mydata/prepare.py` first"
+    assert expected in _error_line(run_script(args))
+
+
+def test_keep_last_keeps_the_newest_checkpoints(data_dir, tmp_path):
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=8, eval_interval=2, keep_last=2))
+    assert sorted(os.listdir(tmp_path / "out")) == ["ckpt.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "metrics.jsonl"]
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt_0000006.pt"))["iter_num"] == 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 400), block=st.integers(1, 64), batch=st.integers(1, 8), seed=st.integers(0, 2**31),
+       step=st.integers(0, 10**6), index=st.integers(0, 64))
+def test_get_batch_windows_stay_inside_the_data(tmp_path_factory, n, block, batch, seed, step, index):
+    path = tmp_path_factory.mktemp("b") / "train.bin"
+    data = np.arange(n, dtype=np.uint16)  # token == position, so a window's first token is its offset
+    data.tofile(path)
+    if n <= block:
+        with pytest.raises(UserError, match=f"has {n} tokens, too few for block_size={block}"):
+            get_batch(str(path), batch, block, batch_generator(seed, "train", step, index))
+        return
+    x, y = get_batch(str(path), batch, block, batch_generator(seed, "train", step, index))
+    assert x.shape == y.shape == (batch, block)
+    start = x[:, 0]
+    assert (start >= 0).all() and (start + block <= n - 1).all()  # y's last token exists
+    assert torch.equal(x, start[:, None] + torch.arange(block)) and torch.equal(y, x + 1)

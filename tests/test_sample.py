@@ -1,0 +1,215 @@
+"""sample.py: seeded samples from a char checkpoint and from a local HF GPT-2 folder, greedy parity with HF's
+generate, the tokens/s line, and one-line errors for bad input."""
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+import dataio
+from common import UserError, load_checkpoint, save_checkpoint
+from helpers import make_char_dataset, run_script, tiny_config
+from sample import SEPARATOR, SampleConfig, check_config, load_model, sample
+from train import train
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
+
+CPU = ["--device=cpu", "--dtype=float32"]
+TOKENS_PER_S = re.compile(r"^tokens/s: (\d+(?:\.\d+)?) \(", re.M)
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory) -> tuple[str, dict]:
+    """A tiny char-level run trained in this process: (out_dir, the dataset's meta). Trained once for the module
+    (the tests only read it); each test writes in its own tmp_path."""
+    root = tmp_path_factory.mktemp("char_run")
+    data_dir, out_dir = root / "tinychar", root / "out"
+    meta = make_char_dataset(data_dir)
+    train(tiny_config(data_dir, out_dir, max_iters=20, eval_interval=20))
+    return str(out_dir), meta
+
+
+
+
+def run_sample(*args: str, env: dict | None = None):
+    return run_script(["sample.py", *args], timeout=180, env=env)
+
+
+def samples_of(stdout: str) -> list[str]:
+    """The samples printed by sample.py: each is followed by a newline and a line of dashes."""
+    chunks = stdout.split(SEPARATOR + "\n")
+    assert chunks[-1] == "", stdout[-200:]
+    assert all(c.endswith("\n") for c in chunks[:-1])
+    return [c[:-1] for c in chunks[:-1]]
+
+
+def tokens_per_s(stderr: str) -> float:
+    found = TOKENS_PER_S.findall(stderr)
+    assert len(found) == 1 and stderr.strip().splitlines()[-1].startswith("tokens/s: "), stderr[-500:]
+    return float(found[0])
+
+
+def one_line_error(result) -> str:
+    """The error line of a failed run, after checking it failed the way every user error should."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stdout == ""
+    return result.stderr.strip().splitlines()[-1]
+
+
+# ----------------------------------------------------------------------------------- a char-level checkpoint
+
+
+def test_char_checkpoint_same_seed_same_text_and_right_shape(char_run):
+    out_dir, meta = char_run
+    args = [f"--out_dir={out_dir}", "--start=The ", "--num_samples=3", "--max_new_tokens=40", *CPU]
+    first = run_sample(*args, "--seed=7")
+    again = run_sample(*args, "--seed=7")
+    other = run_sample(*args, "--seed=8")
+    for r in (first, again, other):
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert first.stdout == again.stdout
+    assert first.stdout != other.stdout
+
+    texts = samples_of(first.stdout)
+    assert len(texts) == 3 and len(samples_of(other.stdout)) == 3
+    # 40 new tokens > block_size 32: the context window slides and the cache is re-filled
+    assert all(t.startswith("The ") and len(t) == len("The ") + 40 for t in texts), texts
+    assert set("".join(texts)) <= set(meta["itos"])
+    assert len(set(texts)) == 3  # one generator for all samples: each continues the random stream
+    assert f"tokenizer: char ({meta['vocab_size']} tokens" in first.stderr
+    assert tokens_per_s(first.stderr) > 0 and tokens_per_s(other.stderr) > 0
+
+    # in-process, the functions give the same text as the script: seeding does not depend on the process
+    cfg = SampleConfig(out_dir=out_dir, start="The ", num_samples=3, max_new_tokens=40, seed=7, device="cpu",
+                       dtype="float32")
+    model, tokenizer = load_model(cfg)
+    result = sample(model, tokenizer, cfg.start, cfg)
+    assert result.texts == texts
+    assert result.new_tokens == 120 and result.tokens_per_s > 0
+    assert [len(ids) for ids in result.ids] == [44, 44, 44]
+
+
+def test_prompt_from_file(char_run, tmp_path):
+    out_dir, _ = char_run
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The king\nspeaks ", encoding="utf-8")
+    r = run_sample(f"--out_dir={out_dir}", f"--start=FILE:{prompt}", "--num_samples=2", "--max_new_tokens=10", *CPU)
+    assert r.returncode == 0, r.stderr[-2000:]
+    texts = samples_of(r.stdout)
+    assert len(texts) == 2
+    assert all(t.startswith("The king\nspeaks ") and len(t) == 16 + 10 for t in texts), texts
+
+
+# ----------------------------------------------------------------------------------- a local HF GPT-2 folder
+
+
+def save_tiny_hf_gpt2(path) -> GPT2LMHeadModel:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257))
+    with torch.no_grad():  # non-zero biases and LayerNorm shifts, so a mis-copied one changes the tokens
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
+def test_hf_folder_greedy_tokens_match_hf_generate_and_seeded_text_repeats(tmp_path, gpt2_bpe):
+    folder = tmp_path / "tiny-gpt2"
+    hf = save_tiny_hf_gpt2(folder)
+    prompt = "The answer to life, the universe and everything is"
+    ids = gpt2_bpe.encode(prompt)
+
+    greedy = SampleConfig(init_from=str(folder), num_samples=1, max_new_tokens=24, temperature=0.0, device="cpu",
+                          dtype="float32")
+    model, tokenizer = load_model(greedy)
+    ours = sample(model, tokenizer, prompt, greedy).ids[0]
+    x = torch.tensor([ids])
+    theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
+                         pad_token_id=gpt2_bpe.eot)[0].tolist()
+    assert ours[: len(ids)] == ids
+    assert ours == theirs, (ours[len(ids):], theirs[len(ids):])
+    assert len(set(ours[len(ids):])) > 1  # not a degenerate single repeated token
+
+    args = [f"--init_from={folder}", f"--start={prompt}", "--num_samples=2", "--max_new_tokens=16",
+            "--temperature=1.0", "--top_k=50", "--seed=3", *CPU]
+    r = run_sample(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"tokenizer: GPT-2 BPE (init_from={folder})" in r.stderr
+    assert tokens_per_s(r.stderr) > 0
+    texts = samples_of(r.stdout)
+    seeded = SampleConfig(init_from=str(folder), num_samples=2, max_new_tokens=16, temperature=1.0, top_k=50, seed=3,
+                          device="cpu", dtype="float32")
+    assert sample(model, tokenizer, prompt, seeded).texts == texts  # same seed, same text, in another process
+    assert all(t.startswith(prompt) for t in texts) and texts[0] != texts[1]
+
+
+# ----------------------------------------------------------------------------------- one-line errors
+
+
+def test_char_checkpoint_without_its_meta_json_is_refused(char_run, tmp_path, gpt2_bpe):
+    out_dir, meta = char_run
+    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    ckpt["config"]["data_dir"] = str(tmp_path / "moved-away")  # no meta.json there: GPT-2 BPE is the fallback
+    save_checkpoint(str(tmp_path / "out" / "ckpt.pt"), ckpt)
+    with pytest.raises(UserError) as e:
+        load_model(SampleConfig(out_dir=str(tmp_path / "out"), device="cpu", dtype="float32"))
+    assert str(e.value) == (
+        f"the tokenizer has 50257 tokens but the model's vocab_size is {meta['vocab_size']}: sampling needs the "
+        f"meta.json of the dataset the model was trained on (run that dataset's prepare.py)"
+    )
+
+
+
+def test_unknown_init_from():
+    assert one_line_error(run_sample("--init_from=gpt5", *CPU)) == (
+        "error: init_from='gpt5' is not one of resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+        "or a folder with a HF GPT-2 model"
+    )
+
+
+def test_missing_checkpoint(tmp_path):
+    out_dir = tmp_path / "never-trained"
+    out_dir.mkdir()
+    assert one_line_error(run_sample(f"--out_dir={out_dir}", *CPU)) == (
+        f"error: no checkpoint at {out_dir}/ckpt.pt: train first, or set --out_dir to the run's folder"
+    )
+
+
+def test_characters_outside_the_vocabulary_are_named(char_run):
+    out_dir, meta = char_run
+    assert one_line_error(run_sample(f"--out_dir={out_dir}", "--start=Zé king@", *CPU)) == (
+        f"error: character(s) '@', 'Z', 'é' not in the vocabulary: a char-level model knows only its dataset's "
+        f"{meta['vocab_size']} characters; remove them from the text"
+    )
+
+
+def test_missing_prompt_file(tmp_path):
+    path = tmp_path / "no-such-prompt.txt"
+    assert one_line_error(run_sample(f"--start=FILE:{path}", *CPU)) == (
+        f"error: start='FILE:{path}': no prompt file '{path}'"
+    )
+
+
+def test_gpt2_name_offline_without_cache(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    line = one_line_error(run_sample("--init_from=gpt2-xl", *CPU, env=env))
+    assert line.startswith("error: could not load GPT-2 weights 'gpt2-xl' (")
+    assert line.endswith("): check your internet connection or pass a local folder written by save_pretrained")
+
+
+def test_bad_numbers_are_listed_in_one_error():
+    cfg = SampleConfig(num_samples=0, max_new_tokens=-1, temperature=-1.0, top_k=0, top_p=1.5, device="cpu")
+    with pytest.raises(UserError) as e:
+        check_config(cfg)
+    assert str(e.value) == (
+        "num_samples=0 must be at least 1; max_new_tokens=-1 must be at least 1; "
+        "temperature=-1.0 must be >= 0 (0 means greedy); top_k=0 must be at least 1 (or None); "
+        "top_p=1.5 must be in (0, 1] (or None)"
+    )
