@@ -292,6 +292,7 @@ class Logger:
     def __init__(self, cfg: TrainConfig, dist: Dist):
         self.master = dist.master
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.t_start = time.time()
         self.wandb = None
         if self.master and cfg.wandb_log:
             import wandb
@@ -305,6 +306,7 @@ class Logger:
     def metrics(self, record: dict) -> None:
         if not self.master:
             return
+        record = {**record, "elapsed_s": round(time.time() - self.t_start, 3)}  # wall time, for time-to-loss
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
