@@ -182,7 +182,7 @@ class CausalSelfAttention(nn.Module):
                     q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
                 )
         except RuntimeError as e:
-            if "No viable backend" not in str(e):
+            if not any(s in str(e) for s in ("No viable backend", "No available kernel")):  # CPU, CUDA wording
                 raise
             raise GPTError(self._why_backend_failed(q, k, v, mask, dropout_p, is_causal, backend)) from None
 
@@ -412,8 +412,9 @@ class GPT(nn.Module):
             fused = fused_adamw_available(device_type)
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
         if verbose:
+            impl = "fused" if fused else ("foreach" if device_type == "cuda" else "for-loop")
             print(
-                f"optimizer: AdamW ({'fused' if fused else 'foreach'}), {len(decay)} decayed tensors "
+                f"optimizer: AdamW ({impl}), {len(decay)} decayed tensors "
                 f"({sum(p.numel() for p in decay):,} params), {len(no_decay)} not decayed "
                 f"({sum(p.numel() for p in no_decay):,} params)"
             )

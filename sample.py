@@ -91,7 +91,7 @@ def check_config(cfg: SampleConfig) -> None:
     if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
         problems.append(f"top_p={cfg.top_p} must be in (0, 1] (or None)")
     try:
-        resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        resolve_dtype(cfg.dtype, resolve_device(cfg.device), training=False)
     except UserError as e:
         problems.append(str(e))
     if problems:
@@ -173,7 +173,7 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
     """num_samples continuations of `prompt`, one after another from one seeded generator: the same seed and
     settings give the same text."""
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, training=False)
     ids, hidden = encode_prompt(tokenizer, prompt)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(cfg.device)
     log(
         f"tokens/s: {result.tokens_per_s:.1f} ({result.new_tokens} new tokens in {result.seconds:.3f} s, "
-        f"{cfg.num_samples} samples, {device}, {resolve_dtype(cfg.dtype, device)})"
+        f"{cfg.num_samples} samples, {device}, {resolve_dtype(cfg.dtype, device, training=False)})"
     )
 
 

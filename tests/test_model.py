@@ -569,3 +569,20 @@ def test_attention_dropout_is_applied_on_both_paths(attention: str) -> None:
         d, _ = model(idx)
     assert max_err(a, b) > 1e-3, f"{attention}: attention dropout had no effect in train mode"
     assert torch.equal(c, d)
+
+
+def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
+    """On CUDA, PyTorch words a refused kernel "No available kernel"; the model must turn it into a GPTError
+    (simulated here: the CPU cannot run the CUDA kernels)."""
+    import torch.nn.functional as F
+
+    from model import GPT, GPTConfig, GPTError
+
+    model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16, sdpa_backend="flash"))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
+    with pytest.raises(GPTError, match=r"sdpa_backend='flash' cannot run on cpu with dtype torch.float32"):
+        model(torch.zeros(1, 8, dtype=torch.long))

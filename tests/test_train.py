@@ -176,10 +176,13 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_value(data_dir, tmp_path)
     assert ckpt["best_val_loss"] == worse["best_val_loss"] == first["val_loss"]
 
 
-def test_compiled_run_matches_eager_and_saves_plain_state(data_dir, tmp_path):
+def test_compiled_run_matches_eager_and_saves_plain_state(data_dir, tmp_path, capsys):
     common = dict(max_iters=6, eval_interval=3)
     eager = train(tiny_config(data_dir, tmp_path / "eager", **common))
+    assert "compiling the model..." not in capsys.readouterr().out
     compiled = train(tiny_config(data_dir, tmp_path / "compiled", compile=True, **common))
+    assert "compiling the model..." in capsys.readouterr().out
+    assert compiled["val_loss"] != eager["val_loss"]  # really another code path (fused kernels round differently)
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-4)
     state = params_of(tmp_path / "compiled" / "ckpt.pt")
     assert not any("_orig_mod" in k for k in state)
@@ -191,6 +194,7 @@ def test_bf16_autocast_run_tracks_float32(data_dir, tmp_path):
     f32 = train(tiny_config(data_dir, tmp_path / "f32", **common))
     bf16 = train(tiny_config(data_dir, tmp_path / "bf16", dtype="bfloat16", **common))
     assert bf16["val_loss"] == pytest.approx(f32["val_loss"], abs=0.05)
+    assert bf16["val_loss"] != f32["val_loss"]  # autocast really ran the matmuls in bf16
 
 
 def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):

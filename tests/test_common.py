@@ -1,0 +1,62 @@
+"""common.py: the malloc setting, dtype choice and the one-line error wrapper."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from common import UserError, exit_on_user_error, resolve_dtype
+from helpers import run_script
+
+# Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
+# how much resident memory the free gave back to the OS.
+FREE_PROBE = """
+import ctypes, sys
+sys.path.insert(0, ".")
+from common import keep_freed_memory
+applied = keep_freed_memory(sys.argv[1] == "on")
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+def rss_kb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4
+blocks = [libc.malloc(256 << 10) for _ in range(96)]
+for b in blocks:
+    ctypes.memset(b, 1, 256 << 10)
+before = rss_kb()
+for b in blocks:
+    libc.free(ctypes.c_void_p(b))
+print(applied, before - rss_kb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_keep_freed_memory_stops_glibc_returning_buffers_to_the_os():
+    results = {}
+    for mode in ("off", "on"):
+        r = run_script(["-c", FREE_PROBE, mode])
+        assert r.returncode == 0, r.stderr
+        applied, released_kb = r.stdout.split()
+        results[mode] = (applied == "True", int(released_kb))
+    assert results["off"][0] is False and results["on"][0] is True
+    assert results["off"][1] > 20_000  # plain glibc: the 24 MiB went back to the OS at free()
+    assert results["on"][1] < 1_000  # kept for the next step's allocations
+
+
+def test_auto_dtype_is_bf16_for_cpu_training_and_float32_for_cpu_generation():
+    assert resolve_dtype("auto", "cpu") == "bfloat16"
+    assert resolve_dtype("auto", "cpu", training=False) == "float32"
+    assert resolve_dtype("float32", "cpu", training=False) == "float32"
+    with pytest.raises(UserError, match="dtype='float16' is not supported on the CPU: use bfloat16 or float32"):
+        resolve_dtype("float16", "cpu")
+    with pytest.raises(UserError, match="dtype='fp8' is not one of auto, float32, bfloat16, float16"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_user_errors_exit_2_with_one_line(capsys):
+    def bad():
+        raise UserError("block_size=0 must be at least 1")
+
+    with pytest.raises(SystemExit) as e:
+        exit_on_user_error(bad)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: block_size=0 must be at least 1\n"
