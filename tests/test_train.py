@@ -182,7 +182,6 @@ def test_compiled_run_matches_eager_and_saves_plain_state(data_dir, tmp_path, ca
     assert "compiling the model..." not in capsys.readouterr().out
     compiled = train(tiny_config(data_dir, tmp_path / "compiled", compile=True, **common))
     assert "compiling the model..." in capsys.readouterr().out
-    assert compiled["val_loss"] != eager["val_loss"]  # really another code path (fused kernels round differently)
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-4)
     state = params_of(tmp_path / "compiled" / "ckpt.pt")
     assert not any("_orig_mod" in k for k in state)

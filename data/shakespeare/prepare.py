@@ -6,7 +6,6 @@ The text is split 90/10 by characters, then each part is encoded on its own, as 
 shakespeare that gives 301,966 train and 36,059 val tokens. Where the text comes from: see
 data/shakespeare_text.py. Offline, point TIKTOKEN_CACHE_DIR at a tiktoken cache holding the gpt2 files.
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
 from common import exit_on_user_error  # noqa: E402
-from data.shakespeare_text import get_shakespeare_text  # noqa: E402
+from data.shakespeare_text import prepare_main  # noqa: E402
 from dataio import gpt2_tokenizer, write_meta, write_tokens  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
@@ -43,17 +42,7 @@ def prepare(text: str, source: str, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", default=None, help="text file to use (default: input.txt here, else download)")
-    parser.add_argument("--out_dir", default=str(SCRIPT_DIR), help="where to write train.bin, val.bin, meta.json")
-    args = parser.parse_args(argv)
-    text, source = get_shakespeare_text(args.input, SCRIPT_DIR)
-    print(f"length of dataset in characters: {len(text):,}")
-    meta = prepare(text, source, Path(args.out_dir))
-    print(f"train has {meta['train_tokens']:,} tokens")
-    print(f"val has {meta['val_tokens']:,} tokens")
-    print(f"source: {source}; wrote {args.out_dir}/{{train.bin,val.bin,meta.json}}")
-    return meta
+    return prepare_main(prepare, SCRIPT_DIR, __doc__, argv)
 
 
 if __name__ == "__main__":
