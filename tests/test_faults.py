@@ -336,3 +336,31 @@ def test_a_nan_loss_is_never_applied_with_or_without_the_scaler():
     for enabled in (False, True):
         loss, norm, applied, unchanged, _ = _step_with(float("nan"), scaler_enabled=enabled)
         assert np.isnan(loss) and not applied and unchanged
+
+
+def test_ctrl_c_twice_exits_at_once_and_a_forwarded_duplicate_does_not(data_dir, tmp_path):
+    # The signals arrive during a long eval (3,000 batches per split), where a graceful stop has to wait.
+    slow_eval = dict(max_iters=50, eval_interval=5, eval_iters=3000, log_interval=1)
+    # Ctrl-C, then Ctrl-C again 1.5 s later: exit now, status 130, no checkpoint
+    cfg = tiny_config(data_dir, tmp_path / "twice", **slow_eval)
+    proc = start(["train.py", *config_args(cfg)])
+    wait_for_iter(tmp_path / "twice" / "metrics.jsonl", 5, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    t = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.time() - t < 5
+    assert err.strip().splitlines()[-1] == "interrupted: second Ctrl-C: exiting without a checkpoint"
+    assert not os.path.exists(tmp_path / "twice" / "ckpt.pt")
+    # two SIGINTs 0.1 s apart (the terminal's, then torchrun forwarding it): one graceful stop with a checkpoint
+    cfg = tiny_config(data_dir, tmp_path / "once", **slow_eval)
+    proc = start(["train.py", *config_args(cfg)])
+    wait_for_iter(tmp_path / "once" / "metrics.jsonl", 5, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    stopped_at = load_checkpoint(str(tmp_path / "once" / "ckpt.pt"))["iter_num"]
+    assert f"stopped by SIGINT after iter {stopped_at}; checkpoint saved" in err
