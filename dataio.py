@@ -94,7 +94,8 @@ class TokenWriter:
         if arr.size == 0:
             return
         _check_id_range(arr, str(self.path))
-        assert self._arr is not None  # total > 0 here, since arr.size > 0 fits
+        if self._arr is None:  # cannot happen: total > 0 whenever arr.size > 0 fits
+            raise RuntimeError(f"{self.path}: no buffer to write into")
         self._arr[self.written : self.written + arr.size] = arr
         self.written += arr.size
 
