@@ -287,7 +287,10 @@ class GPT(nn.Module):
                 # Padded rows are not tokens: -inf logits give them zero probability and zero gradient, so the
                 # loss equals that of the unpadded model while the matmul keeps its fast multiple-of-64 shape.
                 logits[..., self.config.vocab_size :] = float("-inf")
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
+            n_targets = (targets != -1).sum().clamp(min=1)
+            loss_sum = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction="sum")
+            loss = loss_sum / n_targets
         return logits[..., : self.config.vocab_size], loss
 
     def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:

@@ -99,13 +99,15 @@ def _tiny_model(seed=0) -> GPT:
 def test_accumulation_equals_one_big_batch(ignore, optimizer):
     """4 micro-steps of batch 2 give the same parameters after one step as 1 step of batch 8, also when
     micro-batches hold different numbers of ignored (-1) targets. SGD with lr 1 shows the gradients themselves
-    (atol 1e-6); AdamW's first step divides by sqrt(v), which magnifies rounding of tiny gradients (atol 1e-5)."""
+    (atol 1e-6); AdamW's first step divides by sqrt(v), which magnifies rounding of tiny gradients (atol 1e-4, 1% of
+    its lr 1e-2 step)."""
     torch.manual_seed(1)
     x = torch.randint(0, 50, (8, 16))
     y = torch.randint(0, 50, (8, 16))
     if ignore:  # unequal numbers of real targets per micro-batch: a plain mean of means would be wrong
         y[0, 3:] = -1
         y[5, :10] = -1
+        y[6:8] = -1  # and a micro-batch with no target at all (its loss must not be NaN)
     cfg = TrainConfig(grad_clip=0.0)
     from common import Dist
 
@@ -122,7 +124,7 @@ def test_accumulation_equals_one_big_batch(ignore, optimizer):
         results.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
     (loss_big, p_big), (loss_acc, p_acc) = results
     assert loss_acc == pytest.approx(loss_big, abs=1e-6)
-    assert max_param_diff(p_big, p_acc) < (1e-6 if optimizer == "sgd" else 1e-5)
+    assert max_param_diff(p_big, p_acc) < (1e-6 if optimizer == "sgd" else 1e-4)
     assert max_param_diff(p_big, _tiny_model().state_dict()) > 1e-3  # the step did move the weights
 
 
