@@ -338,29 +338,29 @@ def test_a_nan_loss_is_never_applied_with_or_without_the_scaler():
         assert np.isnan(loss) and not applied and unchanged
 
 
-def test_ctrl_c_twice_exits_at_once_and_a_forwarded_duplicate_does_not(data_dir, tmp_path):
-    # The signals arrive during a long eval (3,000 batches per split), where a graceful stop has to wait.
-    slow_eval = dict(max_iters=50, eval_interval=5, eval_iters=3000, log_interval=1)
-    # Ctrl-C, then Ctrl-C again 1.5 s later: exit now, status 130, no checkpoint
-    cfg = tiny_config(data_dir, tmp_path / "twice", **slow_eval)
+def _sigint_twice(data_dir, out_dir, gap_s: float) -> tuple[subprocess.Popen, str, float]:
+    """Start a run whose eval is long (3,000 batches per split), and send it two SIGINTs `gap_s` apart while it
+    evaluates, where a graceful stop has to wait. Returns the finished process, its stderr, and the seconds from
+    the second signal to the exit."""
+    cfg = tiny_config(data_dir, out_dir, max_iters=50, eval_interval=5, eval_iters=3000, log_interval=1)
     proc = start(["train.py", *config_args(cfg)])
-    wait_for_iter(tmp_path / "twice" / "metrics.jsonl", 5, proc)
+    wait_for_iter(out_dir / "metrics.jsonl", 5, proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(1.5)
+    time.sleep(gap_s)
     proc.send_signal(signal.SIGINT)
     t = time.time()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and time.time() - t < 5
+    _, err = proc.communicate(timeout=120)
+    return proc, err, time.time() - t
+
+
+def test_ctrl_c_twice_exits_at_once_and_a_forwarded_duplicate_does_not(data_dir, tmp_path):
+    # Ctrl-C, then Ctrl-C again 1.5 s later: exit now, status 130, no checkpoint
+    proc, err, exit_s = _sigint_twice(data_dir, tmp_path / "twice", gap_s=1.5)
+    assert proc.returncode == 130 and exit_s < 5
     assert err.strip().splitlines()[-1] == "interrupted: second Ctrl-C: exiting without a checkpoint"
     assert not os.path.exists(tmp_path / "twice" / "ckpt.pt")
     # two SIGINTs 0.1 s apart (the terminal's, then torchrun forwarding it): one graceful stop with a checkpoint
-    cfg = tiny_config(data_dir, tmp_path / "once", **slow_eval)
-    proc = start(["train.py", *config_args(cfg)])
-    wait_for_iter(tmp_path / "once" / "metrics.jsonl", 5, proc)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc, err, _ = _sigint_twice(data_dir, tmp_path / "once", gap_s=0.1)
     assert proc.returncode == 1, err[-2000:]
     stopped_at = load_checkpoint(str(tmp_path / "once" / "ckpt.pt"))["iter_num"]
     assert f"stopped by SIGINT after iter {stopped_at}; checkpoint saved" in err
