@@ -82,6 +82,7 @@ class TrainConfig:
     attention: str = "sdpa"  # "math" or "sdpa"
     sdpa_backend: str = "auto"  # "auto", "flash", "efficient", "cudnn", "math"
     vocab_padding_multiple: int = 64  # 50257 -> 50304 rows; 1 turns padding off
+    gelu: str = "tanh"  # "tanh" (GPT-2's, as its weights need) or "erf" (exact; nanoGPT's; faster on the CPU)
     # AdamW
     learning_rate: float = 6e-4  # max learning rate
     max_iters: int = 600000  # optimizer steps
@@ -107,7 +108,7 @@ class TrainConfig:
     seed: int = 1337
 
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple", "gelu")
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -291,7 +292,7 @@ def resume_changes(saved: dict, cfg: TrainConfig, world_size: int, saved_world_s
     shape = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
     if shape:
         raise UserError(
-            f"cannot resume: the checkpoint's model has a different shape ({'; '.join(shape)}): use the run's "
+            f"cannot resume: the checkpoint's model is a different one ({'; '.join(shape)}): use the run's "
             f"settings, or a new out_dir to start a new run"
         )
     if world_size != saved_world_size:
@@ -344,6 +345,7 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
             bias=cfg.bias,
             vocab_size=meta["vocab_size"],
             vocab_padding_multiple=cfg.vocab_padding_multiple,
+            gelu=cfg.gelu,
         )
         return GPT(GPTConfig(**args, **settings))
     if cfg.init_from == "resume":
@@ -352,6 +354,11 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         return model
     if cfg.init_from.startswith("gpt2") or os.path.isdir(cfg.init_from):
         model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
+        if cfg.gelu != model.config.gelu:
+            raise UserError(
+                f"gelu={cfg.gelu!r} does not match the GPT-2 weights of {cfg.init_from!r}, which were trained with "
+                f"gelu={model.config.gelu!r}: remove the gelu setting"
+            )
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model

@@ -217,7 +217,9 @@ def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir,
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
     line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--n_embd=64"]))
-    assert "cannot resume: the checkpoint's model has a different shape (n_embd: 32 -> 64)" in line
+    assert "cannot resume: the checkpoint's model is a different one (n_embd: 32 -> 64)" in line
+    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--gelu=erf"]))
+    assert "cannot resume: the checkpoint's model is a different one (gelu: 'tanh' -> 'erf')" in line
 
 
 def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path):

@@ -71,6 +71,21 @@ def test_finetune_from_a_local_hf_gpt2_folder_lowers_the_loss(tmp_path, gpt2_bpe
     assert isinstance(tokenizer, dataio.GPT2Tokenizer)
 
 
+def test_gelu_that_does_not_match_the_gpt2_weights_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=300)).save_pretrained(
+        tmp_path / "tiny-gpt2"
+    )
+    cfg = TrainConfig(init_from=str(tmp_path / "tiny-gpt2"), block_size=32, gelu="erf")
+    with pytest.raises(train_module.UserError, match=r"gelu='erf' does not match the GPT-2 weights of .*tiny-gpt2', "
+                       r"which were trained with gelu='tanh': remove the gelu setting"):
+        init_model(cfg, None, None)
+    assert init_model(TrainConfig(init_from=cfg.init_from, block_size=32), None, None).config.gelu == "tanh"
+    scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, gelu="erf")  # from scratch, either form
+    assert init_model(scratch, {"vocab_size": 300}, None).config.gelu == "erf"
+
+
 def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkeypatch):
     cfg = configure(TrainConfig(), [os.path.join(ROOT, "config", "finetune_shakespeare.py")])
     assert (cfg.init_from, cfg.dataset, cfg.out_dir) == ("gpt2-xl", "shakespeare", "out-shakespeare")

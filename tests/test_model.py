@@ -305,11 +305,12 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-def tiny_hf_gpt2():
+def tiny_hf_gpt2(activation: str = "gelu_new"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(14)
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=300, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=300, bos_token_id=0, eos_token_id=0,
+                        activation_function=activation)
     hf = GPT2LMHeadModel(config)
     with torch.no_grad():  # non-trivial biases and LayerNorm gains, so a mis-copied one shows in the logits
         for p in hf.parameters():
@@ -318,20 +319,20 @@ def tiny_hf_gpt2():
 
 
 @pytest.mark.usefixtures("offline")
-@pytest.mark.parametrize("multiple", [64, 1])
-def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int) -> None:
-    hf = tiny_hf_gpt2()
+@pytest.mark.parametrize("multiple, activation, gelu", [(64, "gelu_new", "tanh"), (1, "gelu_new", "tanh"), (64, "gelu", "erf")])
+def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int, activation: str, gelu: str) -> None:
+    hf = tiny_hf_gpt2(activation)
     path = tmp_path / "tiny-gpt2"
     hf.save_pretrained(path)
     model = GPT.from_pretrained(str(path), vocab_padding_multiple=multiple).eval()
-    assert model.config.vocab_size == 300
+    assert model.config.vocab_size == 300 and model.config.gelu == gelu
     assert model.lm_head.weight.shape[0] == (320 if multiple == 64 else 300)
     idx = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(15))
     with torch.no_grad():
         ours, _ = model(idx)
         theirs = hf(idx).logits
     assert ours.shape == theirs.shape == (2, 64, 300)
-    print(f"\nHF parity (padding multiple {multiple}): max |logit diff| {max_err(ours, theirs):.3g}")
+    print(f"\nHF parity (padding multiple {multiple}, {activation}): max |logit diff| {max_err(ours, theirs):.3g}")
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)  # float32
     if multiple == 64:
         assert torch.count_nonzero(model.lm_head.weight[300:]) == 0
@@ -347,6 +348,8 @@ def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> Non
     with pytest.raises(GPTError, match="unknown GPT-2 model"):
         GPT.from_pretrained(str(tmp_path / "no-such-folder"))
 
+    with pytest.raises(GPTError, match=r"unsupported GPT-2 activation 'relu': this model has gelu_new, gelu_pytorch_tanh, gelu"):
+        GPT.from_hf_model(tiny_hf_gpt2("relu"))
     hf = tiny_hf_gpt2()
     hf.transformer.h[1].mlp.c_fc.bias = nn.Parameter(torch.zeros(100))  # expected 4 * 64 = 256
     with pytest.raises(GPTError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
@@ -369,9 +372,21 @@ def test_unknown_attention_settings_list_the_choices() -> None:
         tiny_config(attention="flashy")
     with pytest.raises(GPTError, match=r"sdpa_backend='fast' is not one of auto, flash, efficient, cudnn, math"):
         tiny_config(sdpa_backend="fast")
+    with pytest.raises(GPTError, match=r"gelu='exact' is not one of tanh, erf"):
+        tiny_config(gelu="exact")
     with pytest.raises(GPTError) as info:  # both at once: one error naming both
         tiny_config(attention="flashy", sdpa_backend="fast")
     assert "attention='flashy'" in str(info.value) and "sdpa_backend='fast'" in str(info.value)
+
+
+def test_gelu_setting_picks_the_tanh_or_the_exact_form() -> None:
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64)
+    exact = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    assert (exact - tanh).abs().max() > 1e-4  # the two forms differ enough for the checks below to tell them apart
+    for gelu, want in (("tanh", tanh), ("erf", exact)):
+        mlp_gelu = GPT(tiny_config(gelu=gelu)).transformer.h[0].mlp.gelu
+        torch.testing.assert_close(mlp_gelu(x), want, atol=1e-12, rtol=0)
 
 
 # ----------------------------------------------------------------------------------- 6. sampling
