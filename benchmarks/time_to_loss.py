@@ -4,6 +4,7 @@ Time to a validation loss, side by side: nanoGPT's CPU recipe for the baby GPT v
     python data/shakespeare_char/prepare.py
     python benchmarks/time_to_loss.py               # the baseline, then ours
     python benchmarks/time_to_loss.py --rounds=2    # alternate them twice (a shared machine's speed drifts)
+    python benchmarks/time_to_loss.py --variant=--gelu=tanh --variant=--dtype=float32   # + ours with one change
 
 nanoGPT's README trains the baby GPT on a CPU with
     python train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20
@@ -16,7 +17,8 @@ default malloc. Ours is config/train_shakespeare_char_cpu.py as it is.
 Every run is train.py in a fresh process with its own out_dir. Its metrics.jsonl gives the val loss of each eval
 and the wall time since training started (elapsed_s, which includes the evals). The target is the baseline's final
 val loss (or --target); a run's time to it is interpolated linearly between the two evals around it. The speed-up
-is the ratio of the two recipes' median times to the target.
+is the ratio of the two recipes' median times to the target. Each --variant is our config with those extra
+arguments, run in the same rounds, so what each of our choices buys is measured side by side too.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ NANOGPT_CPU = [  # nanoGPT's README command, then the settings that make this tr
     "--keep_freed_memory=False",
 ]
 OURS = ["config/train_shakespeare_char_cpu.py"]
+BASELINE, OURS_NAME = "nanoGPT CPU recipe", "ours"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="runs of each recipe, alternating baseline and ours")
     p.add_argument("--target", type=float, default=None, help="val loss to reach (default: the baseline's final)")
     p.add_argument("--args", default="", help="extra train.py arguments for both recipes, e.g. '--data_dir=...'")
-    p.add_argument("--ours_args", default="", help="extra train.py arguments for ours only, e.g. '--compile=True'")
+    p.add_argument("--variant", action="append", default=[],
+                   help="also run ours with these extra train.py arguments, e.g. '--gelu=tanh' (repeatable)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds} must be at least 1")
@@ -89,7 +93,9 @@ def run_recipe(recipe: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     extra = shlex.split(args.args)
-    recipes = {"nanoGPT CPU recipe": NANOGPT_CPU + extra, "ours": OURS + extra + shlex.split(args.ours_args)}
+    recipes = {BASELINE: NANOGPT_CPU + extra, OURS_NAME: OURS + extra}
+    for variant in args.variant:
+        recipes[f"{OURS_NAME} {variant}"] = OURS + extra + shlex.split(variant)
     runs = []
     for r in range(args.rounds):
         for name, recipe in recipes.items():
@@ -98,24 +104,42 @@ def main(argv: list[str] | None = None) -> None:
             it, t, loss = runs[-1]["evals"][-1]
             print(f"  val loss {loss:.4f} at iter {it}, {t:.1f} s of training ({runs[-1]['wall_s']:.1f} s wall)")
 
-    baseline_finals = [run["evals"][-1][2] for run in runs if run["name"] == "nanoGPT CPU recipe"]
+    baseline_finals = [run["evals"][-1][2] for run in runs if run["name"] == BASELINE]
     target = args.target if args.target is not None else statistics.median(baseline_finals)
     source = "--target" if args.target is not None else "the baseline's final val loss"
     print(f"\ntime to val loss {target:.4f} ({source}):")
-    print(f"| recipe | final val loss | iters | time to {target:.4f} |\n|:--|--:|--:|--:|")
-    times: dict[str, list[float]] = {name: [] for name in recipes}
+    lines, speedups = summarize(runs, target)
+    print("\n".join(lines))
+    if speedups[OURS_NAME] is None:
+        sys.exit(1)
+
+
+def summarize(runs: list[dict], target: float) -> tuple[list[str], dict[str, float | None]]:
+    """A Markdown table of the runs, then a line per recipe other than the baseline with its speed-up: the
+    baseline's median time to the target over the recipe's (None, and says so, if either never reached it)."""
+    lines = [f"| recipe | iters | training time | final val loss | time to {target:.4f} |", "|:--|--:|--:|--:|--:|"]
+    times: dict[str, list[float]] = {}
     for run in runs:
         t = time_to_target(run["evals"], target)
-        it, _, loss = run["evals"][-1]
-        print(f"| {run['name']} | {loss:.4f} | {it} | {'not reached' if t is None else f'{t:.1f} s'} |")
+        it, total, loss = run["evals"][-1]
+        reached = "not reached" if t is None else f"{t:.1f} s"
+        lines.append(f"| {run['name']} | {it} | {total:.1f} s | {loss:.4f} | {reached} |")
+        times.setdefault(run["name"], [])
         if t is not None:
             times[run["name"]].append(t)
-    base, ours = (statistics.median(v) if v else None for v in times.values())
-    if base is None or ours is None:
-        print("speed-up: n/a (a recipe never reached the target)")
-        sys.exit(1)
-    print(f"speed-up to val loss {target:.4f}: {base / ours:.2f}x (median {base:.1f} s vs {ours:.1f} s, "
-          f"{args.rounds} run(s) each)")
+    speedups: dict[str, float | None] = {}
+    base = statistics.median(times[BASELINE]) if times.get(BASELINE) else None
+    for name, ts in times.items():
+        if name == BASELINE:
+            continue
+        if base is None or not ts:
+            speedups[name] = None
+            lines.append(f"{name}: speed-up n/a ({'the baseline' if base is None else 'it'} never reached the target)")
+            continue
+        speedups[name] = base / statistics.median(ts)
+        lines.append(f"{name}: {speedups[name]:.2f}x faster to val loss {target:.4f} (median {base:.1f} s vs "
+                     f"{statistics.median(ts):.1f} s, {len(ts)} run(s))")
+    return lines, speedups
 
 
 if __name__ == "__main__":
