@@ -10,6 +10,7 @@ import glob
 import os
 import pickle
 import platform
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -254,24 +255,55 @@ def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """
     Write atomically: a temporary file in the same folder, flushed and fsynced, then renamed over `path`.
-    A crash at any moment leaves either the old checkpoint or the new one, never a torn file.
+    A crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
+    (a full disk, no permission) is a UserError, and the old checkpoint stays as it was.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    for stale in glob.glob(glob.escape(path) + ".tmp.*"):  # left by a process killed mid-write
-        with contextlib.suppress(OSError):
-            os.remove(stale)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
+        os.makedirs(folder, exist_ok=True)
+        for stale in glob.glob(glob.escape(path) + ".tmp.*"):  # left by a process killed mid-write
+            with contextlib.suppress(OSError):
+                os.remove(stale)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        kept = "the previous checkpoint is intact" if os.path.exists(path) else "no checkpoint was written"
+        raise UserError(
+            f"could not write checkpoint {path} ({e.strerror or e}); {kept}: free disk space or choose another out_dir"
+        ) from None
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-    with contextlib.suppress(OSError):  # make the rename itself durable (not possible on every OS)
+    _fsync_folder(folder)
+
+
+def keep_as(path: str, other: str) -> None:
+    """Make `other` name the same file as `path` (a hard link, so no copy), atomically: a crash leaves either the
+    old `other` or the new one. Where the file system has no hard links, a copy."""
+    tmp = f"{other}.tmp.{os.getpid()}"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, other)
+    except OSError as e:
+        raise UserError(f"could not keep {path} as {other} ({e.strerror or e}): free disk space or choose another "
+                        f"out_dir") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    _fsync_folder(os.path.dirname(os.path.abspath(other)))
+
+
+def _fsync_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):  # make a rename durable (not possible on every OS)
         dir_fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dir_fd)

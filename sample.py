@@ -43,6 +43,7 @@ SEPARATOR = "---------------"
 class SampleConfig:
     init_from: str = "resume"  # "resume" (from out_dir/ckpt.pt), "gpt2", "gpt2-medium", ... or a HF GPT-2 folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
+    ckpt: str = "ckpt.pt"  # with init_from=resume: the file in out_dir (ckpt_best.pt: the best val loss's, if kept)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
     num_samples: int = 10
     max_new_tokens: int = 500  # tokens generated per sample
@@ -117,7 +118,7 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
     device = resolve_device(cfg.device)
     overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend)) if v is not None}
     if cfg.init_from == "resume":
-        ckpt = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), map_location=device)
+        ckpt = load_checkpoint(os.path.join(cfg.out_dir, cfg.ckpt), map_location=device)
         model = model_from_checkpoint(ckpt, **overrides)
         tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
         del ckpt

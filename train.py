@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import time
 from contextlib import nullcontext
@@ -36,6 +37,7 @@ from common import (
     autocast_context,
     cleanup_distributed,
     exit_on_user_error,
+    keep_as,
     keep_freed_memory,
     load_checkpoint,
     load_model_state,
@@ -272,11 +274,27 @@ def restore_rng(ckpt: dict, cfg: TrainConfig, dist: Dist, iter_num: int) -> None
         torch.cuda.set_rng_state(rng["cuda"].cpu(), dist.device)
 
 
-def save_run_checkpoint(state: dict, cfg: TrainConfig) -> None:
-    save_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), state)
+CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
+_KEEP_LAST_RE = re.compile(r"ckpt_(\d+)\.pt")
+
+
+def save_run_checkpoint(state: dict, cfg: TrainConfig, improved: bool) -> None:
+    """
+    out_dir/ckpt.pt is always the latest save, where a resume continues. With always_save_checkpoint=False it is
+    written only when the val loss improves, so it holds the best weights; a stop between evals (SIGTERM, Ctrl-C)
+    must save the latest state too, so the best one is first kept as ckpt_best.pt (a hard link, crash-safe). Once
+    an eval improves again, ckpt.pt is the best again and ckpt_best.pt goes. keep_last > 0 also keeps the newest
+    checkpoints as ckpt_<iter>.pt.
+    """
+    path, best_path = os.path.join(cfg.out_dir, CKPT_NAME), os.path.join(cfg.out_dir, BEST_NAME)
+    if not improved and not cfg.always_save_checkpoint and os.path.exists(path) and not os.path.exists(best_path):
+        keep_as(path, best_path)
+    save_checkpoint(path, state)
+    if improved and os.path.exists(best_path):
+        os.remove(best_path)
     if cfg.keep_last > 0:
         save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{state['iter_num']:07d}.pt"), state)
-        old = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
+        old = sorted(f for f in os.listdir(cfg.out_dir) if _KEEP_LAST_RE.fullmatch(f))
         for f in old[: -cfg.keep_last]:
             os.remove(os.path.join(cfg.out_dir, f))
 
@@ -350,7 +368,7 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         return GPT(GPTConfig(**args, **settings))
     if cfg.init_from == "resume":
         model = GPT(GPTConfig(**{**ckpt["model_args"], **settings}))
-        load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, "ckpt.pt"))
+        load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, CKPT_NAME))
         return model
     if cfg.init_from.startswith("gpt2") or os.path.isdir(cfg.init_from):
         model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
@@ -420,7 +438,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else _maybe_meta(data_dir)
 
     # model
-    ckpt = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), map_location="cpu") if cfg.init_from == "resume" else None
+    ckpt = load_checkpoint(os.path.join(cfg.out_dir, CKPT_NAME), map_location="cpu") if cfg.init_from == "resume" else None
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
         for change in resume_changes(ckpt["config"], cfg, dist.world_size, ckpt.get("world_size", 1)):
@@ -455,11 +473,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         # broadcast_buffers=False: the only buffers are the constant causal masks
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, broadcast_buffers=False)
 
-    def save(iter_num: int, best_val_loss: float) -> None:
+    def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         if dist.master:
             state = checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist)
-            save_run_checkpoint(state, cfg)
-            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}")
+            save_run_checkpoint(state, cfg, improved)
+            kept = os.path.exists(os.path.join(cfg.out_dir, BEST_NAME))
+            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}"
+                      + (f" (the best val loss's weights stay in {BEST_NAME})" if kept else ""))
 
     with StopRequest(dist) as stop:
         running_mfu = -1.0
@@ -475,7 +495,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not cfg.eval_only:
-                    save(iter_num, best_val_loss)
+                    save(iter_num, best_val_loss, improved)
                 t0 = time.time()  # the eval is not part of the next step's time
             if iter_num >= cfg.max_iters or cfg.eval_only:
                 break
@@ -519,7 +539,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 log.metrics({"iter": iter_num, "loss": loss, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt,
                              "mfu": mfu, "grad_norm": grad_norm})
             if stop.requested():
-                save(iter_num, best_val_loss)
+                save(iter_num, best_val_loss, improved=False)
                 if dist.enabled:  # every rank exits only once rank 0's checkpoint is on disk
                     torch_dist.barrier()
                 raise SystemExit(stop.message(iter_num))

@@ -1,6 +1,7 @@
 """Nothing lost: signals, kills during checkpoint writes, non-finite losses, bad files, changed resumes."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -19,7 +20,7 @@ import dataio
 from common import UserError, load_checkpoint, save_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
 from model import GPT
-from train import NonFiniteError, batch_generator, get_batch, train
+from train import NonFiniteError, batch_generator, get_batch, save_run_checkpoint, train
 
 
 @pytest.fixture()
@@ -64,6 +65,69 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(da
     assert resumed["iter_num"] == 60
     assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=1e-5)
     assert resumed["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+
+
+def test_a_stop_between_evals_keeps_the_best_checkpoint(data_dir, tmp_path):
+    # always_save_checkpoint=False: ckpt.pt holds the best val loss's weights, until a stop must save the latest
+    cfg = tiny_config(data_dir, tmp_path / "run", **{**RUN, "eval_interval": 5}, always_save_checkpoint=False)
+    proc = start(["train.py", *config_args(cfg)])
+    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 7, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err[-2000:]
+    latest = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    best = load_checkpoint(str(tmp_path / "run" / "ckpt_best.pt"))
+    evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "val_loss" in r]
+    best_eval = min(evals[1:], key=lambda r: r["val_loss"])  # iter 0's eval is never saved
+    assert best["iter_num"] == best_eval["iter"] and best["best_val_loss"] == pytest.approx(best_eval["val_loss"])
+    assert latest["iter_num"] > best["iter_num"] and latest["best_val_loss"] == best["best_val_loss"]
+    assert "the best val loss's weights stay in ckpt_best.pt" in out
+    # sample.py can use either
+    from sample import SampleConfig, load_model
+
+    model, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt="ckpt_best.pt", device="cpu"))
+    assert torch.equal(model.transformer.wte.weight, best["model"]["transformer.wte.weight"])
+
+
+def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path):
+    cfg = tiny_config(tmp_path / "data", tmp_path / "out", always_save_checkpoint=False, keep_last=1)
+    out = tmp_path / "out"
+    os.makedirs(out)
+
+    def saved(name):
+        return load_checkpoint(str(out / name))["iter_num"] if (out / name).exists() else None
+
+    def state(i):
+        return {"model": {}, "model_args": {}, "iter_num": i}
+
+    save_run_checkpoint(state(10), cfg, improved=True)  # an improving eval
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (10, None)
+    save_run_checkpoint(state(13), cfg, improved=False)  # a stop: the best is kept first
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (13, 10)
+    save_run_checkpoint(state(17), cfg, improved=False)  # resumed, stopped again before an improvement
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (17, 10)
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000017.pt", "ckpt_best.pt"]  # keep_last spares the best
+    save_run_checkpoint(state(20), cfg, improved=True)  # better again: ckpt.pt is the best
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (20, None)
+    always = tiny_config(tmp_path / "data", out, always_save_checkpoint=True)
+    save_run_checkpoint(state(23), always, improved=False)  # ckpt.pt is the latest anyway: nothing kept
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (23, None)
+
+
+def test_a_full_disk_is_a_clear_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(UserError) as info:
+        save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 2})
+    assert str(info.value) == (f"could not write checkpoint {path} (No space left on device); the previous "
+                               f"checkpoint is intact: free disk space or choose another out_dir")
+    monkeypatch.undo()
+    assert load_checkpoint(path)["iter_num"] == 1 and os.listdir(tmp_path) == ["ckpt.pt"]
 
 
 def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(data_dir, tmp_path):
