@@ -16,6 +16,7 @@ Config: the TrainConfig defaults below, then config files and --key=value overri
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -386,6 +387,15 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     )
 
 
+# The only buffers are the constant causal masks: DDP need not sync them before every forward. PyTorch 2.13 renamed
+# the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
 def check_config(cfg: TrainConfig, world_size: int) -> None:
     problems = []
     if cfg.gradient_accumulation_steps % world_size:
@@ -470,8 +480,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = torch.compile(model)
     eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
     if dist.enabled:
-        # broadcast_buffers=False: the only buffers are the constant causal masks
-        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, broadcast_buffers=False)
+        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **NO_BUFFER_SYNC)
 
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         if dist.master:

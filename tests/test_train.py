@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -232,3 +233,41 @@ def test_none_default_can_be_overridden_on_the_command_line(data_dir, tmp_path):
 
     cfg = configure(TrainConfig(), ["--lr_decay_iters=500", "--data_dir=" + str(data_dir)])
     assert cfg.lr_decay_iters == 500 and cfg.data_dir == str(data_dir)
+
+
+def readme_train_commands() -> list[tuple[str, list[str], int]]:
+    """(line, train.py arguments, world size) of every `python train.py` / `torchrun ... train.py` command in the
+    README's code blocks."""
+    import re
+    import shlex
+
+    from helpers import ROOT
+
+    commands, in_code = [], False
+    for line in open(os.path.join(ROOT, "README.md")):
+        if line.startswith("```"):
+            in_code = line.strip() == "```sh"
+            continue
+        if not in_code:
+            continue
+        words = shlex.split(line.split("  #")[0].strip())
+        for i, word in enumerate(words):
+            if word == "train.py" and i > 0 and (words[i - 1] == "python" or words[0] == "torchrun"):
+                args = list(itertools.takewhile(lambda w: w != "&&", words[i + 1:]))
+                flags = dict(re.findall(r"--(nnodes|nproc_per_node)=(\d+)", " ".join(words[:i])))
+                commands.append((line.strip(), args, int(flags.get("nnodes", 1)) * int(flags.get("nproc_per_node", 1))))
+    return commands
+
+
+def test_every_readme_train_command_is_a_valid_config_for_its_world_size():
+    from configurator import configure
+    from train import check_config
+
+    commands = readme_train_commands()
+    assert len(commands) >= 7  # quickstart, one GPU, overrides, 8 GPUs, CPU DDP, two multi-node lines
+    for line, args, world_size in commands:
+        cfg = configure(TrainConfig(), args)
+        try:
+            check_config(cfg, world_size)
+        except UserError as e:
+            pytest.fail(f"README command `{line}`: {e}")
