@@ -127,7 +127,8 @@ def check_bench_config(cfg: BenchConfig) -> None:
 
 def model_config(cfg: BenchConfig, **changes) -> GPTConfig:
     args = {k: getattr(cfg, k) for k in MODEL_KEYS}
-    args.update(dropout=cfg.dropout, attention=cfg.attention, sdpa_backend=cfg.sdpa_backend)
+    args.update(dropout=cfg.dropout, attention=cfg.attention, sdpa_backend=cfg.sdpa_backend,
+                gelu=cfg.gelu or GPTConfig.gelu)
     args.update(changes)
     return GPTConfig(**args)
 

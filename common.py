@@ -336,12 +336,20 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     return ckpt
 
 
+def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:
+    """The GPTConfig of a checkpoint's model_args. Checkpoints from before the gelu setting have none: this repo's
+    used GPT-2's tanh form, nanoGPT's (which have no vocab_padding_multiple) the exact one, nn.GELU()."""
+    args = dict(model_args)
+    if "gelu" not in args:
+        args["gelu"] = "tanh" if "vocab_padding_multiple" in args else "erf"
+    args.update(overrides)
+    return GPTConfig(**args)
+
+
 def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:
     """Rebuild the model from the checkpoint alone (model_args + state). `overrides` may change settings that do
     not touch the weights (dropout, attention, sdpa_backend)."""
-    args = dict(ckpt["model_args"])
-    args.update(overrides)
-    model = GPT(GPTConfig(**args))
+    model = GPT(checkpoint_model_config(ckpt["model_args"], **overrides))
     load_model_state(model, ckpt["model"], source="checkpoint")
     return model
 

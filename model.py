@@ -8,7 +8,7 @@ Speed switches live in GPTConfig and none of them changes what the model compute
   attention="math" | "sdpa", sdpa_backend="auto" | "flash" | "efficient" | "cudnn" | "math",
   vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out).
 One setting does change the function, and only slightly: gelu="tanh" (GPT-2's "gelu_new", needed for its weights)
-or "erf" (the exact GELU, as in nanoGPT, whose PyTorch CPU kernels are ~2.5x faster than the tanh form's).
+or "erf" (the exact GELU, as in nanoGPT; PyTorch's CPU kernels for it are ~2.5x faster than for the tanh form).
 """
 from __future__ import annotations
 
@@ -363,7 +363,7 @@ class GPT(nn.Module):
         hf = hf_model.config
         activation = getattr(hf, "activation_function", "gelu_new")
         if activation not in HF_ACTIVATIONS:
-            raise GPTError(f"unsupported GPT-2 activation {activation!r}: this model has {', '.join(HF_ACTIVATIONS)}")
+            raise GPTError(f"unsupported GPT-2 activation {activation!r}: this model supports {', '.join(HF_ACTIVATIONS)}")
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if getattr(hf, flag, False):
                 raise GPTError(f"unsupported GPT-2 option {flag}=True")

@@ -33,7 +33,7 @@ from common import (
 )
 from configurator import configure
 from model import GPT
-from train import TrainConfig, data_paths
+from train import BEST_NAME, TrainConfig, data_paths
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SEPARATOR = "---------------"
@@ -118,7 +118,11 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
     device = resolve_device(cfg.device)
     overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend)) if v is not None}
     if cfg.init_from == "resume":
-        ckpt = load_checkpoint(os.path.join(cfg.out_dir, cfg.ckpt), map_location=device)
+        path = os.path.join(cfg.out_dir, cfg.ckpt)
+        if cfg.ckpt == BEST_NAME and not os.path.exists(path):
+            raise UserError(f"no {path}: it exists only after a run with always_save_checkpoint=False was stopped "
+                            f"between evals; otherwise ckpt.pt holds the best weights: drop --ckpt")
+        ckpt = load_checkpoint(path, map_location=device)
         model = model_from_checkpoint(ckpt, **overrides)
         tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
         del ckpt

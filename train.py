@@ -36,6 +36,7 @@ from common import (
     Dist,
     UserError,
     autocast_context,
+    checkpoint_model_config,
     cleanup_distributed,
     exit_on_user_error,
     keep_as,
@@ -85,7 +86,8 @@ class TrainConfig:
     attention: str = "sdpa"  # "math" or "sdpa"
     sdpa_backend: str = "auto"  # "auto", "flash", "efficient", "cudnn", "math"
     vocab_padding_multiple: int = 64  # 50257 -> 50304 rows; 1 turns padding off
-    gelu: str = "tanh"  # "tanh" (GPT-2's, as its weights need) or "erf" (exact; nanoGPT's; faster on the CPU)
+    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, faster on the CPU); None: tanh from
+    # scratch, else what the checkpoint or GPT-2 weights were trained with
     # AdamW
     learning_rate: float = 6e-4  # max learning rate
     max_iters: int = 600000  # optimizer steps
@@ -111,7 +113,7 @@ class TrainConfig:
     seed: int = 1337
 
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple", "gelu")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -279,40 +281,60 @@ CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
 _KEEP_LAST_RE = re.compile(r"ckpt_(\d+)\.pt")
 
 
-def save_run_checkpoint(state: dict, cfg: TrainConfig, improved: bool) -> None:
+def save_run_checkpoint(state: dict, cfg: TrainConfig, improved: bool, best_file: str | None) -> str | None:
     """
-    out_dir/ckpt.pt is always the latest save, where a resume continues. With always_save_checkpoint=False it is
-    written only when the val loss improves, so it holds the best weights; a stop between evals (SIGTERM, Ctrl-C)
-    must save the latest state too, so the best one is first kept as ckpt_best.pt (a hard link, crash-safe). Once
-    an eval improves again, ckpt.pt is the best again and ckpt_best.pt goes. keep_last > 0 also keeps the newest
-    checkpoints as ckpt_<iter>.pt.
+    Save `state` to out_dir/ckpt.pt, the latest save, where a resume continues. Returns the file that now holds
+    the run's best weights (None: not kept), which the state records too (`best_file`).
+
+    With always_save_checkpoint=False, ckpt.pt is written at an eval only when the val loss improves, so it holds
+    the best weights. A stop between evals (SIGTERM, Ctrl-C) must save the latest state there too: the best one is
+    first kept as ckpt_best.pt (a hard link). An eval that improves again writes ckpt_best.pt first, then links
+    ckpt.pt to it and removes ckpt_best.pt, so at every moment of a crash the best weights have a name.
+    keep_last > 0 also keeps the newest checkpoints as ckpt_<iter>.pt.
     """
     path, best_path = os.path.join(cfg.out_dir, CKPT_NAME), os.path.join(cfg.out_dir, BEST_NAME)
-    if not improved and not cfg.always_save_checkpoint and os.path.exists(path) and not os.path.exists(best_path):
-        keep_as(path, best_path)
-    save_checkpoint(path, state)
-    if improved and os.path.exists(best_path):
-        os.remove(best_path)
+    if improved:
+        state = {**state, "best_file": CKPT_NAME}
+        if os.path.exists(best_path):
+            save_checkpoint(best_path, state)
+            keep_as(best_path, path)
+            os.remove(best_path)
+        else:
+            save_checkpoint(path, state)
+        best_file = CKPT_NAME
+    else:
+        if best_file == CKPT_NAME and not cfg.always_save_checkpoint and os.path.exists(path):
+            keep_as(path, best_path)
+            best_file = BEST_NAME
+        best_file = best_file if best_file == BEST_NAME else None  # else ckpt.pt's best is overwritten now
+        state = {**state, "best_file": best_file}
+        save_checkpoint(path, state)
     if cfg.keep_last > 0:
-        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{state['iter_num']:07d}.pt"), state)
-        old = sorted(f for f in os.listdir(cfg.out_dir) if _KEEP_LAST_RE.fullmatch(f))
-        for f in old[: -cfg.keep_last]:
+        keep_as(path, os.path.join(cfg.out_dir, f"ckpt_{state['iter_num']:07d}.pt"))
+        kept = sorted((int(m.group(1)), f) for f in os.listdir(cfg.out_dir) if (m := _KEEP_LAST_RE.fullmatch(f)))
+        for _, f in kept[: -cfg.keep_last]:
             os.remove(os.path.join(cfg.out_dir, f))
+    return best_file
 
 
-def resume_changes(saved: dict, cfg: TrainConfig, world_size: int, saved_world_size: int) -> list[str]:
-    """Settings that differ from the checkpoint's run. A different model shape cannot resume (UserError);
-    anything else is allowed and returned, to be printed as a warning."""
+def resume_changes(
+    saved: dict, model_args: dict, cfg: TrainConfig, world_size: int, saved_world_size: int
+) -> list[str]:
+    """Settings that differ from the checkpoint's run (its config and model_args). A different model shape or
+    GELU cannot resume (UserError); anything else is allowed and returned, to be printed as a warning."""
     changed = [
         f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
         for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from",)
+        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from", "gelu")
     ]
-    shape = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
-    if shape:
+    model = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
+    saved_gelu = checkpoint_model_config(model_args).gelu
+    if cfg.gelu is not None and cfg.gelu != saved_gelu:
+        model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
+    if model:
         raise UserError(
-            f"cannot resume: the checkpoint's model is a different one ({'; '.join(shape)}): use the run's "
-            f"settings, or a new out_dir to start a new run"
+            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
+            f"out_dir to start a new run"
         )
     if world_size != saved_world_size:
         changed.append(f"world_size: {saved_world_size} -> {world_size}")
@@ -364,16 +386,16 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
             bias=cfg.bias,
             vocab_size=meta["vocab_size"],
             vocab_padding_multiple=cfg.vocab_padding_multiple,
-            gelu=cfg.gelu,
+            gelu=cfg.gelu or GPTConfig.gelu,
         )
         return GPT(GPTConfig(**args, **settings))
     if cfg.init_from == "resume":
-        model = GPT(GPTConfig(**{**ckpt["model_args"], **settings}))
+        model = GPT(checkpoint_model_config(ckpt["model_args"], **settings))
         load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, CKPT_NAME))
         return model
     if cfg.init_from.startswith("gpt2") or os.path.isdir(cfg.init_from):
         model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
-        if cfg.gelu != model.config.gelu:
+        if cfg.gelu is not None and cfg.gelu != model.config.gelu:
             raise UserError(
                 f"gelu={cfg.gelu!r} does not match the GPT-2 weights of {cfg.init_from!r}, which were trained with "
                 f"gelu={model.config.gelu!r}: remove the gelu setting"
@@ -451,9 +473,11 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     ckpt = load_checkpoint(os.path.join(cfg.out_dir, CKPT_NAME), map_location="cpu") if cfg.init_from == "resume" else None
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
-        for change in resume_changes(ckpt["config"], cfg, dist.world_size, ckpt.get("world_size", 1)):
+        saved_world_size = ckpt.get("world_size", 1)
+        for change in resume_changes(ckpt["config"], ckpt["model_args"], cfg, dist.world_size, saved_world_size):
             log.print(f"warning: resuming with a changed setting: {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
+    best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
     model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
@@ -483,12 +507,12 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **NO_BUFFER_SYNC)
 
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
+        nonlocal best_file
         if dist.master:
             state = checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist)
-            save_run_checkpoint(state, cfg, improved)
-            kept = os.path.exists(os.path.join(cfg.out_dir, BEST_NAME))
+            best_file = save_run_checkpoint(state, cfg, improved, best_file)
             log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}"
-                      + (f" (the best val loss's weights stay in {BEST_NAME})" if kept else ""))
+                      + (f" (the best val loss's weights stay in {BEST_NAME})" if best_file == BEST_NAME else ""))
 
     with StopRequest(dist) as stop:
         running_mfu = -1.0

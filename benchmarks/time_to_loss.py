@@ -17,13 +17,18 @@ the for-loop AdamW, glibc's default malloc. Ours is config/train_shakespeare_cha
 Every run is train.py in a fresh process with its own out_dir. Its metrics.jsonl gives the val loss of each eval
 and the wall time since training started (elapsed_s, which includes the evals). The target is the baseline's final
 val loss (or --target); a run's time to it is interpolated linearly between the two evals around it. The speed-up
-is the ratio of the two recipes' median times to the target. Each --variant is our config with those extra
-arguments, run in the same rounds, so what each of our choices buys is measured side by side too.
+is the ratio of the two recipes' median times to the target, over the runs that reached it (the table shows every
+run). Each --variant is our config with those extra arguments, run in the same rounds, so what each of our choices
+buys is measured side by side too.
+
+Exit status: 0; 1 if a train.py run fails (its stderr is shown) or if the baseline or ours never reaches the
+target (a variant that never reaches it is reported as such, with status 0).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -67,15 +72,19 @@ def read_evals(metrics_path: str) -> list[tuple[int, float, float]]:
 
 def time_to_target(evals: list[tuple[int, float, float]], target: float) -> float | None:
     """The wall time at which the val loss first reaches target, interpolated linearly between the eval before
-    and the eval that reaches it; None if no eval does."""
+    (whose loss is above the target) and the eval that reaches it; None if no eval does. A non-finite loss counts
+    as not reached and is not interpolated from."""
     previous = None
     for _, t, loss in evals:
-        if loss <= target:
-            if previous is None or previous[1] == loss:
+        if not math.isfinite(loss):
+            previous = None
+        elif loss <= target:
+            if previous is None:
                 return t
             t0, loss0 = previous
             return t0 + (t - t0) * (loss0 - target) / (loss0 - loss)
-        previous = (t, loss)
+        else:
+            previous = (t, loss)
     return None
 
 

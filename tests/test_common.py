@@ -60,3 +60,15 @@ def test_user_errors_exit_2_with_one_line(capsys):
         exit_on_user_error(bad)
     assert e.value.code == 2
     assert capsys.readouterr().err == "error: block_size=0 must be at least 1\n"
+
+
+def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
+    from common import checkpoint_model_config
+
+    ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
+            "vocab_padding_multiple": 64, "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}
+    assert checkpoint_model_config(ours).gelu == "tanh"  # this repo before the setting: GPT-2's tanh form
+    nanogpt = {k: ours[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")}
+    assert checkpoint_model_config(nanogpt).gelu == "erf"  # nanoGPT's nn.GELU()
+    assert checkpoint_model_config({**ours, "gelu": "erf"}).gelu == "erf"  # recorded: used as it is
+    assert checkpoint_model_config(ours, attention="math").attention == "math"  # overrides apply

@@ -1,6 +1,7 @@
 """Nothing lost: signals, kills during checkpoint writes, non-finite losses, bad files, changed resumes."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -89,7 +90,7 @@ def test_a_stop_between_evals_keeps_the_best_checkpoint(data_dir, tmp_path):
     assert torch.equal(model.transformer.wte.weight, best["model"]["transformer.wte.weight"])
 
 
-def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path):
+def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path / "data", tmp_path / "out", always_save_checkpoint=False, keep_last=1)
     out = tmp_path / "out"
     os.makedirs(out)
@@ -97,21 +98,41 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path):
     def saved(name):
         return load_checkpoint(str(out / name))["iter_num"] if (out / name).exists() else None
 
-    def state(i):
-        return {"model": {}, "model_args": {}, "iter_num": i}
+    def save(i, improved, best_file, config=cfg):
+        return save_run_checkpoint({"model": {}, "model_args": {}, "iter_num": i}, config, improved, best_file)
 
-    save_run_checkpoint(state(10), cfg, improved=True)  # an improving eval
+    (out / "ckpt_best.pt").write_bytes(b"an earlier run's")  # not this run's: never claimed as its best
+    assert save(3, False, None) is None  # a stop before any improving eval: no best to keep
+    assert (out / "ckpt_best.pt").read_bytes() == b"an earlier run's"
+    assert save(10, True, None) == "ckpt.pt"  # an improving eval: ckpt.pt is the best (the stale file goes)
     assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (10, None)
-    save_run_checkpoint(state(13), cfg, improved=False)  # a stop: the best is kept first
+    assert save(13, False, "ckpt.pt") == "ckpt_best.pt"  # a stop: the best is kept first
     assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (13, 10)
-    save_run_checkpoint(state(17), cfg, improved=False)  # resumed, stopped again before an improvement
+    best_file = load_checkpoint(str(out / "ckpt.pt"))["best_file"]  # what a resume reads back
+    assert save(17, False, best_file) == "ckpt_best.pt"  # resumed, stopped again before an improvement
     assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (17, 10)
     assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000017.pt", "ckpt_best.pt"]  # keep_last spares the best
-    save_run_checkpoint(state(20), cfg, improved=True)  # better again: ckpt.pt is the best
+
+    # an improving eval writes ckpt_best.pt before touching ckpt.pt: a crash in between loses no best weights
+    def crash(*args):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr("train.keep_as", crash)
+    with pytest.raises(SystemExit):
+        save(20, True, "ckpt_best.pt")
+    monkeypatch.undo()
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (17, 20)
+    assert load_checkpoint(str(out / "ckpt.pt"))["best_file"] == "ckpt_best.pt"  # and the resume point says so
+    assert save(20, True, "ckpt_best.pt") == "ckpt.pt"  # the same eval again, uninterrupted
     assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (20, None)
-    always = tiny_config(tmp_path / "data", out, always_save_checkpoint=True)
-    save_run_checkpoint(state(23), always, improved=False)  # ckpt.pt is the latest anyway: nothing kept
+
+    always = tiny_config(tmp_path / "data", out, always_save_checkpoint=True, keep_last=2)
+    assert save(23, False, "ckpt.pt", always) is None  # ckpt.pt is the latest anyway: the best is not kept
     assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (23, None)
+    for i in (99, 100, 10_000_000):  # keep_last orders by iteration, not by name
+        save(i, False, None, always)
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == ["ckpt_0000100.pt", "ckpt_10000000.pt"]
+    assert os.path.samefile(out / "ckpt.pt", out / "ckpt_10000000.pt")  # a link, not a second write
 
 
 def test_a_full_disk_is_a_clear_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
@@ -281,9 +302,23 @@ def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir,
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
     line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--n_embd=64"]))
-    assert "cannot resume: the checkpoint's model is a different one (n_embd: 32 -> 64)" in line
+    assert "cannot resume: the checkpoint's model differs (n_embd: 32 -> 64)" in line
     line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--gelu=erf"]))
-    assert "cannot resume: the checkpoint's model is a different one (gelu: 'tanh' -> 'erf')" in line
+    assert "cannot resume: the checkpoint's model differs (gelu: 'tanh' -> 'erf')" in line
+
+
+def test_resume_compares_the_gelu_with_the_checkpoint_model_even_an_old_one(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2, gelu="erf")
+    train(cfg)
+    path = str(tmp_path / "out" / "ckpt.pt")
+    resumed = dataclasses.replace(cfg, init_from="resume", max_iters=3, gelu=None)  # None: the checkpoint's
+    assert train(resumed)["model"].config.gelu == "erf"
+    old = load_checkpoint(path)  # as written before the gelu setting: no gelu in model_args or config
+    del old["model_args"]["gelu"], old["config"]["gelu"]
+    save_checkpoint(path, old)
+    with pytest.raises(UserError, match=r"model differs \(gelu: 'tanh' -> 'erf'\)"):  # this repo's old ones: tanh
+        train(dataclasses.replace(resumed, gelu="erf"))
+    assert train(dataclasses.replace(resumed, max_iters=4))["model"].config.gelu == "tanh"
 
 
 def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path):

@@ -2,6 +2,7 @@
 GPT-2 names go to from_pretrained (and fail clearly offline)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -71,19 +72,21 @@ def test_finetune_from_a_local_hf_gpt2_folder_lowers_the_loss(tmp_path, gpt2_bpe
     assert isinstance(tokenizer, dataio.GPT2Tokenizer)
 
 
-def test_gelu_that_does_not_match_the_gpt2_weights_is_refused(tmp_path):
+@pytest.mark.parametrize("activation, gelu, other", [("gelu_new", "tanh", "erf"), ("gelu", "erf", "tanh")])
+def test_gelu_follows_the_gpt2_weights_and_a_mismatch_is_refused(tmp_path, activation, gelu, other):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=300)).save_pretrained(
-        tmp_path / "tiny-gpt2"
-    )
-    cfg = TrainConfig(init_from=str(tmp_path / "tiny-gpt2"), block_size=32, gelu="erf")
-    with pytest.raises(train_module.UserError, match=r"gelu='erf' does not match the GPT-2 weights of .*tiny-gpt2', "
-                       r"which were trained with gelu='tanh': remove the gelu setting"):
-        init_model(cfg, None, None)
-    assert init_model(TrainConfig(init_from=cfg.init_from, block_size=32), None, None).config.gelu == "tanh"
-    scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, gelu="erf")  # from scratch, either form
-    assert init_model(scratch, {"vocab_size": 300}, None).config.gelu == "erf"
+    folder = str(tmp_path / "tiny-gpt2")
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=300, activation_function=activation)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    assert init_model(TrainConfig(init_from=folder, block_size=32), None, None).config.gelu == gelu  # by default
+    assert init_model(TrainConfig(init_from=folder, block_size=32, gelu=gelu), None, None).config.gelu == gelu
+    with pytest.raises(train_module.UserError, match=rf"gelu='{other}' does not match the GPT-2 weights of "
+                       rf".*tiny-gpt2', which were trained with gelu='{gelu}': remove the gelu setting"):
+        init_model(TrainConfig(init_from=folder, block_size=32, gelu=other), None, None)
+    scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)  # from scratch: tanh unless set
+    assert init_model(scratch, {"vocab_size": 300}, None).config.gelu == "tanh"
+    assert init_model(dataclasses.replace(scratch, gelu="erf"), {"vocab_size": 300}, None).config.gelu == "erf"
 
 
 def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkeypatch):

@@ -348,7 +348,7 @@ def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> Non
     with pytest.raises(GPTError, match="unknown GPT-2 model"):
         GPT.from_pretrained(str(tmp_path / "no-such-folder"))
 
-    with pytest.raises(GPTError, match=r"unsupported GPT-2 activation 'relu': this model has gelu_new, gelu_pytorch_tanh, gelu"):
+    with pytest.raises(GPTError, match=r"unsupported GPT-2 activation 'relu': this model supports gelu_new, gelu_pytorch_tanh, gelu"):
         GPT.from_hf_model(tiny_hf_gpt2("relu"))
     hf = tiny_hf_gpt2()
     hf.transformer.h[1].mlp.c_fc.bias = nn.Parameter(torch.zeros(100))  # expected 4 * 64 = 256

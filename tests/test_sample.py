@@ -213,3 +213,9 @@ def test_bad_numbers_are_listed_in_one_error():
         "temperature=-1.0 must be >= 0 (0 means greedy); top_k=0 must be at least 1 (or None); "
         "top_p=1.5 must be in (0, 1] (or None)"
     )
+
+
+def test_a_missing_ckpt_best_says_when_it_exists(tmp_path):
+    with pytest.raises(UserError, match=r"ckpt_best.pt: it exists only after a run with always_save_checkpoint=False "
+                       r"was stopped between evals; otherwise ckpt.pt holds the best weights: drop --ckpt"):
+        load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_best.pt", device="cpu"))

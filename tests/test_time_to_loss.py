@@ -23,6 +23,9 @@ def test_time_to_target_interpolates_between_the_evals_around_it():
     assert time_to_target(EVALS, 1.4) is None  # never reached
     bumpy = [(0, 1.0, 3.0), (10, 2.0, 2.5), (20, 3.0, 2.7), (30, 4.0, 2.0)]
     assert time_to_target(bumpy, 2.5) == pytest.approx(2.0)  # the first time it gets there counts
+    nan = [(0, 1.0, 3.0), (10, 2.0, float("nan")), (20, 3.0, 2.0)]
+    assert time_to_target(nan, 2.5) == 3.0  # never interpolated from a NaN
+    assert time_to_target([(0, 1.0, float("nan"))], 2.5) is None
 
 
 def test_summarize_gives_the_ratio_of_the_median_times():
@@ -44,6 +47,21 @@ def test_summarize_gives_the_ratio_of_the_median_times():
     lines, speedups = summarize(runs[:2], 1.85)  # the baseline never gets there
     assert speedups == {OURS_NAME: None} and "| not reached |" in lines[2]
     assert lines[-1] == "ours: speed-up n/a (the baseline never reached the target)"
+
+
+def test_exit_status_is_1_when_ours_or_the_baseline_never_reach_the_target(monkeypatch, capsys):
+    import time_to_loss
+
+    finals = {"config/train_shakespeare_char.py": 1.90, "config/train_shakespeare_char_cpu.py": 1.95}
+    monkeypatch.setattr(time_to_loss, "run_recipe", lambda recipe: {
+        "evals": [(0, 1.0, 4.0), (100, 10.0, finals[recipe[0]] + (0.1 if "--slow" in recipe else 0.0))], "wall_s": 11.0,
+    })
+    time_to_loss.main(["--target=1.96", "--variant=--slow"])  # a variant that never reaches it: reported, status 0
+    assert "ours --slow: speed-up n/a (it never reached the target)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        time_to_loss.main([])  # target: the baseline's 1.90, which ours never reaches
+    assert info.value.code == 1
+    assert "ours: speed-up n/a (it never reached the target)" in capsys.readouterr().out
 
 
 def test_script_runs_both_recipes_and_reports_their_evals(tmp_path):
