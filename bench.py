@@ -48,6 +48,7 @@ from common import (
     resolve_device,
     resolve_dtype,
     run_info,
+    set_deterministic,
     set_tf32,
     synchronize,
 )
@@ -379,6 +380,7 @@ def setup_run(cfg: BenchConfig) -> dict:
         set_tf32(cfg.tf32)
     if device_type == "cpu":
         keep_freed_memory(cfg.keep_freed_memory)
+    set_deterministic(cfg.deterministic)
     data_path = None
     if cfg.real_data:
         data_dir = data_paths(cfg)

@@ -114,6 +114,18 @@ def set_tf32(enabled: bool) -> None:
     torch.set_float32_matmul_precision("high" if enabled else "highest")
 
 
+def set_deterministic(enabled: bool) -> None:
+    """
+    Bitwise repeatable runs: torch.use_deterministic_algorithms. Eager CPU training already is; torch.compile's
+    CPU kernels are not (its embedding backward accumulates with atomic adds, so even the same step twice differs
+    in the last bits), and neither are some CUDA kernels. Ops with no deterministic implementation warn once. On
+    CUDA cuBLAS also needs CUBLAS_WORKSPACE_CONFIG, set here unless already set (before cuBLAS starts).
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+
+
 def keep_freed_memory(enabled: bool) -> bool:
     """
     glibc's malloc hands freed memory back to the OS (heap trimming, and mmap for large blocks with a threshold

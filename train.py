@@ -46,6 +46,7 @@ from common import (
     resolve_dtype,
     run_info,
     save_checkpoint,
+    set_deterministic,
     set_tf32,
     setup_distributed,
     unwrap_model,
@@ -109,6 +110,7 @@ class TrainConfig:
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     compile: bool = True  # torch.compile the model
+    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
     seed: int = 1337
 
@@ -459,6 +461,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
               f"{cfg.batch_size} x {cfg.block_size})")
 
     torch.manual_seed(cfg.seed + dist.rank)  # dropout differs per rank; the data stream has its own generators
+    set_deterministic(cfg.deterministic)
     if device_type == "cuda":
         set_tf32(cfg.tf32)
     if device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dataio
-from common import load_checkpoint, model_from_checkpoint
+from common import load_checkpoint, model_from_checkpoint, set_deterministic
 from helpers import config_args, make_char_dataset, run_script, tiny_config
 from model import GPT, GPTConfig
 from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
@@ -189,6 +189,35 @@ def test_compiled_run_matches_eager_and_saves_plain_state(data_dir, tmp_path, ca
     state = params_of(tmp_path / "compiled" / "ckpt.pt")
     assert not any("_orig_mod" in k for k in state)
     assert max_param_diff(state, params_of(tmp_path / "eager" / "ckpt.pt")) < 1e-4
+
+
+@pytest.fixture()
+def restore_determinism():
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.usefixtures("restore_determinism")
+def test_deterministic_makes_compiled_steps_bitwise_repeatable(data_dir, tmp_path):
+    # Without it, torch.compile's CPU embedding backward accumulates with atomic adds: the same step's gradient
+    # differs in its last bits from call to call (measured on this model: 6 different sums in 6 calls).
+    for flag in (True, False):  # train() sets the mode from the config
+        train(tiny_config(data_dir, tmp_path / f"det{flag}", max_iters=1, eval_interval=1, eval_iters=1,
+                          deterministic=flag))
+        assert torch.are_deterministic_algorithms_enabled() is flag
+    set_deterministic(True)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=1, n_head=2, n_embd=64, attention="math"))
+    compiled = torch.compile(model)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 65, (16, 64), generator=gen), torch.randint(0, 65, (16, 64), generator=gen)
+    grads = []
+    for _ in range(4):
+        model.zero_grad()
+        compiled(x, y)[1].backward()
+        grads.append(model.transformer.wte.weight.grad.clone())
+    assert all(torch.equal(g, grads[0]) for g in grads[1:])
 
 
 def test_bf16_autocast_run_tracks_float32(data_dir, tmp_path):
