@@ -270,17 +270,42 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     A crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
     (a full disk, no permission) is a UserError, and the old checkpoint stays as it was.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        os.makedirs(folder, exist_ok=True)
-        for stale in glob.glob(glob.escape(path) + ".tmp.*"):  # left by a process killed mid-write
-            with contextlib.suppress(OSError):
-                os.remove(stale)
+    for stale in glob.glob(glob.escape(path) + ".tmp.*"):  # left by a process killed mid-write
+        with contextlib.suppress(OSError):
+            os.remove(stale)
+
+    def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+
+    _replace_atomically(path, write)
+
+
+def keep_as(path: str, other: str) -> None:
+    """Make `other` name the same file as `path` (a hard link, so no copy), atomically: a crash leaves either the
+    old `other` or the new one. Where the file system has no hard links, a copy."""
+
+    def link(tmp: str) -> None:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+
+    _replace_atomically(other, link)
+
+
+def _replace_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Make a temporary file beside `path` with `write(tmp)`, then rename it over `path` (and make the rename
+    durable). An OSError (a full disk, no permission) is a UserError that says the old file is intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        write(tmp)
         os.replace(tmp, path)
     except OSError as e:
         kept = "the previous checkpoint is intact" if os.path.exists(path) else "no checkpoint was written"
@@ -291,27 +316,6 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
     _fsync_folder(folder)
-
-
-def keep_as(path: str, other: str) -> None:
-    """Make `other` name the same file as `path` (a hard link, so no copy), atomically: a crash leaves either the
-    old `other` or the new one. Where the file system has no hard links, a copy."""
-    tmp = f"{other}.tmp.{os.getpid()}"
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-        os.replace(tmp, other)
-    except OSError as e:
-        raise UserError(f"could not keep {path} as {other} ({e.strerror or e}): free disk space or choose another "
-                        f"out_dir") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-    _fsync_folder(os.path.dirname(os.path.abspath(other)))
 
 
 def _fsync_folder(folder: str) -> None:

@@ -296,20 +296,18 @@ def save_run_checkpoint(state: dict, cfg: TrainConfig, improved: bool, best_file
     """
     path, best_path = os.path.join(cfg.out_dir, CKPT_NAME), os.path.join(cfg.out_dir, BEST_NAME)
     if improved:
-        state = {**state, "best_file": CKPT_NAME}
-        if os.path.exists(best_path):
-            save_checkpoint(best_path, state)
-            keep_as(best_path, path)
-            os.remove(best_path)
-        else:
-            save_checkpoint(path, state)
         best_file = CKPT_NAME
-    else:
-        if best_file == CKPT_NAME and not cfg.always_save_checkpoint and os.path.exists(path):
+    elif best_file == CKPT_NAME:  # ckpt.pt holds the best, and this save overwrites it
+        keep = not cfg.always_save_checkpoint and os.path.exists(path)
+        if keep:
             keep_as(path, best_path)
-            best_file = BEST_NAME
-        best_file = best_file if best_file == BEST_NAME else None  # else ckpt.pt's best is overwritten now
-        state = {**state, "best_file": best_file}
+        best_file = BEST_NAME if keep else None
+    state = {**state, "best_file": best_file}
+    if improved and os.path.exists(best_path):
+        save_checkpoint(best_path, state)
+        keep_as(best_path, path)
+        os.remove(best_path)
+    else:
         save_checkpoint(path, state)
     if cfg.keep_last > 0:
         keep_as(path, os.path.join(cfg.out_dir, f"ckpt_{state['iter_num']:07d}.pt"))
