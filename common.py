@@ -78,7 +78,7 @@ def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
     device_type = device.split(":")[0]
     if dtype == "auto":
         if device_type == "cuda":
-            return "bfloat16" if _cuda_bf16() else "float16"
+            return "bfloat16" if _cuda_bf16(device) else "float16"
         if device_type == "cpu" and training:
             return "bfloat16"
         return "float32"
@@ -86,17 +86,17 @@ def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
         raise UserError(f"dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if dtype == "float16" and device_type == "cpu":
         raise UserError("dtype='float16' is not supported on the CPU: use bfloat16 or float32")
-    if dtype == "bfloat16" and device_type == "cuda" and not _cuda_bf16():
+    if dtype == "bfloat16" and device_type == "cuda" and not _cuda_bf16(device):
         raise UserError("this GPU does not support bfloat16: use --dtype=float16 (with a grad scaler) or float32")
     return dtype
 
 
-def _cuda_bf16() -> bool:
-    """Native bf16 (Ampere and later); torch's default also says yes for the slow emulation on V100/T4."""
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:  # torch before 2.3 has no emulation and no argument
-        return torch.cuda.is_bf16_supported()
+def _cuda_bf16(device: str) -> bool:
+    """Native bf16 (Ampere and later) on `device` itself: torch.cuda.is_bf16_supported asks the current device (GPU
+    0 unless set_device ran), and also says yes for the slow emulation on V100/T4."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_properties(torch.device(device)).major >= 8
 
 
 def autocast_context(device: str, dtype: str) -> contextlib.AbstractContextManager:
@@ -148,7 +148,7 @@ def keep_freed_memory(enabled: bool) -> bool:
 def synchronize(device: str) -> None:
     """Wait for queued device work, so timings measure it (a no-op on the CPU, which runs eagerly)."""
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # that GPU: without an argument, the current one (GPU 0 unless set)
     elif device.startswith("mps"):
         torch.mps.synchronize()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -444,8 +445,9 @@ class GPT(nn.Module):
     def estimate_mfu(
         self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None, seq_len: int | None = None
     ) -> float | None:
-        """Model FLOPs utilisation: achieved FLOP/s over the device's peak (bf16 dense). None if the peak is unknown."""
-        peak = peak_flops if peak_flops is not None else device_peak_flops()
+        """Model FLOPs utilisation: achieved FLOP/s over the peak (bf16 dense) of the device the model is on, or
+        `peak_flops`. None if the peak is unknown."""
+        peak = peak_flops if peak_flops is not None else device_peak_flops(self.lm_head.weight.device)
         if peak is None or dt <= 0:
             return None
         T = seq_len or self.config.block_size
@@ -551,37 +553,45 @@ def fused_adamw_available(device_type: str) -> bool:
     return False
 
 
-# Peak dense bf16/fp16 tensor-core FLOP/s by device name; longer names first so "H100 PCIe" beats "H100".
-PEAK_FLOPS = [
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("H800", 989e12),
-    ("GH200", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A6000", 155e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-    ("V100", 125e12),
-    ("T4", 65e12),
-]
+# Peak dense (not sparse) bf16 tensor-core FLOP/s by the name CUDA reports (torch.cuda.get_device_name), from
+# NVIDIA's datasheets. A name matches as a whole word of the device name, and the longest match wins, so
+# "H100 NVL" beats "H100", "GH200" is not "H200", "A10G" is not "A10" and "L40S" is not "L4".
+PEAK_FLOPS = {
+    "GB200": 2.5e15,
+    "B200": 2.25e15,
+    "H100": 989e12,  # SXM (and "H100 80GB HBM3")
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,  # SXM
+    "H200 NVL": 835e12,
+    "H800": 989e12,  # SXM
+    "H800 PCIe": 756e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A6000": 155e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,  # float16 (V100 has no bf16 tensor cores)
+    "T4": 65e12,  # float16
+}
 
 
-def device_peak_flops(device_name: str | None = None) -> float | None:
-    """Peak bf16 FLOP/s of a known GPU (the current CUDA device by default); None if unknown or not a GPU."""
-    if device_name is None:
-        if not torch.cuda.is_available():
-            return None
-        device_name = torch.cuda.get_device_name()
-    for name, flops in PEAK_FLOPS:
-        if name in device_name:
-            return flops
-    return None
+def gpu_peak_flops(device_name: str) -> float | None:
+    """The PEAK_FLOPS entry of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"); None if no entry matches."""
+    matches = [name for name in PEAK_FLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9])", device_name)]
+    return PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+def device_peak_flops(device: str | torch.device) -> float | None:
+    """Peak bf16 FLOP/s of the device a run uses: a known GPU's from PEAK_FLOPS; None for unknown GPUs and other
+    devices (a CPU run's MFU never takes the peak of a GPU that happens to be visible)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return gpu_peak_flops(torch.cuda.get_device_name(device))

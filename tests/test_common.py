@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from common import UserError, exit_on_user_error, resolve_dtype
+from common import UserError, exit_on_user_error, resolve_dtype, synchronize
 from helpers import run_script
 
 # Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
@@ -72,3 +74,25 @@ def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
     assert checkpoint_model_config(nanogpt).gelu == "erf"  # nanoGPT's nn.GELU()
     assert checkpoint_model_config({**ours, "gelu": "erf"}).gelu == "erf"  # recorded: used as it is
     assert checkpoint_model_config(ours, attention="math").attention == "math"  # overrides apply
+
+
+def test_synchronize_waits_for_the_runs_gpu(monkeypatch):
+    # with --device=cuda:1 the timings must wait for GPU 1, not the current device (GPU 0)
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    synchronize("cuda:1")
+    synchronize("cpu")
+    assert waited == ["cuda:1"]
+
+
+def test_bf16_check_asks_the_runs_gpu(monkeypatch):
+    # GPU 0 an A100 (bf16), GPU 1 a V100 (no bf16): cuda:1 gets float16 and refuses bfloat16
+    majors = {0: 8, 1: 7}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(major=majors[torch.device(device).index or 0]))
+    assert resolve_dtype("auto", "cuda:0") == "bfloat16"
+    assert resolve_dtype("auto", "cuda:1") == "float16"
+    with pytest.raises(UserError, match="does not support bfloat16"):
+        resolve_dtype("bfloat16", "cuda:1")

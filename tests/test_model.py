@@ -20,6 +20,7 @@ from model import (
     GPTError,
     KVCache,
     device_peak_flops,
+    gpu_peak_flops,
     sample_next_token,
     top_k_filter,
     top_p_filter,
@@ -525,15 +526,66 @@ def test_estimate_mfu_and_device_peak_flops() -> None:
     expected = flops_per_iter / 0.5 / 1e12
     assert math.isclose(model.estimate_mfu(4, 0.5, peak_flops=1e12), expected, rel_tol=1e-12)
     assert model.estimate_mfu(4, 0.0, peak_flops=1e12) is None
-    if not torch.cuda.is_available():
-        assert model.estimate_mfu(4, 0.5) is None  # no GPU: the peak is unknown
+    assert model.estimate_mfu(4, 0.5) is None  # on the CPU: no peak in the GPU table
 
-    assert device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert device_peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert device_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert device_peak_flops("NVIDIA A10G") == 70e12  # not A100's figure, not A10's
-    assert device_peak_flops("NVIDIA L40S") == 362e12
-    assert device_peak_flops("Some Unknown Accelerator") is None
+
+# The names torch.cuda.get_device_name reports, and each one's dense bf16 (V100/T4: fp16) peak from NVIDIA's
+# datasheets (the sparse figures halved). The NVL and PCIe parts are slower than the SXM ones of the same name.
+DEVICE_PEAKS = {
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA H800": 989e12,
+    "NVIDIA H800 PCIe": 756e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA B200": 2.25e15,
+    "NVIDIA GB200": 2.5e15,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A800 80GB PCIe": 312e12,
+    "NVIDIA A10G": 70e12,
+    "NVIDIA A10": 125e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA RTX A6000": 155e12,
+    "NVIDIA GeForce RTX 4090": 165e12,
+    "NVIDIA GeForce RTX 3090": 71e12,
+    "Tesla V100-SXM2-16GB": 125e12,
+    "Tesla T4": 65e12,
+    # not in the table: no figure rather than a neighbour's
+    "NVIDIA RTX A1000": None,
+    "NVIDIA RTX A4000": None,
+    "Some Unknown Accelerator": None,
+}
+
+
+@pytest.mark.parametrize("name", DEVICE_PEAKS)
+def test_gpu_peak_flops_matches_the_most_specific_name(name: str) -> None:
+    assert gpu_peak_flops(name) == DEVICE_PEAKS[name]
+
+
+def test_mfu_of_a_cpu_run_never_takes_a_visible_gpus_peak(monkeypatch) -> None:
+    # a GPU is visible, but the model runs on the CPU: its MFU has no peak (the old code took the A100's)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert device_peak_flops("cpu") is None
+    assert make_model().estimate_mfu(4, 0.5) is None
+    assert device_peak_flops("cuda:0") == 312e12
+
+
+def test_peak_flops_asks_for_the_runs_gpu(monkeypatch) -> None:
+    names = {0: "NVIDIA A100-SXM4-80GB", 1: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_name",
+        lambda device=None: names[0 if device is None else torch.device(device).index or 0],
+    )
+    assert device_peak_flops("cuda:1") == 989e12
 
 
 def test_sequence_longer_than_block_size_is_an_error() -> None:

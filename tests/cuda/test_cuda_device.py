@@ -1,0 +1,34 @@
+"""CUDA: the run's device is the one every query and timing uses (issue 17, item 4), and the peak table knows it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import resolve_dtype, synchronize
+from cuda_helpers import requires_cuda, requires_gpus
+from model import GPT, GPTConfig, PEAK_FLOPS, device_peak_flops, gpu_peak_flops
+
+pytestmark = requires_cuda
+
+
+def test_this_gpu_has_a_peak_or_says_so():
+    name = torch.cuda.get_device_name()
+    peak = device_peak_flops("cuda")
+    if peak is None:
+        pytest.skip(f"{name!r} is not in model.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}): MFU needs --peak_flops")
+    assert peak == gpu_peak_flops(name)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).cuda()
+    assert model.estimate_mfu(4, 0.5) == model.estimate_mfu(4, 0.5, peak_flops=peak)
+    assert model.cpu().estimate_mfu(4, 0.5) is None  # the same model on the CPU: not the GPU's peak
+
+
+@requires_gpus(2)
+def test_second_gpu_is_synchronized_and_queried_not_gpu_0():
+    torch.cuda.set_device(0)
+    a = torch.randn(4096, 4096, device="cuda:1")
+    for _ in range(20):  # queue seconds of work on GPU 1 only
+        a = a @ a / 64
+    synchronize("cuda:1")
+    assert torch.cuda.default_stream(1).query()  # GPU 1 is idle: its work was waited for
+    assert resolve_dtype("auto", "cuda:1") == ("bfloat16" if torch.cuda.get_device_capability(1)[0] >= 8 else "float16")
+    assert device_peak_flops("cuda:1") == gpu_peak_flops(torch.cuda.get_device_name(1))
