@@ -6,6 +6,15 @@ Layout of a prepared dataset (nanoGPT compatible, except that the metadata is JS
     data/<dataset>/val.bin     same
     data/<dataset>/meta.json   {"vocab_size", "tokenizer": "char"|"gpt2", "itos" (char only),
                                 "train_tokens", "val_tokens", "dtype": "uint16", "source"}
+
+A sharded dataset (data/fineweb_edu/prepare.py) has shards instead of train.bin and val.bin:
+
+    data/<dataset>/<split>_<index:06d>.bin    raw uint16 token ids, like train.bin
+    data/<dataset>/<split>_<index:06d>.json   its sidecar: {"tokens", "tokenizer", "vocab_size", "max_id", "index",
+                                              "split", ...}, written after the shard: it marks the shard complete
+    data/<dataset>/meta.json                  as above, plus "shards": {"train": [file names], "val": [...]}
+
+A split's shards, in the order meta.json lists them, read as one stream of tokens (TokenSplit).
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from common import UserError
 
@@ -29,6 +39,10 @@ CHECK_CHUNK = 2**24  # tokens per chunk when scanning a token file for its max i
 
 def _prepare_hint(data_dir: str | os.PathLike[str]) -> str:
     return f"run `python data/{Path(data_dir).name}/prepare.py` first"
+
+
+def _rerun_hint(data_dir: str | os.PathLike[str]) -> str:
+    return f"rerun `python data/{Path(data_dir).name}/prepare.py`"
 
 
 def _fsync_replace(tmp: Path, path: Path) -> None:
@@ -125,14 +139,17 @@ class TokenWriter:
             self.abort()
 
 
-def write_meta(data_dir: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
-    """Write `meta` as data_dir/meta.json (through a temporary file); return its path."""
-    path = Path(data_dir) / "meta.json"
+def _write_json(path: Path, obj: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     _fsync_replace(tmp, path)
     return path
+
+
+def write_meta(data_dir: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
+    """Write `meta` as data_dir/meta.json (through a temporary file); return its path."""
+    return _write_json(Path(data_dir) / "meta.json", meta)
 
 
 def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -176,6 +193,121 @@ def open_tokens(path: str | os.PathLike[str], vocab_size: int | None = None) -> 
                 f"with another tokenizer than meta.json describes; {hint} again"
             )
     return arr
+
+
+# ----------------------------------------------------------------------------------------------- sharded splits
+
+
+def sidecar_path(shard: str | os.PathLike[str]) -> Path:
+    return Path(shard).with_suffix(".json")
+
+
+def write_shard(path: str | os.PathLike[str], ids: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:
+    """Write a shard (uint16, through a temporary file), then its sidecar: `info` plus the token count, dtype and
+    the largest id. The sidecar comes last, so a shard without one is incomplete. Returns the sidecar."""
+    n = write_tokens(path, ids)  # refuses ids that do not fit uint16
+    side = {**info, "tokens": n, "dtype": "uint16", "max_id": int(ids.max()) if n else -1}
+    _write_json(sidecar_path(path), side)
+    return side
+
+
+def shard_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sidecar of the shard at `path`, checked against the shard file: a missing or unreadable sidecar, or a
+    shard whose size is not the sidecar's token count, is a UserError."""
+    path = Path(path)
+    hint = f"delete it and its .json, and {_rerun_hint(path.parent)} (it rewrites missing shards)"
+    try:
+        side = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"shard {path} has no sidecar {sidecar_path(path).name}, so it may be incomplete: {hint}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"sidecar {sidecar_path(path)} is not valid JSON ({e}): {hint}") from None
+    tokens = len(open_tokens(path))
+    if not isinstance(side, dict) or side.get("tokens") != tokens:
+        claimed = side.get("tokens") if isinstance(side, dict) else side
+        raise UserError(f"shard {path} has {tokens} tokens but its sidecar says {claimed}: {hint}")
+    return side
+
+
+class TokenSplit:
+    """
+    A split's tokens as one stream: train.bin alone, or the split's shards one after another. Batches are random
+    windows of the stream, and a window that runs past a shard's end continues in the next shard (prepare.py cuts
+    shards in the middle of documents, so the stream is the corpus' token sequence): every token of every shard
+    is reachable, and a dataset split into shards reads exactly the windows of its concatenation.
+    """
+
+    def __init__(self, paths: list[Path], name: str) -> None:
+        self.paths = paths
+        self.name = name  # for messages
+        lengths = [len(open_tokens(p)) for p in paths]
+        self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # stream offset of each file
+        self.total = int(self.starts[-1])
+
+    def get_batch(self, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows of block_size tokens: x (B, T) and the next tokens y (B, T), int64 on the CPU."""
+        if self.total <= block_size:
+            raise UserError(
+                f"{self.name} has {self.total} tokens, too few for block_size={block_size}: lower block_size or add data"
+            )
+        ix = torch.randint(self.total - block_size, (batch_size,), generator=generator)
+        # Maps for this batch only: a long-lived memmap keeps every page it touched mapped and the process grows
+        # (https://stackoverflow.com/questions/45132940).
+        maps: dict[int, np.memmap] = {}
+        rows = np.stack([self._read(maps, i, block_size + 1) for i in ix.tolist()]).astype(np.int64)  # (B, T + 1)
+        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+
+    def _read(self, maps: dict[int, np.memmap], start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) of the stream, across file ends."""
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1  # the file that holds `start`
+        parts = []
+        while n > 0:
+            if k not in maps:
+                maps[k] = np.memmap(self.paths[k], dtype=DTYPE, mode="r")
+            part = maps[k][start - self.starts[k] : start - self.starts[k] + n]
+            parts.append(part)
+            n, start, k = n - len(part), start + len(part), k + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def open_split(
+    data_dir: str | os.PathLike[str], split: str, vocab_size: int | None = None, meta: dict[str, Any] | None = None
+) -> TokenSplit:
+    """
+    The `split` ("train" or "val") of a prepared dataset: the shards that meta.json lists for it, else
+    data_dir/<split>.bin. With `vocab_size`, every id is checked to be below it (a shard's through its sidecar's
+    max_id, so opening 10B tokens of shards reads no tokens). `meta`: meta.json's content, if already loaded.
+    """
+    data_dir = Path(data_dir)
+    if meta is None and (data_dir / "meta.json").is_file():
+        meta = load_meta(data_dir)
+    shards = (meta or {}).get("shards")
+    if shards is None:
+        path = data_dir / f"{split}.bin"
+        open_tokens(path, vocab_size)
+        return TokenSplit([path], str(path))
+    names = shards.get(split) if isinstance(shards, dict) else None
+    if not names:
+        raise UserError(f"{data_dir / 'meta.json'} lists no {split} shards: {_rerun_hint(data_dir)}")
+    paths = [data_dir / name for name in names]
+    for path in paths:
+        if not path.is_file():
+            raise UserError(
+                f"missing shard {path} (meta.json lists {len(paths)} {split} shards): {_rerun_hint(data_dir)}, "
+                "which rewrites missing shards"
+            )
+        side = shard_info(path)
+        if side.get("tokenizer") != meta.get("tokenizer"):
+            raise UserError(
+                f"shard {path} was written with tokenizer {side.get('tokenizer')!r} but meta.json says "
+                f"{meta.get('tokenizer')!r}: {_rerun_hint(data_dir)}"
+            )
+        if vocab_size is not None and side.get("max_id", 0) >= vocab_size:
+            raise UserError(
+                f"{path} holds token id {side['max_id']} but the vocab size is {vocab_size}: the tokens were written "
+                f"with another tokenizer than meta.json describes; {_rerun_hint(data_dir)}"
+            )
+    return TokenSplit(paths, f"the {split} split of {data_dir} ({len(paths)} shards)")
 
 
 class Tokenizer(Protocol):

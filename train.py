@@ -139,20 +139,23 @@ def batch_generator(seed: int, stream: str, step: int, index: int) -> torch.Gene
 
 
 def get_batch(
-    path: str, batch_size: int, block_size: int, generator: torch.Generator
+    source: str | dataio.TokenSplit, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of block_size tokens: x (B, T) and the next tokens y (B, T), int64 on the CPU."""
-    # A new memmap per batch: a long-lived one keeps every page it touched mapped and the process grows
-    # (https://stackoverflow.com/questions/45132940).
-    data = np.memmap(path, dtype=np.uint16, mode="r")
-    if len(data) <= block_size:
-        raise UserError(
-            f"{path} has {len(data)} tokens, too few for block_size={block_size}: lower block_size or add data"
-        )
-    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix.tolist()])
-    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64)) for i in ix.tolist()])
-    return x, y
+    """Random windows of block_size tokens from a token file or a dataset split (dataio.open_split, sharded or
+    not): x (B, T) and the next tokens y (B, T), int64 on the CPU."""
+    split = source if isinstance(source, dataio.TokenSplit) else dataio.TokenSplit([source], str(source))
+    return split.get_batch(batch_size, block_size, generator)
+
+
+def train_batches(
+    split: dataio.TokenSplit, cfg: TrainConfig, iter_num: int, rank: int, accum_steps: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of step iter_num: its micro-step i is micro-step rank * accum_steps + i of the step
+    over all ranks, so 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps read."""
+    return [
+        get_batch(split, cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, "train", iter_num, rank * accum_steps + i))
+        for i in range(accum_steps)
+    ]
 
 
 def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
@@ -183,7 +186,7 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def estimate_loss(model, cfg: TrainConfig, data_dir: str, dist: Dist, ctx) -> dict[str, float]:
+def estimate_loss(model, cfg: TrainConfig, splits: dict[str, dataio.TokenSplit], dist: Dist, ctx) -> dict[str, float]:
     """Mean loss over eval_iters fixed batches per split (the same batches at every eval, so evals compare);
     under DDP the ranks share the batches and average them."""
     model.eval()
@@ -192,7 +195,7 @@ def estimate_loss(model, cfg: TrainConfig, data_dir: str, dist: Dist, ctx) -> di
         total = torch.zeros(2, device=dist.device)  # loss sum, batches
         for k in range(dist.rank, cfg.eval_iters, dist.world_size):
             gen = batch_generator(cfg.seed, f"eval_{split}", 0, k)
-            x, y = get_batch(os.path.join(data_dir, f"{split}.bin"), cfg.batch_size, cfg.block_size, gen)
+            x, y = get_batch(splits[split], cfg.batch_size, cfg.block_size, gen)
             with ctx:
                 _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
             total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
@@ -482,8 +485,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
-    for split in ("train", "val"):
-        dataio.open_tokens(os.path.join(data_dir, f"{split}.bin"), vocab_size=model.config.vocab_size)
+    splits = {s: dataio.open_split(data_dir, s, model.config.vocab_size, meta) for s in ("train", "val")}
     model.to(device)
     raw_model = model
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
@@ -523,7 +525,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         while True:
             # evaluate, and save the checkpoint
             if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only:
-                losses = estimate_loss(eval_model, cfg, data_dir, dist, ctx)
+                losses = estimate_loss(eval_model, cfg, splits, dist, ctx)
                 log.print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 log.metrics({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
                 improved = losses["val"] < best_val_loss
@@ -538,13 +540,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             lr = get_lr(iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = [
-                get_batch(
-                    os.path.join(data_dir, "train.bin"), cfg.batch_size, cfg.block_size,
-                    batch_generator(cfg.seed, "train", iter_num, dist.rank * accum_steps + i),
-                )
-                for i in range(accum_steps)
-            ]
+            batches = train_batches(splits["train"], cfg, iter_num, dist.rank, accum_steps)
             loss, grad_norm, applied = train_step(model, optimizer, scaler, batches, ctx, cfg, dist)
             if not applied and not (scaler.is_enabled() and math.isfinite(loss)):
                 nonfinite_skips += 1

@@ -24,34 +24,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common and dataio
 from common import UserError, exit_on_user_error  # noqa: E402
+from data.corpus import local_data_files  # noqa: E402
 from dataio import GPT2_EOT, TokenWriter, gpt2_tokenizer, write_meta  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_SOURCE = "Skylion007/openwebtext"
 DEFAULT_REVISION = "refs/convert/parquet"
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 WRITE_SHARDS = 1024  # the splits are copied into the memmaps this many contiguous pieces at a time
-
-
-def _local_data_files(source: str) -> tuple[str, list[str]] | None:
-    """(datasets builder name, files) for a local file or folder; None if `source` is a hub dataset id."""
-    path = Path(source).expanduser()
-    looks_local = source.startswith((".", "/", "~")) or path.suffix in LOCAL_FORMATS
-    if not path.exists():
-        if looks_local:
-            raise UserError(
-                f"--source {source}: no such file or folder; pass a .json/.jsonl/.txt/.parquet file or a folder of them"
-            )
-        return None
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS)
-    builders = {LOCAL_FORMATS.get(p.suffix) for p in files}
-    if not files or None in builders:
-        found = [p.name for p in files[:5]]
-        raise UserError(f"--source {source}: expected .json/.jsonl/.txt/.parquet files, found {found}")
-    if len(builders) > 1:
-        formats = sorted(b for b in builders if b)
-        raise UserError(f"--source {source}: mixes formats {formats}; put files of one format in a folder")
-    return builders.pop(), [str(p) for p in files]
 
 
 def load_documents(
@@ -121,7 +100,7 @@ def prepare(
     if num_proc < 1:
         raise UserError(f"num_proc {num_proc} must be >= 1")
     out_dir = Path(out_dir)
-    local = _local_data_files(source)
+    local = local_data_files(source)
     ds = load_documents(source, local, num_proc, text_field, revision, cache_dir)
     if len(ds) < 2:
         raise UserError(f"--source {source} has {len(ds)} document(s): need at least 2 to split into train and val")

@@ -1,0 +1,40 @@
+"""What the document-corpus prepare scripts (openwebtext, fineweb_edu) share: finding a local corpus, and the
+tokenizer worker that their process pools run (a module of its own, so that workers can import it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from common import UserError
+from dataio import GPT2_EOT, gpt2_tokenizer
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+
+
+def local_data_files(source: str) -> tuple[str, list[str]] | None:
+    """(datasets builder name, files) for a local file or folder; None if `source` is a hub dataset id."""
+    path = Path(source).expanduser()
+    looks_local = source.startswith((".", "/", "~")) or path.suffix in LOCAL_FORMATS
+    if not path.exists():
+        if looks_local:
+            raise UserError(
+                f"--source {source}: no such file or folder; pass a .json/.jsonl/.txt/.parquet file or a folder of them"
+            )
+        return None
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS)
+    builders = {LOCAL_FORMATS.get(p.suffix) for p in files}
+    if not files or None in builders:
+        found = [p.name for p in files[:5]]
+        raise UserError(f"--source {source}: expected .json/.jsonl/.txt/.parquet files, found {found}")
+    if len(builders) > 1:
+        formats = sorted(b for b in builders if b)
+        raise UserError(f"--source {source}: mixes formats {formats}; put files of one format in a folder")
+    return builders.pop(), [str(p) for p in files]
+
+
+def eot_then_tokens(texts: list[str]) -> list[np.ndarray]:
+    """Per document: <|endoftext|> then its GPT-2 ids (special-token strings in the text are ordinary text), as
+    uint16, which the caller has checked the vocabulary fits (dataio.MAX_TOKEN_ID)."""
+    enc = gpt2_tokenizer()  # cached per worker process
+    return [np.array([GPT2_EOT, *enc.encode_ordinary(text)], dtype=np.uint16) for text in texts]
