@@ -32,6 +32,7 @@ import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataio
+import hellaswag
 from common import (
     Dist,
     UserError,
@@ -72,6 +73,9 @@ class TrainConfig:
     wandb_log: bool = False
     wandb_project: str = "owt"
     wandb_run_name: str = "gpt2"
+    hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
+    hellaswag_interval: int = 0  # ... only every this many steps, a multiple of eval_interval (0: at every eval)
+    hellaswag_path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded once
     # data
     dataset: str = "openwebtext"
     data_dir: str | None = None  # default: data/<dataset> beside this file
@@ -433,6 +437,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
     if cfg.max_iters < 0:
         problems.append(f"max_iters={cfg.max_iters} must be >= 0")
+    if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
+        problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
+                        f"{cfg.eval_interval} (HellaSwag runs at evals)")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -486,6 +493,9 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
     splits = {s: dataio.open_split(data_dir, s, model.config.vocab_size, meta) for s in ("train", "val")}
+    if cfg.hellaswag:  # encoded once, with the dataset's tokenizer (GPT-2 BPE for GPT-2's weights without one)
+        tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+        hellaswag_examples = hellaswag.encode(hellaswag.load_examples(cfg.hellaswag_path), tokenizer, cfg.block_size)
     model.to(device)
     raw_model = model
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
@@ -526,8 +536,14 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             # evaluate, and save the checkpoint
             if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only:
                 losses = estimate_loss(eval_model, cfg, splits, dist, ctx)
-                log.print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log.metrics({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
+                record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]}
+                if cfg.hellaswag and (iter_num % (cfg.hellaswag_interval or cfg.eval_interval) == 0
+                                      or iter_num == cfg.max_iters or cfg.eval_only):
+                    # on the uncompiled model: its varying lengths would make torch.compile recompile
+                    record.update(hellaswag.evaluate(raw_model, hellaswag_examples, dist, ctx))
+                log.print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                          + (f", {hellaswag.describe(record)}" if "hellaswag_acc" in record else ""))
+                log.metrics(record)
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not cfg.eval_only:

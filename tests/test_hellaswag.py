@@ -1,0 +1,144 @@
+"""HellaSwag scoring (hellaswag.py) against a brute-force loss, in training runs and standalone, and its errors."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import dataio
+import hellaswag
+from common import Dist, UserError, exit_on_user_error
+from helpers import tiny_config
+from model import GPT, GPTConfig
+from train import main as train_main
+from train import train
+
+SUBJECTS = ["the king", "a lady", "his lord", "the queen", "her horse", "old york", "the duke", "a fool"]
+ACTIONS = ["rides to the sea", "speaks of war", "sings a song", "eats the bread", "hath a sword",
+           "sleeps all day", "reads the law", "counts the gold"]
+
+
+def write_examples(path, seed: int = 0) -> list[dict]:
+    """HellaSwag-format examples whose right ending is the one each context goes with in the training text, and
+    whose wrong endings are other examples' endings spelt backwards (the same characters, in an order that the
+    training text never has)."""
+    rng = random.Random(seed)
+    rows = []
+    for i, (subject, action) in enumerate(zip(SUBJECTS, ACTIONS)):
+        wrong = [a[::-1] for a in rng.sample([a for a in ACTIONS if a != action], 3)]
+        label = rng.randrange(4)
+        endings = wrong[:label] + [action] + wrong[label:]
+        rows.append({"ind": i, "ctx": subject.capitalize(), "endings": endings, "label": label})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+def make_dataset(data_dir, rows: list[dict], n_lines: int = 3000) -> dict:
+    """A char dataset of the examples' right completions, in random order."""
+    rng = random.Random(1)
+    right = [f"{r['ctx']} {r['endings'][r['label']]}.\n" for r in rows]
+    text = "".join(rng.choice(right) for _ in range(n_lines))
+    itos = sorted(set(text) | {c for r in rows for e in [r["ctx"], *r["endings"]] for c in e})
+    ids = np.array([itos.index(c) for c in text], dtype=np.uint16)
+    n = int(0.9 * len(ids))
+    dataio.write_tokens(data_dir / "train.bin", ids[:n])
+    dataio.write_tokens(data_dir / "val.bin", ids[n:])
+    meta = {"vocab_size": len(itos), "tokenizer": "char", "itos": itos}
+    dataio.write_meta(data_dir, meta)
+    return meta
+
+
+def brute_force(model_double: GPT, ids: list[int], n_end: int) -> tuple[float, float]:
+    """Total and mean loss of a row's last n_end tokens: the row alone, one position at a time, in float64."""
+    logits, _ = model_double(torch.tensor([ids]))
+    nll = [-torch.log_softmax(logits[0, t - 1], -1)[ids[t]].item() for t in range(len(ids) - n_end, len(ids))]
+    return sum(nll), sum(nll) / n_end
+
+
+def test_batched_scores_equal_a_brute_force_loss_per_example(tmp_path):
+    rows = write_examples(tmp_path / "hs.jsonl")
+    rows.append({"ctx": "A", "endings": ["b", "the king rides to the sea and far away", "c", "of"], "label": 1})
+    (tmp_path / "hs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    meta = make_dataset(tmp_path, rows, n_lines=10)
+    tok = dataio.get_tokenizer(meta)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=meta["vocab_size"], n_layer=2, n_head=2, n_embd=32, bias=True))
+    reference = GPT(model.config)
+    reference.load_state_dict(model.state_dict())
+    model_double = reference.double().eval()
+    encoded = hellaswag.encode(hellaswag.load_examples(str(tmp_path / "hs.jsonl")), tok, 64)
+    # examples of different lengths in one padded batch
+    total, mean = hellaswag.ending_losses(model.eval(), encoded, "cpu", torch.autocast("cpu", enabled=False))
+    right = [0, 0]
+    for k, (ex_rows, n_ends, label) in enumerate(encoded):
+        expected = [brute_force(model_double, ids, n_end) for ids, n_end in zip(ex_rows, n_ends)]
+        assert total[k].tolist() == pytest.approx([e[0] for e in expected], abs=1e-4)
+        assert mean[k].tolist() == pytest.approx([e[1] for e in expected], abs=1e-4)
+        right[0] += min(range(4), key=lambda j: expected[j][0]) == label
+        right[1] += min(range(4), key=lambda j: expected[j][1]) == label
+    # acc and acc_norm from the brute-force losses; under "DDP" the ranks' shares add up to the same counts
+    result = hellaswag.evaluate(model, encoded, Dist(), torch.autocast("cpu", enabled=False), examples_per_batch=3)
+    assert (result["hellaswag_acc"], result["hellaswag_acc_norm"]) == (right[0] / 9, right[1] / 9)
+    shares = [hellaswag.evaluate(model, encoded, Dist(rank=r, world_size=4), torch.autocast("cpu", enabled=False))
+              for r in range(4)]
+    assert sum(s["hellaswag_n"] for s in shares) == 9
+    assert sum(s["hellaswag_acc"] * s["hellaswag_n"] for s in shares) == pytest.approx(right[0])
+    assert sum(s["hellaswag_acc_norm"] * s["hellaswag_n"] for s in shares) == pytest.approx(right[1])
+
+
+def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path, capsys):
+    write_examples(tmp_path / "hs.jsonl")
+    rows = [json.loads(line) for line in open(tmp_path / "hs.jsonl")]
+    (tmp_path / "data").mkdir()
+    make_dataset(tmp_path / "data", rows)
+    cfg = tiny_config(tmp_path / "data", tmp_path / "out", block_size=64, max_iters=30, eval_interval=15,
+                      hellaswag=True, hellaswag_interval=30, hellaswag_path=str(tmp_path / "hs.jsonl"),
+                      learning_rate=1e-2)
+    train(cfg)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [0, 15, 30]
+    assert [r["iter"] for r in evals if "hellaswag_acc" in r] == [0, 30]  # at every second eval
+    first, last = evals[0], evals[-1]
+    # trained on the right endings, the model picks every one of them (by total loss; by mean loss nearly all)
+    assert first["hellaswag_acc"] < 0.5 and (last["hellaswag_acc"], last["hellaswag_n"]) == (1.0, 8)
+    assert last["hellaswag_acc_norm"] >= 0.75
+    out = capsys.readouterr().out
+    assert "step 30: train loss" in out and f"HellaSwag acc 1.0000, acc_norm {last['hellaswag_acc_norm']:.4f}" in out
+    # the standalone script on the run's checkpoint gives the same figures
+    result = hellaswag.main([f"--out_dir={tmp_path / 'out'}", f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"])
+    assert result == {k: last[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
+    assert "HellaSwag acc 1.0000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 2 is not JSON"),
+    ('{"ctx": "A", "endings": ["a", "b", "c"], "label": 0}', "line 2 is not a HellaSwag example"),
+    ('{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 4}', "line 2 is not a HellaSwag example"),
+    ('{"context": "A", "endings": ["a", "b", "c", "d"], "label": 1}', "line 2 is not a HellaSwag example"),
+])
+def test_a_malformed_hellaswag_file_is_a_one_line_error(tmp_path, capsys, line, message):
+    good = '{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 1}'
+    (tmp_path / "hs.jsonl").write_text(good + "\n" + line + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        exit_on_user_error(lambda: hellaswag.main([f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"]))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and 'expected JSON lines of {"ctx": text' in lines[0], lines
+
+
+def test_hellaswag_path_that_does_not_exist_is_a_one_line_error_in_training(tmp_path, capsys):
+    rows = write_examples(tmp_path / "hs.jsonl")
+    (tmp_path / "data").mkdir()
+    make_dataset(tmp_path / "data", rows, n_lines=200)
+    args = [f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--compile=False",
+            "--n_layer=1", "--n_head=1", "--n_embd=16", "--block_size=16", "--hellaswag=True",
+            f"--hellaswag_path={tmp_path / 'nope.jsonl'}"]
+    with pytest.raises(SystemExit):
+        exit_on_user_error(lambda: train_main(args))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: hellaswag path {str(tmp_path / 'nope.jsonl')!r}: no such file; give a file of JSON lines of "
+        '{"ctx": text, "endings": [4 texts], "label": 0-3}, or None to download it'
+    ]
