@@ -85,25 +85,28 @@ def _parse(line: str, where: str) -> Example:
     return Example(d["ctx"], d["endings"], d["label"])
 
 
-def download(dest: str, url: str = URL) -> None:
-    """Fetch the validation set to `dest` (through a temporary file: no half-written copy is ever read)."""
+def download(dest: str, url: str | None = None) -> None:
+    """Fetch the validation set (from URL) to `dest`, through a temporary file: no half-written copy is ever read."""
+    url = url or URL
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = f"{dest}.tmp.{os.getpid()}"
+    tmp = f"{dest}.tmp.{os.getpid()}"  # per process: DDP ranks may download at once
     print(f"downloading HellaSwag validation from {url}", flush=True)
     try:
         with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
             f.write(r.read())
+        with open(tmp, encoding="utf-8") as f:
+            lines = sum(1 for line in f if line.strip())
+        if lines != VAL_EXAMPLES:
+            raise UserError(f"{url} gave {lines} examples, not HellaSwag validation's {VAL_EXAMPLES}: try again later")
+        os.replace(tmp, dest)
     except OSError as e:
         raise UserError(
             f"cannot download HellaSwag from {url} ({type(e).__name__}: {e}); check the network, or set the "
             f"hellaswag path to a local copy of hellaswag_val.jsonl"
         ) from None
-    with open(tmp, encoding="utf-8") as f:
-        lines = sum(1 for line in f if line.strip())
-    if lines != VAL_EXAMPLES:
-        os.remove(tmp)
-        raise UserError(f"{url} gave {lines} examples, not HellaSwag validation's {VAL_EXAMPLES}: try again later")
-    os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def encode(examples: list[Example], tokenizer: dataio.Tokenizer, block_size: int) -> list[Encoded]:

@@ -247,3 +247,18 @@ def test_missing_shard_is_a_one_line_error(tmp_path, capsys):
         f"error: missing shard {d / 'train_000002.bin'} (meta.json lists 2 train shards): rerun "
         "`python data/shardy/prepare.py`, which rewrites missing shards"
     ]
+
+
+def test_fineweb_config_is_build_nanogpts_recipe():
+    from configurator import configure
+    from train import TrainConfig, check_config, get_lr
+
+    cfg = configure(TrainConfig(), [os.path.join(ROOT, "config", "train_gpt2_fineweb.py")])
+    for world_size in (1, 2, 4, 8):
+        check_config(cfg, world_size)
+    assert cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size == 2**19  # 524,288 tokens per step
+    assert (cfg.max_iters, cfg.warmup_iters, cfg.dataset, cfg.hellaswag) == (19073, 715, "fineweb_edu", True)
+    assert get_lr(715, cfg) == 6e-4 and get_lr(19073, cfg) == pytest.approx(6e-5)  # max LR, cosine to 10%
+    assert (cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.dtype, cfg.compile, cfg.sdpa_backend) == (
+        0.1, 0.9, 0.95, "bfloat16", True, "flash")
+    assert cfg.vocab_padding_multiple == 64 and cfg.bias  # 50304 rows; GPT-2's biases

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 import dataio
 import hellaswag
 from common import Dist, UserError, exit_on_user_error
-from helpers import tiny_config
+from helpers import run_script, tiny_config
 from model import GPT, GPTConfig
 from train import main as train_main
 from train import train
@@ -112,6 +113,11 @@ def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path,
     result = hellaswag.main([f"--out_dir={tmp_path / 'out'}", f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"])
     assert result == {k: last[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
     assert "HellaSwag acc 1.0000" in capsys.readouterr().out
+    # and so does it under torchrun: 2 ranks score 4 examples each, and the counts are summed
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
+                    f"--out_dir={tmp_path / 'out'}", f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{hellaswag.describe(result)} in " in r.stdout and "(cpu, float32, 2 ranks)" in r.stdout
 
 
 @pytest.mark.parametrize("line, message", [
@@ -142,3 +148,51 @@ def test_hellaswag_path_that_does_not_exist_is_a_one_line_error_in_training(tmp_
         f"error: hellaswag path {str(tmp_path / 'nope.jsonl')!r}: no such file; give a file of JSON lines of "
         '{"ctx": text, "endings": [4 texts], "label": 0-3}, or None to download it'
     ]
+
+
+def test_download_fetches_the_validation_set_once_and_checks_it(tmp_path, monkeypatch):
+    line = json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}) + "\n"
+    full, short = tmp_path / "full.jsonl", tmp_path / "short.jsonl"
+    full.write_text(line * hellaswag.VAL_EXAMPLES, encoding="utf-8")
+    short.write_text(line * 10, encoding="utf-8")
+    cache = tmp_path / "cache" / "hellaswag_val.jsonl"
+    monkeypatch.setattr(hellaswag, "CACHE", str(cache))
+    monkeypatch.setattr(hellaswag, "URL", short.as_uri())  # urllib reads file:// URLs as it reads https://
+    with pytest.raises(UserError, match=f"gave 10 examples, not HellaSwag validation's {hellaswag.VAL_EXAMPLES}"):
+        hellaswag.load_examples()
+    monkeypatch.setattr(hellaswag, "URL", (tmp_path / "missing.jsonl").as_uri())
+    with pytest.raises(UserError, match="cannot download HellaSwag from .*; check the network, or set the hellaswag path"):
+        hellaswag.load_examples()
+    assert not cache.exists() and os.listdir(cache.parent) == []  # no partial copy left to be read later
+    monkeypatch.setattr(hellaswag, "URL", full.as_uri())
+    assert len(hellaswag.load_examples()) == hellaswag.VAL_EXAMPLES and cache.read_bytes() == full.read_bytes()
+    full.unlink()  # the cached copy is used from now on
+    assert hellaswag.load_examples()[0] == hellaswag.Example("A man", ["a", "b", "c", "d"], 2)
+
+
+def test_gpt2_weights_are_scored_with_the_bpe_as_hf_scores_them(tmp_path, gpt2_bpe, capsys):
+    """A HF GPT-2 folder (tiny, random weights) through the standalone script == HF's own model, row by row."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
+    hf.save_pretrained(tmp_path / "tiny-gpt2")
+    rows = [{"ctx": "The cat sat on", "endings": [" the mat.", "a dog", "the roof of the old house", "it"], "label": 0},
+            {"ctx": "Rain <|endoftext|> falls", "endings": ["up", "down slowly", "sideways", "on the plain"], "label": 1}]
+    (tmp_path / "hs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    result = hellaswag.main([f"--init_from={tmp_path / 'tiny-gpt2'}", f"--path={tmp_path / 'hs.jsonl'}",
+                             "--device=cpu", "--dtype=float32"])
+    right = [0, 0]
+    for r in rows:
+        ctx = gpt2_bpe.encode_ordinary(r["ctx"])
+        losses = []
+        for e in r["endings"]:
+            end = gpt2_bpe.encode_ordinary(" " + e)
+            with torch.no_grad():
+                logits = hf(torch.tensor([ctx + end])).logits[0].double()
+            nll = -torch.log_softmax(logits[len(ctx) - 1 : -1], -1)[torch.arange(len(end)), torch.tensor(end)]
+            losses.append((nll.sum().item(), nll.mean().item()))
+        right[0] += min(range(4), key=lambda j: losses[j][0]) == r["label"]
+        right[1] += min(range(4), key=lambda j: losses[j][1]) == r["label"]
+    assert (result["hellaswag_acc"], result["hellaswag_acc_norm"]) == (right[0] / 2, right[1] / 2)
+    assert "build-nanogpt's figures" not in capsys.readouterr().out  # printed for gpt2 and gpt2-xl on the full set
