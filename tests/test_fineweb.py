@@ -129,6 +129,9 @@ def test_prepare_errors(tmp_path, gpt2_bpe, monkeypatch):
                  lambda: dataio.open_split(out, "train")):
         with pytest.raises(UserError, match=r"shard .*train_000002.bin has 30 tokens but its sidecar says 50: delete"):
             call()
+    # a field the corpus does not have (the documents are read in the pool's feeder thread: the error still comes)
+    with pytest.raises(UserError, match=r"--text_field body: no such field in .*docs.jsonl; its fields are \['text'\]"):
+        fw.prepare(source, tmp_path / "nofield", num_proc=2, text_field="body", cache_dir=cache)
     # a restart with settings that would give other shards
     with pytest.raises(UserError, match=r"prepared with other settings \(shard_tokens 50 -> 64\)"):
         fw.prepare(source, out, shard_tokens=64, cache_dir=cache)

@@ -80,6 +80,10 @@ def test_batched_scores_equal_a_brute_force_loss_per_example(tmp_path):
         assert mean[k].tolist() == pytest.approx([e[1] for e in expected], abs=1e-4)
         right[0] += min(range(4), key=lambda j: expected[j][0]) == label
         right[1] += min(range(4), key=lambda j: expected[j][1]) == label
+    # in bf16 autocast the same losses, to bf16's precision (8 bits of mantissa: ~0.5% of a ~3.3 per-token loss)
+    total_bf16, mean_bf16 = hellaswag.ending_losses(model, encoded, "cpu", torch.autocast("cpu", dtype=torch.bfloat16))
+    assert total_bf16.dtype == torch.float32 and not torch.equal(mean_bf16, mean)
+    assert torch.allclose(mean_bf16, mean, atol=0.05)
     # acc and acc_norm from the brute-force losses; under "DDP" the ranks' shares add up to the same counts
     result = hellaswag.evaluate(model, encoded, Dist(), torch.autocast("cpu", enabled=False), examples_per_batch=3)
     assert (result["hellaswag_acc"], result["hellaswag_acc_norm"]) == (right[0] / 9, right[1] / 9)
