@@ -111,6 +111,13 @@ class KVCache:
         self.pos = 0
 
 
+def causal_mask(T: int, past: int, device: torch.device | str) -> torch.Tensor:
+    """The (T, past + T) boolean "may attend" mask of T new queries after `past` stored positions: query i sees
+    keys 0..past+i. Built where needed (math attention, a multi-token step over a KV cache, padding) instead of
+    a (block_size, block_size) buffer per layer; plain causal SDPA needs none (is_causal)."""
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -125,10 +132,6 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.SCALE_INIT = True  # a residual projection: GPT-2 scales its init by 1/sqrt(2 * n_layer)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # (block_size, block_size) lower-triangular "may attend" mask; not saved in checkpoints
-        self.register_buffer(
-            "causal_mask", torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril(), persistent=False
-        )
 
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None
@@ -144,7 +147,7 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             past = kv_cache.pos
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past + T, hs)
-        mask = self._mask(T, past, key_padding_mask)  # None (plain causal), or (B or 1, 1, T, past + T) bool
+        mask = self._mask(T, past, key_padding_mask, x.device)  # None (plain causal), or (B or 1, 1, T, past + T)
 
         if self.attention == "math":
             y = self._math_attention(q, k, v, mask, past)
@@ -153,13 +156,13 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def _mask(self, T: int, past: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    def _mask(self, T: int, past: int, key_padding_mask: torch.Tensor | None, device) -> torch.Tensor | None:
         """The boolean "may attend" mask, or None where plain causal attention (or no mask at all) is exact."""
         if key_padding_mask is None:
             if past == 0 or T == 1:
                 return None  # causal from position 0, or one new query that may see every stored key
-            return self.causal_mask[past : past + T, : past + T].view(1, 1, T, past + T)
-        causal = self.causal_mask[:T, :T]  # (T, T)
+            return causal_mask(T, past, device).view(1, 1, T, past + T)
+        causal = causal_mask(T, 0, device)  # (T, T)
         mask = causal & key_padding_mask.bool()[:, None, None, :]  # (B, 1, T, T)
         # A padding query with no real key before it would see nothing, and softmax over nothing is NaN;
         # letting every query see itself keeps it finite and changes no real token (they see themselves anyway).
@@ -169,7 +172,7 @@ class CausalSelfAttention(nn.Module):
         T, S = q.size(-2), k.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
         if mask is None:
-            mask = self.causal_mask[past : past + T, :S]  # (T, S); for T == 1 all True
+            mask = causal_mask(T, S - T, q.device)  # (T, S); for T == 1 all True
         att = att.masked_fill(~mask, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
@@ -325,9 +328,9 @@ class GPT(nn.Module):
         if not 1 <= block_size <= self.config.block_size:
             raise GPTError(f"block_size={block_size} must be between 1 and the model's {self.config.block_size}")
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
-        for block in self.transformer.h:
-            block.attn.causal_mask = block.attn.causal_mask[:block_size, :block_size]
+        # a copy, not a view: a view would keep the whole larger table alive
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
+        self.transformer.wpe.num_embeddings = block_size
 
     # ------------------------------------------------------------------------------------------- GPT-2 weights
 

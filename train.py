@@ -416,8 +416,8 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     )
 
 
-# The only buffers are the constant causal masks: DDP need not sync them before every forward. PyTorch 2.13 renamed
-# the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
+# The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
+# PyTorch 2.13 renamed the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
 NO_BUFFER_SYNC = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters

@@ -518,6 +518,18 @@ def test_crop_block_size_shrinks_wpe_and_still_runs() -> None:
         model.crop_block_size(32)
 
 
+def test_no_per_layer_causal_mask_and_crop_keeps_no_view_of_the_larger_tables() -> None:
+    """Bug: every layer held its own (block_size, block_size) mask (12 x 1 MiB for GPT-2) and crop_block_size kept
+    views of the larger mask and position table alive. The model now holds no buffer, and a crop owns its storage."""
+    model = make_model(seed=23, block_size=64, n_layer=3, attention="math")
+    assert sum(b.numel() for b in model.buffers()) == 0
+    model.crop_block_size(16)
+    wpe = model.transformer.wpe
+    assert wpe.weight.untyped_storage().nbytes() == 16 * 32 * wpe.weight.element_size()
+    assert wpe.num_embeddings == 16
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def test_estimate_mfu_and_device_peak_flops() -> None:
     model = make_model(block_size=16, n_layer=2, n_head=2, n_embd=32)
     L, H, C, T, V = 2, 2, 32, 16, 128  # V: the padded vocabulary, whose rows the head multiplies
