@@ -10,6 +10,7 @@ import glob
 import os
 import pickle
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -253,14 +254,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+# nanoGPT before PyTorch 2.0 saved each layer's causal mask as a buffer named attn.bias: a constant, not a weight
+_OLD_MASK_KEY = re.compile(r"transformer\.h\.\d+\.attn\.bias")
+
+
 def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
-    """Strip wrapper prefixes that old (nanoGPT) checkpoints of compiled or DDP models carry."""
+    """Strip wrapper prefixes that old (nanoGPT) checkpoints of compiled or DDP models carry, and drop the causal
+    mask buffers of pre-2.0 nanoGPT checkpoints."""
     out = {}
     for k, v in sd.items():
         for prefix in ("_orig_mod.", "module."):
             while k.startswith(prefix):
                 k = k[len(prefix) :]
-        out[k] = v
+        if not _OLD_MASK_KEY.fullmatch(k):
+            out[k] = v
     return out
 
 
@@ -354,10 +361,13 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
 
 def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:
     """The GPTConfig of a checkpoint's model_args. Checkpoints from before the gelu setting have none: this repo's
-    used GPT-2's tanh form, nanoGPT's (which have no vocab_padding_multiple) the exact one, nn.GELU()."""
+    used GPT-2's tanh form, nanoGPT's (which have no vocab_padding_multiple) the exact one, nn.GELU(). nanoGPT's
+    vocab_size is its number of rows, already final (65 for characters, 50304 for its padded GPT-2 runs): no padding
+    is added to it."""
     args = dict(model_args)
     if "gelu" not in args:
         args["gelu"] = "tanh" if "vocab_padding_multiple" in args else "erf"
+    args.setdefault("vocab_padding_multiple", 1)
     args.update(overrides)
     return GPTConfig(**args)
 

@@ -469,10 +469,13 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        vocab_size: int | None = None,
     ) -> torch.Tensor:
         """
         Extend idx (B, T) by max_new_tokens tokens, sampled from softmax(logits / temperature) after the optional
         top-k and top-p (nucleus) filters; temperature=0 takes the most likely token (greedy).
+        vocab_size: sample only ids below it, for a tokenizer with fewer tokens than the model has rows (nanoGPT's
+        GPT-2-sized runs have 50304 rows for GPT-2's 50257 tokens); None: the model's vocab_size.
         The context is the last block_size tokens, exactly as without the cache: past block_size the window
         slides, so every new position changes every position embedding and the cache is re-filled (crop and
         re-prefill); up to block_size each new token costs one position.
@@ -483,7 +486,7 @@ class GPT(nn.Module):
         try:
             cache = KVCache(self.config, idx.size(0)) if use_cache else None
             for _ in range(max_new_tokens):
-                logits = self._next_token_logits(idx, cache)  # (B, vocab_size)
+                logits = self._next_token_logits(idx, cache)[:, :vocab_size]  # (B, vocab_size)
                 idx_next = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
         finally:

@@ -122,7 +122,7 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
         if cfg.ckpt == BEST_NAME and not os.path.exists(path):
             raise UserError(f"no {path}: it exists only after a run with always_save_checkpoint=False was stopped "
                             f"between evals; otherwise ckpt.pt holds the best weights: drop --ckpt")
-        ckpt = load_checkpoint(path, map_location=device)
+        ckpt = load_checkpoint(path, map_location="cpu")  # the optimizer state stays on the CPU and is freed below
         model = model_from_checkpoint(ckpt, **overrides)
         tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
         del ckpt
@@ -130,7 +130,8 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
         model = GPT.from_pretrained(cfg.init_from, overrides)
         log(f"tokenizer: GPT-2 BPE (init_from={cfg.init_from})")
         tokenizer = dataio.gpt2_tokenizer()
-    # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there
+    # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there,
+    # sample() never draws the ids past the tokenizer's
     padded_bpe = isinstance(tokenizer, dataio.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
     if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
         raise UserError(
@@ -188,7 +189,8 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
         synchronize(device)
         t0 = time.perf_counter()
         with autocast_context(device, dtype):
-            y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+            y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, generator,
+                               vocab_size=tokenizer.vocab_size)
         synchronize(device)
         seconds += time.perf_counter() - t0
         outputs.append(y[0].tolist())

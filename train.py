@@ -44,6 +44,7 @@ from common import (
     keep_freed_memory,
     load_checkpoint,
     load_model_state,
+    model_from_checkpoint,
     resolve_dtype,
     run_info,
     save_checkpoint,
@@ -67,7 +68,8 @@ class TrainConfig:
     eval_iters: int = 200
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
-    init_from: str = "scratch"  # "scratch", "resume" (from out_dir/ckpt.pt) or "gpt2", "gpt2-medium", ... a HF folder
+    init_from: str = "scratch"  # "scratch", "resume" (from out_dir/ckpt.pt), "gpt2", "gpt2-medium", ... a HF folder,
+    # or a checkpoint file (this repo's or nanoGPT's ckpt.pt) whose weights start a new run (fine-tuning)
     keep_last: int = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
     # logging
     wandb_log: bool = False
@@ -400,20 +402,28 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         model = GPT(checkpoint_model_config(ckpt["model_args"], **settings))
         load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, CKPT_NAME))
         return model
+    if os.path.isfile(cfg.init_from):  # a checkpoint's weights (not its optimizer or iteration) start this run
+        return fit_pretrained(model_from_checkpoint(load_checkpoint(cfg.init_from), **settings), cfg)
     if cfg.init_from.startswith("gpt2") or os.path.isdir(cfg.init_from):
         model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
-        if cfg.gelu is not None and cfg.gelu != model.config.gelu:
-            raise UserError(
-                f"gelu={cfg.gelu!r} does not match the GPT-2 weights of {cfg.init_from!r}, which were trained with "
-                f"gelu={model.config.gelu!r}: remove the gelu setting"
-            )
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-        return model
+        return fit_pretrained(model, cfg)
     raise UserError(
-        f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
-        f"or a folder with a HF GPT-2 model"
+        f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
+        f"a folder with a HF GPT-2 model or a checkpoint file"
     )
+
+
+def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
+    """Pretrained weights for a new run: their GELU must be the configured one, and their context is cropped to
+    block_size."""
+    if cfg.gelu is not None and cfg.gelu != model.config.gelu:
+        raise UserError(
+            f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
+            f"gelu={model.config.gelu!r}: remove the gelu setting"
+        )
+    if cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    return model
 
 
 # The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.

@@ -81,7 +81,7 @@ def test_gelu_follows_the_gpt2_weights_and_a_mismatch_is_refused(tmp_path, activ
     GPT2LMHeadModel(config).save_pretrained(folder)
     assert init_model(TrainConfig(init_from=folder, block_size=32), None, None).config.gelu == gelu  # by default
     assert init_model(TrainConfig(init_from=folder, block_size=32, gelu=gelu), None, None).config.gelu == gelu
-    with pytest.raises(train_module.UserError, match=rf"gelu='{other}' does not match the GPT-2 weights of "
+    with pytest.raises(train_module.UserError, match=rf"gelu='{other}' does not match the weights of "
                        rf".*tiny-gpt2', which were trained with gelu='{gelu}': remove the gelu setting"):
         init_model(TrainConfig(init_from=folder, block_size=32, gelu=other), None, None)
     scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)  # from scratch: tanh unless set

@@ -219,3 +219,32 @@ def test_a_missing_ckpt_best_says_when_it_exists(tmp_path):
     with pytest.raises(UserError, match=r"ckpt_best.pt: it exists only after a run with always_save_checkpoint=False "
                        r"was stopped between evals; otherwise ckpt.pt holds the best weights: drop --ckpt"):
         load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_best.pt", device="cpu"))
+
+
+def test_checkpoint_loads_on_the_cpu_and_only_the_weights_move(char_run, monkeypatch):
+    """Bug: the whole checkpoint (optimizer state: twice the weights) was loaded onto the sampling device. The
+    meta device stands in for an accelerator: a tensor put there keeps no data, so a checkpoint loaded there could
+    not fill the model, while a model moved there after loading is fine. (The CUDA test measures the memory.)"""
+    import sample as sample_module
+
+    out_dir, _ = char_run
+    placed = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: placed.append(kw.get("map_location")) or real_load(*a, **kw))
+    monkeypatch.setattr(sample_module, "resolve_device", lambda device: "meta")
+    model, _ = load_model(SampleConfig(out_dir=out_dir, device="cpu", dtype="float32"))
+    assert placed == ["cpu"]
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampling_allocates_the_weights_not_the_optimizer_state(char_run):
+    out_dir, _ = char_run
+    weights = sum(t.numel() * t.element_size() for t in load_checkpoint(os.path.join(out_dir, "ckpt.pt"))["model"].values())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model, _ = load_model(SampleConfig(out_dir=out_dir, device="cuda", dtype="float32"))
+    # the weights once (plus the allocator's rounding), where the checkpoint's optimizer moments would add 2x more
+    assert torch.cuda.max_memory_allocated() - before < 2 * weights
+    del model
