@@ -28,9 +28,9 @@ class ConfigError(UserError):
 def configure(config: T, argv: list[str]) -> T:
     """Return a copy of `config` with the config files and `--key=value` overrides in `argv` applied in order.
 
-    Items without a leading `--` are config files (plain Python assignments); later items win. Nothing is
-    applied unless every item is valid: otherwise one ConfigError lists all the problems, so a user fixes
-    a command line in one round instead of one error at a time.
+    Items without a leading `--` are config files (plain Python assignments); later items win. A boolean key
+    given bare (`--compile`) means True. Nothing is applied unless every item is valid: otherwise one ConfigError
+    lists all the problems, so a user fixes a command line in one round instead of one error at a time.
     """
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"configure() needs a dataclass instance, got {type(config).__name__}")
@@ -54,8 +54,12 @@ def configure(config: T, argv: list[str]) -> T:
             problems.append(f"bad argument {arg!r}: use --key=value")
             continue
         if not sep:
+            next_is_value = i < len(argv) and not argv[i].startswith("--") and not argv[i].endswith(".py")
+            if key in field_types and _coerce(True, field_types[key]) == (True, True) and not next_is_value:
+                updates[key] = True  # a bare boolean flag (`--compile`), as with argparse's store_true
+                continue
             # `--key value` is the argparse habit; the value would otherwise be read as a config file path.
-            if i < len(argv) and not argv[i].startswith("--") and not argv[i].endswith(".py"):
+            if next_is_value:
                 problems.append(f"'{arg} {argv[i]}': use {arg}={argv[i]}")
                 i += 1
             else:

@@ -17,6 +17,7 @@ Config: the TrainConfig defaults below, then config files and --key=value overri
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import math
 import os
@@ -354,11 +355,18 @@ def resume_changes(
 
 
 class Logger:
-    """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked)."""
+    """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
+    appends to its run's file; a new run in a folder that has one starts its own, the old file kept as
+    metrics.<N>.jsonl (the first free N)."""
 
     def __init__(self, cfg: TrainConfig, dist: Dist):
         self.master = dist.master
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if self.master and cfg.init_from != "resume" and os.path.exists(self.path):
+            names = (os.path.join(cfg.out_dir, f"metrics.{n}.jsonl") for n in itertools.count(1))
+            kept = next(name for name in names if not os.path.exists(name))
+            os.replace(self.path, kept)
+            self.print(f"a new run in {cfg.out_dir}: the previous run's metrics are kept in {kept}")
         self.t_start = time.time()
         self.wandb = None
         if self.master and cfg.wandb_log:
@@ -498,6 +506,11 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         for change in resume_changes(ckpt["config"], ckpt["model_args"], cfg, dist.world_size, saved_world_size):
             log.print(f"warning: resuming with a changed setting: {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
+    nothing_to_train = ckpt is not None and iter_num >= cfg.max_iters
+    if nothing_to_train:
+        log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
+                  f"evaluating it only (raise max_iters to train on)")
+    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing
     best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
     model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
@@ -544,7 +557,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         t0 = time.time()
         while True:
             # evaluate, and save the checkpoint
-            if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only:
+            if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or eval_only:
                 losses = estimate_loss(eval_model, cfg, splits, dist, ctx)
                 record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]}
                 if cfg.hellaswag and (iter_num % (cfg.hellaswag_interval or cfg.eval_interval) == 0
@@ -556,10 +569,10 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 log.metrics(record)
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
-                if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not cfg.eval_only:
+                if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
                     save(iter_num, best_val_loss, improved)
                 t0 = time.time()  # the eval is not part of the next step's time
-            if iter_num >= cfg.max_iters or cfg.eval_only:
+            if iter_num >= cfg.max_iters or eval_only:
                 break
 
             # one optimizer step

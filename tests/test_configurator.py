@@ -244,8 +244,9 @@ def test_all_problems_are_listed_in_one_message(tmp_path: Path) -> None:
     "argv, message",
     [
         (["--batch_size", "32"], "'--batch_size 32': use --batch_size=32"),
-        (["--compile"], "'--compile' has no value: use --compile=VALUE"),
-        (["--compile", "--seed=1"], "'--compile' has no value: use --compile=VALUE"),
+        (["--seed"], "'--seed' has no value: use --seed=VALUE"),
+        (["--seed", "--compile"], "'--seed' has no value: use --seed=VALUE"),
+        (["--compile", "False"], "'--compile False': use --compile=False"),
         (
             ["--bach_size", "8"],
             "'--bach_size 8': use --bach_size=8; unknown config key 'bach_size' (did you mean 'batch_size'?)",
@@ -259,11 +260,24 @@ def test_override_without_equals_sign(argv: list[str], message: str) -> None:
 
 
 def test_space_separated_config_file_is_still_read(tmp_path: Path) -> None:
-    # `--compile a.py`: the .py item is a config file, not the flag's value, so its problems are reported too.
+    # `--seed a.py`: the .py item is a config file, not the flag's value, so its problems are reported too.
     path = write(tmp_path, "a.py", "seed = 'x'\n")
-    assert error_of(["--compile", path]) == (
-        f"'--compile' has no value: use --compile=VALUE; {path}: seed: expected int, got str 'x'"
+    assert error_of(["--seed", path]) == (
+        f"'--seed' has no value: use --seed=VALUE; {path}: seed: expected int, got str 'x'"
     )
+    assert configure(TrainConfig(), ["--compile", write(tmp_path, "b.py", "seed = 3\n")]).seed == 3
+
+
+def test_a_bare_boolean_flag_means_true() -> None:
+    """`--compile`, `bench.py --ablation`: argparse's store_true habit (nanoGPT's users type them so)."""
+    import train
+    from bench import BenchConfig
+
+    assert configure(TrainConfig(compile=False), ["--compile"]).compile is True
+    assert configure(TrainConfig(compile=False), ["--compile", "--seed=1"]) == TrainConfig(compile=True, seed=1)
+    assert configure(BenchConfig(), ["--ablation"]).ablation is True
+    cfg = configure(train.TrainConfig(), ["--fused_adamw", "--eval_only", "--compile=False"])  # bool | None too
+    assert (cfg.fused_adamw, cfg.eval_only, cfg.compile) == (True, True, False)
 
 
 def test_config_error_is_a_user_error() -> None:

@@ -300,3 +300,36 @@ def test_every_readme_train_command_is_a_valid_config_for_its_world_size():
             check_config(cfg, world_size)
         except UserError as e:
             pytest.fail(f"README command `{line}`: {e}")
+
+
+def test_resume_at_or_past_max_iters_evaluates_in_one_line_and_saves_nothing(data_dir, tmp_path, capsys):
+    """Bug: a checkpoint at iter 15 resumed with max_iters=12 (15 not a multiple of eval_interval) ended in
+    UnboundLocalError ('losses')."""
+    out = tmp_path / "out"
+    train(tiny_config(data_dir, out, max_iters=15, eval_interval=10))
+    before = (out / "ckpt.pt").read_bytes()
+    capsys.readouterr()
+    for max_iters in (12, 15):
+        result = train(tiny_config(data_dir, out, max_iters=max_iters, eval_interval=10, init_from="resume"))
+        assert result["iter_num"] == 15 and math.isfinite(result["val_loss"])
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if "nothing to train" in ln]
+        assert lines == [f"nothing to train: the checkpoint is at iter 15 and max_iters={max_iters}; "
+                         f"evaluating it only (raise max_iters to train on)"]
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tmp_path):
+    """Bug: metrics.jsonl was always appended to, so a new run in an old out_dir mixed its records with the old."""
+    out = tmp_path / "out"
+    records = lambda name="metrics.jsonl": [json.loads(ln) for ln in open(out / name)]  # noqa: E731
+    cfg = tiny_config(data_dir, out, max_iters=4, eval_interval=4, log_interval=1)
+    train(cfg)
+    first = records()
+    train(cfg)
+    second = records()
+    assert records("metrics.1.jsonl") == first
+    assert [r["iter"] for r in second] == [0, 1, 2, 3, 4, 4]  # evals at 0 and 4, steps 1 to 4: one run only
+    train(dataclasses.replace(cfg, max_iters=6, init_from="resume"))
+    resumed = records()
+    assert resumed[: len(second)] == second and [r["iter"] for r in resumed[len(second):]] == [4, 5, 6, 6]
+    assert not (out / "metrics.2.jsonl").exists()
