@@ -1,0 +1,163 @@
+"""
+Export a checkpoint as a Hugging Face GPT-2 folder (GPT2LMHeadModel), for lm-evaluation-harness, vLLM, TGI, the Hub.
+
+$ python export.py --out_dir=out-shakespeare --to=hf-shakespeare
+$ python export.py --out_dir=out-shakespeare-char --ckpt=ckpt_best.pt --to=hf-char
+
+The folder gets config.json, model.safetensors (float32, as trained), generation_config.json and, for a GPT-2 BPE
+run, the tokenizer files (tiktoken's "gpt2" encoding is HF's `gpt2` tokenizer: its vocab.json and merges.txt are
+tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for this repo's ckpt.pt / ckpt_best.pt and
+for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped (50304 -> 50257); GELU "tanh" becomes HF's gelu_new,
+"erf" its gelu; a model without biases gets zero biases where GPT-2's layout has them. A setting that GPT-2 in
+transformers cannot express is refused, never exported wrong.
+
+Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import dataio
+from common import UserError, checkpoint_model_config, clean_state_dict, exit_on_user_error, load_checkpoint
+from configurator import configure
+from model import GPTConfig
+
+GPT2_BPE_FILES = {  # HF's file name: the URL tiktoken's gpt2 encoding reads (and caches) it from
+    "vocab.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+    "merges.txt": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+}
+HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}
+# model_args keys with a GPT-2 equivalent. The attention path and kernel change nothing that the weights compute;
+# dropout is a training setting (HF's *_pdrop); anything else (a setting added later) must be mapped here first.
+EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd", "dropout", "bias",
+               "attention", "sdpa_backend", "gelu"}
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+@dataclass
+class ExportConfig:
+    out_dir: str = "out"  # the training run's folder
+    ckpt: str = "ckpt.pt"  # the file in out_dir (ckpt_best.pt: the best val loss's, if kept)
+    to: str = ""  # the folder to write (created; files of the same names are replaced)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def check_expressible(model_args: dict) -> None:
+    """One UserError naming every setting that GPT2LMHeadModel cannot express."""
+    unknown = sorted(set(model_args) - EXPRESSIBLE)
+    if unknown:
+        shown = ", ".join(f"{k}={model_args[k]!r}" for k in unknown)
+        raise UserError(f"cannot export: {shown} has no equivalent in HF's GPT-2 (GPT2LMHeadModel), so the exported "
+                        f"model would compute something else; export.py must learn to map it first")
+
+
+def real_vocab_size(config: GPTConfig, tokenizer: dataio.Tokenizer | None) -> int:
+    """The number of real tokens: the config's vocab_size, except for nanoGPT's GPT-2-sized runs, whose
+    vocab_size is 50304 rows for GPT-2 BPE's 50257 tokens."""
+    if isinstance(tokenizer, dataio.GPT2Tokenizer) and config.vocab_size > tokenizer.vocab_size:
+        return tokenizer.vocab_size
+    return config.vocab_size
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Our state dict -> GPT2LMHeadModel's: the first vocab_size embedding rows, Conv1D weights as (in, out),
+    zero biases where the model has none."""
+    state = clean_state_dict(state)
+    if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]):
+        raise UserError("cannot export: lm_head.weight differs from transformer.wte.weight, and GPT-2 ties them")
+    C = config.n_embd
+    out = {
+        "transformer.wte.weight": state["transformer.wte.weight"][:vocab_size],
+        "transformer.wpe.weight": state["transformer.wpe.weight"],
+    }
+    biases = {"ln_1": C, "attn.c_attn": 3 * C, "attn.c_proj": C, "ln_2": C, "mlp.c_fc": 4 * C, "mlp.c_proj": C}
+    for i in range(config.n_layer):
+        for name, size in biases.items():
+            prefix = f"transformer.h.{i}.{name}"
+            w = state[f"{prefix}.weight"]
+            out[f"{prefix}.weight"] = w.t() if f"{prefix}.weight".endswith(CONV1D) else w  # (out, in) -> (in, out)
+            out[f"{prefix}.bias"] = state.get(f"{prefix}.bias", torch.zeros(size, dtype=w.dtype))
+    out["transformer.ln_f.weight"] = state["transformer.ln_f.weight"]
+    out["transformer.ln_f.bias"] = state.get("transformer.ln_f.bias", torch.zeros(C, dtype=out["transformer.ln_f.weight"].dtype))
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def export(ckpt: dict, folder: str, tokenizer: dataio.Tokenizer | None) -> "GPT2LMHeadModel":  # noqa: F821
+    """Write the checkpoint as a HF GPT-2 folder; returns the HF model that was saved."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    check_expressible(ckpt["model_args"])
+    config = checkpoint_model_config(ckpt["model_args"])
+    vocab_size = real_vocab_size(config, tokenizer)
+    eot = tokenizer.eot if tokenizer is not None and tokenizer.eot is not None and tokenizer.eot < vocab_size else None
+    hf_config = GPT2Config(
+        vocab_size=vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, activation_function=HF_ACTIVATION[config.gelu], resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout, attn_pdrop=config.dropout, layer_norm_epsilon=1e-5, bos_token_id=eot,
+        eos_token_id=eot, tie_word_embeddings=True,
+    )
+    hf_model = GPT2LMHeadModel(hf_config)
+    weights = hf_state_dict(ckpt["model"], config, vocab_size)
+    missing, unexpected = hf_model.load_state_dict(weights, strict=False)
+    if set(missing) - {"lm_head.weight"} or unexpected:  # lm_head is tied to wte
+        raise UserError(f"cannot export: GPT-2's keys differ: missing {sorted(missing)[:4]}, unexpected {unexpected[:4]}")
+    hf_model.tie_weights()
+    hf_model.save_pretrained(folder)
+    return hf_model
+
+
+def write_tokenizer(folder: str, tokenizer: dataio.Tokenizer | None, block_size: int) -> str:
+    """The HF tokenizer files for a GPT-2 BPE run; returns a note for the user either way."""
+    if not isinstance(tokenizer, dataio.GPT2Tokenizer):
+        return "no HF tokenizer fits this vocabulary (not GPT-2 BPE): the folder has no tokenizer files"
+    import tiktoken.load
+    from transformers import GPT2TokenizerFast
+
+    try:
+        for name, url in GPT2_BPE_FILES.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(tiktoken.load.read_file_cached(url))  # tiktoken's cache, else its download
+    except (OSError, ValueError) as e:
+        for name in GPT2_BPE_FILES:
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+        return (f"GPT-2 BPE files not available ({type(e).__name__}), so the folder has no tokenizer: add it with "
+                f"python -c \"from transformers import AutoTokenizer; "
+                f"AutoTokenizer.from_pretrained('gpt2').save_pretrained('{folder}')\"")
+    # read back as HF reads GPT-2's files (the constructor's arguments differ between transformers versions),
+    # then saved with tokenizer.json and tokenizer_config.json
+    GPT2TokenizerFast.from_pretrained(folder, model_max_length=block_size).save_pretrained(folder)
+    return "tokenizer: GPT-2 BPE (HF's gpt2 tokenizer)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = configure(ExportConfig(), sys.argv[1:] if argv is None else argv)
+    if not cfg.to:
+        raise UserError("to='' : name the folder to write, e.g. --to=hf-model")
+    from sample import checkpoint_tokenizer  # the tokenizer sample.py would use: the dataset's, else GPT-2 BPE
+
+    ckpt = load_checkpoint(os.path.join(cfg.out_dir, cfg.ckpt))
+    check_expressible(ckpt["model_args"])
+    tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
+    config = checkpoint_model_config(ckpt["model_args"])
+    if not isinstance(tokenizer, dataio.GPT2Tokenizer) and tokenizer.vocab_size != config.vocab_size:
+        raise UserError(f"the run's tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                        f"{config.vocab_size}: export needs the meta.json of the dataset the model was trained on")
+    if isinstance(tokenizer, dataio.GPT2Tokenizer) and config.vocab_size < tokenizer.vocab_size:
+        tokenizer = None  # no meta.json found, and too few rows for GPT-2 BPE: a vocabulary we do not know
+    os.makedirs(cfg.to, exist_ok=True)
+    hf_model = export(ckpt, cfg.to, tokenizer)
+    note = write_tokenizer(cfg.to, tokenizer, config.block_size)
+    log(f"exported {os.path.join(cfg.out_dir, cfg.ckpt)} to {cfg.to}: GPT2LMHeadModel, vocab_size "
+        f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,128 @@
+"""export.py: a checkpoint -> a HF GPT-2 folder. GPT2LMHeadModel.from_pretrained on the export gives our logits (both
+GELU forms, bias=False), importing it back gives the same weights bitwise, HF's greedy generate gives sample.py's
+tokens, and what GPT-2 cannot express is refused in one line."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import export
+from common import UserError, save_checkpoint
+from helpers import make_char_dataset, run_script
+from model import GPT, GPTConfig
+from sample import SampleConfig, load_model, sample
+from test_nanogpt import nanogpt_adamw, nanogpt_checkpoint, nanogpt_model
+
+
+def perturbed(model: GPT, seed: int) -> GPT:
+    """Every parameter moved off its init (biases and LayerNorms are 0 and 1 there), so each one's mapping counts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def write_run(out_dir, model: GPT, run_config: dict, name: str = "ckpt.pt") -> None:
+    """A checkpoint as train.py writes it (the fields export reads)."""
+    save_checkpoint(os.path.join(out_dir, name), {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config),
+                                                  "config": run_config, "iter_num": 10, "best_val_loss": 2.0})
+
+
+@pytest.mark.parametrize("gelu,bias,hf_activation", [("tanh", True, "gelu_new"), ("erf", True, "gelu"),
+                                                      ("tanh", False, "gelu_new")])
+def test_round_trip_logits_and_bitwise_reimport_char_run(tmp_path, capsys, gelu, bias, hf_activation):
+    from transformers import GPT2LMHeadModel
+
+    meta = make_char_dataset(tmp_path / "chars", n_chars=2000)
+    V = meta["vocab_size"]  # not a multiple of 64: the model has padded rows
+    torch.manual_seed(0)
+    ours = perturbed(GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=32, block_size=32, bias=bias, gelu=gelu)), 1)
+    assert ours.lm_head.weight.shape[0] == 64 > V
+    write_run(tmp_path / "run", ours, {"dataset": "chars", "data_dir": str(tmp_path / "chars")}, name="ckpt_best.pt")
+    export.main([f"--out_dir={tmp_path / 'run'}", "--ckpt=ckpt_best.pt", f"--to={tmp_path / 'hf'}"])
+    note = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"vocab_size {V}, activation {hf_activation}" in note and "no HF tokenizer fits" in note
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.vocab_size == V and hf.config.activation_function == hf_activation
+    idx = torch.randint(0, V, (3, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, _ = ours(idx)  # (B, T, V): our logits over the real vocabulary
+        got = hf(idx).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+    back = GPT.from_pretrained(str(tmp_path / "hf"))
+    assert back.config.gelu == gelu and back.config.vocab_size == V
+    mine, theirs = ours.state_dict(), back.state_dict()
+    for k, v in theirs.items():
+        if k in ("transformer.wte.weight", "lm_head.weight"):
+            assert torch.equal(v[:V], mine[k][:V]), k
+        elif k in mine:
+            assert torch.equal(v, mine[k]), k
+        else:  # bias=False: GPT-2's layout has the bias, exported as zeros
+            assert not bias and k.endswith(".bias") and not v.any(), k
+
+
+def test_nanogpt_gpt2_checkpoint_exports_with_tokenizer_and_generates_our_greedy_tokens(tmp_path, gpt2_bpe, capsys):
+    """nanoGPT's 50304-row GPT-2 run (compiled-model prefixes): exported with 50257 rows and the GPT-2 tokenizer;
+    HF's greedy generate from the folder alone gives the tokens of our sample.py."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    source = perturbed(nanogpt_model(50304, seed=3, n_layer=1, n_embd=16), 4)
+    with torch.no_grad():
+        source.lm_head.weight.mul_(20.0)  # peaked logits: greedy choices far from ties between implementations
+    os.makedirs(tmp_path / "run")
+    args = {k: getattr(source.config, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size",
+                                                   "dropout")}
+    torch.save(nanogpt_checkpoint(source.state_dict(), nanogpt_adamw(source).state_dict(), args,
+                                  {"dataset": "no-such-dataset"}, iter_num=5000, best_val_loss=3.3),
+               tmp_path / "run" / "ckpt.pt")
+    export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}"])
+    assert "vocab_size 50257, activation gelu; tokenizer: GPT-2 BPE" in capsys.readouterr().err.strip().splitlines()[-1]
+
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    prompt = "First Citizen: Before we proceed any further, hear me speak."
+    assert tok(prompt)["input_ids"] == gpt2_bpe.encode(prompt)
+    assert torch.equal(hf.transformer.wte.weight, source.transformer.wte.weight[:50257])
+    cfg = SampleConfig(out_dir=str(tmp_path / "run"), start=prompt, device="cpu", dtype="float32", temperature=0.0,
+                       num_samples=1, max_new_tokens=12)
+    model, tokenizer = load_model(cfg)
+    ours = sample(model, tokenizer, prompt, cfg).ids[0]
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         pad_token_id=tok.eos_token_id)[0].tolist()
+    assert theirs == ours
+
+
+def test_what_gpt2_cannot_express_is_refused_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, block_size=16))
+    state = {"model": model.state_dict(), "model_args": {**dataclasses.asdict(model.config), "rope_theta": 10000.0},
+             "config": {}}
+    save_checkpoint(str(tmp_path / "run" / "ckpt.pt"), state)
+    r = run_script(["export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: cannot export: rope_theta=10000.0 has no equivalent in HF's GPT-2 (GPT2LMHeadModel), so the exported "
+        "model would compute something else; export.py must learn to map it first"]
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(UserError, match="name the folder to write"):
+        export.main([f"--out_dir={tmp_path / 'run'}"])
+
+
+def test_readme_export_commands_parse():
+    import shlex
+
+    from configurator import configure
+    from helpers import ROOT
+
+    lines = [ln.split("  #")[0] for ln in open(os.path.join(ROOT, "README.md")) if ln.startswith("python export.py ")]
+    assert len(lines) == 2
+    for line in lines:
+        cfg = configure(export.ExportConfig(), shlex.split(line)[2:])
+        assert cfg.to and cfg.out_dir != "out", line
