@@ -215,7 +215,7 @@ def shard_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The sidecar of the shard at `path`, checked against the shard file: a missing or unreadable sidecar, or a
     shard whose size is not the sidecar's token count, is a UserError."""
     path = Path(path)
-    hint = f"delete it and its .json, and {_rerun_hint(path.parent)} (it rewrites missing shards)"
+    hint = f"delete it and its .json, and {_rerun_hint(path.parent)} (it rewrites the shards from the first missing one)"
     try:
         side = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -294,7 +294,7 @@ def open_split(
         if not path.is_file():
             raise UserError(
                 f"missing shard {path} (meta.json lists {len(paths)} {split} shards): {_rerun_hint(data_dir)}, "
-                "which rewrites missing shards"
+                "which rewrites the shards from the first missing one"
             )
         side = shard_info(path)
         if side.get("tokenizer") != meta.get("tokenizer"):

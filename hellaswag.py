@@ -117,7 +117,8 @@ def encode(examples: list[Example], tokenizer: dataio.Tokenizer, block_size: int
         context = tokenizer.encode_ordinary(ex.context)
         endings = [tokenizer.encode_ordinary(" " + e) for e in ex.endings]
         if max(map(len, endings)) >= block_size:
-            raise UserError(f"a HellaSwag ending has {max(map(len, endings))} tokens: more than block_size={block_size} allows")
+            longest = max(map(len, endings))
+            raise UserError(f"a HellaSwag ending has {longest} tokens: more than block_size={block_size} allows")
         out.append(([(context + e)[-block_size:] for e in endings], [len(e) for e in endings], ex.label))
     return out
 
@@ -168,7 +169,8 @@ def evaluate(model, encoded: list[Encoded], dist: Dist, ctx, examples_per_batch:
 
 
 def describe(result: dict[str, float]) -> str:
-    return f"HellaSwag acc {result['hellaswag_acc']:.4f}, acc_norm {result['hellaswag_acc_norm']:.4f} ({result['hellaswag_n']:,} examples)"
+    acc, acc_norm, n = result["hellaswag_acc"], result["hellaswag_acc_norm"], result["hellaswag_n"]
+    return f"HellaSwag acc {acc:.4f}, acc_norm {acc_norm:.4f} ({n:,} examples)"
 
 
 # ----------------------------------------------------------------------------------------------- the script

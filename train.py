@@ -160,8 +160,8 @@ def train_batches(
     """This rank's micro-batches of step iter_num: its micro-step i is micro-step rank * accum_steps + i of the step
     over all ranks, so 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps read."""
     return [
-        get_batch(split, cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, "train", iter_num, rank * accum_steps + i))
-        for i in range(accum_steps)
+        get_batch(split, cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, "train", iter_num, index))
+        for index in range(rank * accum_steps, (rank + 1) * accum_steps)
     ]
 
 

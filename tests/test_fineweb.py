@@ -82,6 +82,14 @@ def test_prepare_shards_decode_to_the_documents_with_separators(tmp_path, gpt2_b
             i, sizes[i], "gpt2", "val" if i == 0 else "train")
     assert (meta["val_tokens"], meta["train_tokens"]) == (157, sum(sizes[1:]))
     assert dataio.load_meta(tmp_path / "out") == meta
+    # run again: nothing to do; without meta.json (a kill after the last shard): every document skipped, meta written
+    files = shard_files(tmp_path / "out")
+    assert fw.prepare(write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out", shard_tokens=157,
+                      cache_dir=str(tmp_path / "hf")) == meta
+    os.remove(tmp_path / "out" / "meta.json")
+    assert fw.prepare(str(tmp_path / "docs.jsonl"), tmp_path / "out", shard_tokens=157,
+                      cache_dir=str(tmp_path / "hf")) == meta
+    assert shard_files(tmp_path / "out") == files
     assert dataio.open_split(tmp_path / "out", "train", vocab_size=50257).total == meta["train_tokens"]
 
 
@@ -248,7 +256,7 @@ def test_missing_shard_is_a_one_line_error(tmp_path, capsys):
     args = config_args(tiny_config(d, tmp_path / "out"))
     assert one_line_error(lambda: train_main(args), capsys) == [
         f"error: missing shard {d / 'train_000002.bin'} (meta.json lists 2 train shards): rerun "
-        "`python data/shardy/prepare.py`, which rewrites missing shards"
+        "`python data/shardy/prepare.py`, which rewrites the shards from the first missing one"
     ]
 
 

@@ -32,7 +32,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
 from common import UserError, exit_on_user_error  # noqa: E402
 from data.corpus import eot_then_tokens, local_data_files  # noqa: E402
-from dataio import GPT2_EOT, MAX_TOKEN_ID, gpt2_tokenizer, shard_info, sidecar_path, write_meta, write_shard  # noqa: E402
+from dataio import (  # noqa: E402
+    GPT2_EOT, MAX_TOKEN_ID, gpt2_tokenizer, load_meta, shard_info, sidecar_path, write_meta, write_shard,
+)
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_SOURCE, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
@@ -76,6 +78,8 @@ def text_batches(ds: Any, skip: int, text_field: str, source: str) -> Iterator[l
     """The documents' texts from document `skip` on, DOCS_PER_TASK at a time."""
     if ds.column_names is not None and text_field not in ds.column_names:  # None: a stream that does not say
         raise UserError(f"--text_field {text_field}: no such field in {source}; its fields are {ds.column_names}")
+    if skip and skip >= getattr(ds, "num_rows", skip + 1):  # all read (Dataset.skip refuses; a stream just ends)
+        return
     for batch in ds.skip(skip).select_columns([text_field]).iter(batch_size=DOCS_PER_TASK):
         yield batch[text_field]
 
@@ -136,6 +140,13 @@ def prepare(
         text_field=text_field, shard_tokens=shard_tokens,
     )
     done, (doc, offset) = resume_point(out_dir, settings)
+    if (out_dir / "meta.json").is_file():
+        meta = load_meta(out_dir)
+        if meta.get("shards") == {"val": [shard_path(out_dir, 0).name], "train": [
+            shard_path(out_dir, i).name for i in range(1, len(done))
+        ]}:
+            print(f"{out_dir} is prepared already: its meta.json lists the {len(done)} complete shards there")
+            return meta
     if done:
         print(f"continuing after {len(done)} complete shard(s), at document {doc:,}")
     ds = open_corpus(source, local, name, streaming, num_proc, cache_dir)
@@ -180,7 +191,8 @@ def prepare(
     if len(done) < 2:
         raise UserError(
             f"--source {source} has {sum(s['tokens'] for s in done):,} tokens: not more than one shard of "
-            f"--shard_tokens {shard_tokens:,}, which is the val shard; prepare again into an empty --out_dir with a lower --shard_tokens"
+            f"--shard_tokens {shard_tokens:,}, which is the val shard; prepare again into an empty --out_dir with a "
+            "lower --shard_tokens"
         )
     shards = [shard_path(out_dir, i).name for i in range(len(done))]
     meta = dict(
