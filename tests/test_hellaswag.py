@@ -139,19 +139,22 @@ def test_a_malformed_hellaswag_file_is_a_one_line_error(tmp_path, capsys, line, 
     assert len(lines) == 1 and message in lines[0] and 'expected JSON lines of {"ctx": text' in lines[0], lines
 
 
-def test_hellaswag_path_that_does_not_exist_is_a_one_line_error_in_training(tmp_path, capsys):
+@pytest.mark.parametrize("extra, message", [
+    ([], "error: hellaswag path {nope!r}: no such file; give a file of JSON lines of "
+         '{{"ctx": text, "endings": [4 texts], "label": 0-3}}, or None to download it'),
+    (["--eval_interval=10", "--hellaswag_interval=25"],
+     "error: hellaswag_interval=25 must be 0 or a multiple of eval_interval=10 (HellaSwag runs at evals)"),
+])
+def test_hellaswag_settings_in_training_are_one_line_errors(tmp_path, capsys, extra, message):
     rows = write_examples(tmp_path / "hs.jsonl")
     (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data", rows, n_lines=200)
     args = [f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--compile=False",
             "--n_layer=1", "--n_head=1", "--n_embd=16", "--block_size=16", "--hellaswag=True",
-            f"--hellaswag_path={tmp_path / 'nope.jsonl'}"]
+            f"--hellaswag_path={tmp_path / 'nope.jsonl'}", *extra]
     with pytest.raises(SystemExit):
         exit_on_user_error(lambda: train_main(args))
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: hellaswag path {str(tmp_path / 'nope.jsonl')!r}: no such file; give a file of JSON lines of "
-        '{"ctx": text, "endings": [4 texts], "label": 0-3}, or None to download it'
-    ]
+    assert capsys.readouterr().err.strip().splitlines() == [message.format(nope=str(tmp_path / "nope.jsonl"))]
 
 
 def test_download_fetches_the_validation_set_once_and_checks_it(tmp_path, monkeypatch):
@@ -186,7 +189,7 @@ def test_gpt2_weights_are_scored_with_the_bpe_as_hf_scores_them(tmp_path, gpt2_b
     (tmp_path / "hs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     result = hellaswag.main([f"--init_from={tmp_path / 'tiny-gpt2'}", f"--path={tmp_path / 'hs.jsonl'}",
                              "--device=cpu", "--dtype=float32"])
-    right = [0, 0]
+    right, right_first = [0, 0], []
     for r in rows:
         ctx = gpt2_bpe.encode_ordinary(r["ctx"])
         losses = []
@@ -198,5 +201,9 @@ def test_gpt2_weights_are_scored_with_the_bpe_as_hf_scores_them(tmp_path, gpt2_b
             losses.append((nll.sum().item(), nll.mean().item()))
         right[0] += min(range(4), key=lambda j: losses[j][0]) == r["label"]
         right[1] += min(range(4), key=lambda j: losses[j][1]) == r["label"]
+        right_first.append(float(min(range(4), key=lambda j: losses[j][0]) == r["label"]))
     assert (result["hellaswag_acc"], result["hellaswag_acc_norm"]) == (right[0] / 2, right[1] / 2)
     assert "build-nanogpt's figures" not in capsys.readouterr().out  # printed for gpt2 and gpt2-xl on the full set
+    first = hellaswag.main([f"--init_from={tmp_path / 'tiny-gpt2'}", f"--path={tmp_path / 'hs.jsonl'}",
+                            "--device=cpu", "--dtype=float32", "--max_examples=1"])
+    assert (first["hellaswag_n"], first["hellaswag_acc"]) == (1, right_first[0])
