@@ -126,3 +126,20 @@ def test_readme_export_commands_parse():
     for line in lines:
         cfg = configure(export.ExportConfig(), shlex.split(line)[2:])
         assert cfg.to and cfg.out_dir != "out", line
+
+
+def test_without_the_gpt2_bpe_files_the_folder_gets_no_tokenizer_and_a_note(tmp_path, monkeypatch):
+    """No tiktoken cache and no network (the read fails as requests' errors do, with an OSError)."""
+    import tiktoken.load
+
+    import dataio
+
+    def offline(url, expected_hash=None):
+        raise OSError(f"no network for {url}")
+
+    monkeypatch.setattr(tiktoken.load, "read_file_cached", offline)
+    note = export.write_tokenizer(str(tmp_path), object.__new__(dataio.GPT2Tokenizer), block_size=32)
+    assert note == (f"GPT-2 BPE files not available (OSError), so the folder has no tokenizer: add it with python -c "
+                    f"\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('gpt2')"
+                    f".save_pretrained('{tmp_path}')\"")
+    assert os.listdir(tmp_path) == []
