@@ -84,8 +84,9 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, vocab_size:
             w = state[f"{prefix}.weight"]
             out[f"{prefix}.weight"] = w.t() if f"{prefix}.weight".endswith(CONV1D) else w  # (out, in) -> (in, out)
             out[f"{prefix}.bias"] = state.get(f"{prefix}.bias", torch.zeros(size, dtype=w.dtype))
-    out["transformer.ln_f.weight"] = state["transformer.ln_f.weight"]
-    out["transformer.ln_f.bias"] = state.get("transformer.ln_f.bias", torch.zeros(C, dtype=out["transformer.ln_f.weight"].dtype))
+    ln_f = state["transformer.ln_f.weight"]
+    out["transformer.ln_f.weight"] = ln_f
+    out["transformer.ln_f.bias"] = state.get("transformer.ln_f.bias", torch.zeros(C, dtype=ln_f.dtype))
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
@@ -107,7 +108,8 @@ def export(ckpt: dict, folder: str, tokenizer: dataio.Tokenizer | None) -> "GPT2
     weights = hf_state_dict(ckpt["model"], config, vocab_size)
     missing, unexpected = hf_model.load_state_dict(weights, strict=False)
     if set(missing) - {"lm_head.weight"} or unexpected:  # lm_head is tied to wte
-        raise UserError(f"cannot export: GPT-2's keys differ: missing {sorted(missing)[:4]}, unexpected {unexpected[:4]}")
+        raise UserError(f"cannot export: GPT-2's keys differ: missing {sorted(missing)[:4]}, "
+                        f"unexpected {unexpected[:4]}")
     hf_model.tie_weights()
     hf_model.save_pretrained(folder)
     return hf_model

@@ -28,8 +28,9 @@ def perturbed(model: GPT, seed: int) -> GPT:
 
 def write_run(out_dir, model: GPT, run_config: dict, name: str = "ckpt.pt") -> None:
     """A checkpoint as train.py writes it (the fields export reads)."""
-    save_checkpoint(os.path.join(out_dir, name), {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config),
-                                                  "config": run_config, "iter_num": 10, "best_val_loss": 2.0})
+    state = {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": run_config,
+             "iter_num": 10, "best_val_loss": 2.0}
+    save_checkpoint(os.path.join(out_dir, name), state)
 
 
 @pytest.mark.parametrize("gelu,bias,hf_activation", [("tanh", True, "gelu_new"), ("erf", True, "gelu"),
@@ -40,7 +41,8 @@ def test_round_trip_logits_and_bitwise_reimport_char_run(tmp_path, capsys, gelu,
     meta = make_char_dataset(tmp_path / "chars", n_chars=2000)
     V = meta["vocab_size"]  # not a multiple of 64: the model has padded rows
     torch.manual_seed(0)
-    ours = perturbed(GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=32, block_size=32, bias=bias, gelu=gelu)), 1)
+    config = GPTConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=32, block_size=32, bias=bias, gelu=gelu)
+    ours = perturbed(GPT(config), 1)
     assert ours.lm_head.weight.shape[0] == 64 > V
     write_run(tmp_path / "run", ours, {"dataset": "chars", "data_dir": str(tmp_path / "chars")}, name="ckpt_best.pt")
     export.main([f"--out_dir={tmp_path / 'run'}", "--ckpt=ckpt_best.pt", f"--to={tmp_path / 'hf'}"])
