@@ -15,7 +15,7 @@ stream the next shard starts. The result is the same as one uninterrupted run. A
 sidecar is an error; the options that decide the shards (source, name, text field, shard size) must not change.
 
 Loading: HF `datasets` (written against 5.2; any version with Dataset.skip), by default downloading the parquet
-files and reading them as a Dataset (~28 GB of parquet plus datasets' cache; a restart skips documents at once);
+files and reading them as a Dataset (tens of GB of parquet plus datasets' cache; a restart skips documents at once);
 `--streaming` reads them over the network instead (no disk, but a restart re-reads the documents it skips).
 """
 import argparse
