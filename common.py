@@ -170,17 +170,22 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed(device: str, backend: str = "auto") -> Dist:
+def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = False) -> Dist:
     """
     Under torchrun (RANK in the environment) join the process group: nccl on CUDA (one GPU per local rank),
-    gloo on the CPU. Otherwise a single process on `device`.
+    gloo on the CPU. Otherwise a single process on `device`, which with group_of_one is a process group of one
+    rank (FSDP needs a group even on one process).
     """
     device = resolve_device(device)
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ and not group_of_one:
         return Dist(device=device)
     import torch.distributed as dist
 
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if "RANK" not in os.environ:
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    else:
+        env = os.environ
+    rank, local_rank, world_size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device_type = device.split(":")[0]
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
@@ -196,7 +201,10 @@ def setup_distributed(device: str, backend: str = "auto") -> Dist:
             )
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:  # no torchrun: an in-memory store instead of its rendezvous
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import dataio
+import parallel
 from common import (
     UserError,
     autocast_context,
@@ -43,7 +44,8 @@ SEPARATOR = "---------------"
 class SampleConfig:
     init_from: str = "resume"  # "resume" (from out_dir/ckpt.pt), "gpt2", "gpt2-medium", ... or a HF GPT-2 folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
-    ckpt: str = "ckpt.pt"  # with init_from=resume: the file in out_dir (ckpt_best.pt: the best val loss's, if kept)
+    ckpt: str = "ckpt.pt"  # with init_from=resume: the file in out_dir (ckpt_best.pt: the best val loss's, if kept;
+    # ckpt_sharded: an FSDP run's sharded folder, also read when there is no ckpt.pt)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
     num_samples: int = 10
     max_new_tokens: int = 500  # tokens generated per sample
@@ -122,8 +124,14 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
         if cfg.ckpt == BEST_NAME and not os.path.exists(path):
             raise UserError(f"no {path}: it exists only after a run with always_save_checkpoint=False was stopped "
                             f"between evals; otherwise ckpt.pt holds the best weights: drop --ckpt")
-        ckpt = load_checkpoint(path, map_location="cpu")  # the optimizer state stays on the CPU and is freed below
-        model = model_from_checkpoint(ckpt, **overrides)
+        sharded = os.path.join(cfg.out_dir, parallel.SHARDED_NAME)
+        if cfg.ckpt == "ckpt.pt" and not os.path.exists(path) and os.path.isdir(sharded):
+            path = sharded  # an FSDP run's checkpoint
+        if parallel.is_sharded(path):  # gathered into this one process, on the CPU like a ckpt.pt
+            model, ckpt = parallel.load_sharded_as_full(path, **overrides)
+        else:
+            ckpt = load_checkpoint(path, map_location="cpu")  # the optimizer state stays on the CPU and is freed below
+            model = model_from_checkpoint(ckpt, **overrides)
         tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
         del ckpt
     else:

@@ -24,7 +24,6 @@ import os
 import re
 import signal
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -34,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataio
 import hellaswag
+import parallel
 from common import (
     Dist,
     UserError,
@@ -43,7 +43,6 @@ from common import (
     exit_on_user_error,
     keep_as,
     keep_freed_memory,
-    load_checkpoint,
     load_model_state,
     model_from_checkpoint,
     resolve_dtype,
@@ -119,6 +118,8 @@ class TrainConfig:
     compile: bool = True  # torch.compile the model
     deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
+    parallelism: str = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters, grads, AdamW state sharded (FSDP2)
+    activation_checkpointing: bool | int = False  # recompute blocks' activations in the backward: True, or N blocks
     seed: int = 1337
 
 
@@ -200,12 +201,12 @@ def estimate_loss(model, cfg: TrainConfig, splits: dict[str, dataio.TokenSplit],
     out = {}
     for split in ("train", "val"):
         total = torch.zeros(2, device=dist.device)  # loss sum, batches
-        for k in range(dist.rank, cfg.eval_iters, dist.world_size):
+        for k, counted in parallel.eval_batch_indices(cfg.eval_iters, dist, cfg.parallelism == "fsdp"):
             gen = batch_generator(cfg.seed, f"eval_{split}", 0, k)
             x, y = get_batch(splits[split], cfg.batch_size, cfg.block_size, gen)
             with ctx:
                 _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
-            total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
+            total += torch.stack([loss.float(), torch.ones((), device=dist.device)]) * counted
         if dist.enabled:
             torch_dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -233,9 +234,8 @@ def train_step(model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: D
     loss_sum = torch.zeros((), device=dist.device)
     for i, ((x, y), n) in enumerate(zip(batches, counts)):
         last = i == len(batches) - 1
-        # DDP all-reduces gradients in backward; only the last micro-step needs it.
-        sync_ctx = model.no_sync() if dist.enabled and not last else nullcontext()
-        with sync_ctx:
+        # DDP all-reduces (FSDP reduce-scatters) gradients in backward; only the last micro-step needs it.
+        with parallel.gradient_sync(model, dist, sync=last):
             with ctx:
                 _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
             weight = n * dist.world_size / n_tokens
@@ -245,7 +245,7 @@ def train_step(model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: D
         torch_dist.all_reduce(loss_sum)
     scaler.unscale_(optimizer)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = parallel.clip_grad_norm_(model.parameters(), max_norm)  # the total norm over all ranks' shards
     mean_loss, norm = (torch.stack([loss_sum / n_tokens, grad_norm.float()])).tolist()
     # float16: the scaler skips steps whose gradients overflowed, and lowers its scale; a non-finite loss is
     # not an overflow it can fix, so it is counted like any other non-finite step.
@@ -263,6 +263,13 @@ def checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg,
     return {
         "model": raw_model.state_dict(),  # the uncompiled, unwrapped module: no `_orig_mod.` or `module.` prefixes
         "optimizer": optimizer.state_dict(),
+        **train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist),
+    }
+
+
+def train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist) -> dict:
+    """A checkpoint's entries other than the model and optimizer tensors."""
+    return {
         "scaler": scaler.state_dict(),
         "iter_num": iter_num,
         "best_val_loss": best_val_loss,
@@ -408,7 +415,8 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         return GPT(GPTConfig(**args, **settings))
     if cfg.init_from == "resume":
         model = GPT(checkpoint_model_config(ckpt["model_args"], **settings))
-        load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, CKPT_NAME))
+        if "model" in ckpt:  # a sharded checkpoint's weights are loaded once the model is sharded
+            load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, CKPT_NAME))
         return model
     if os.path.isfile(cfg.init_from):  # a checkpoint's weights (not its optimizer or iteration) start this run
         return fit_pretrained(model_from_checkpoint(load_checkpoint(cfg.init_from), **settings), cfg)
@@ -458,13 +466,14 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
                         f"{cfg.eval_interval} (HellaSwag runs at evals)")
+    problems += parallel.config_problems(cfg)
     if problems:
         raise UserError("; ".join(problems))
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts)."""
-    dist = setup_distributed(cfg.device, cfg.backend)
+    dist = setup_distributed(cfg.device, cfg.backend, group_of_one=cfg.parallelism == "fsdp")
     try:
         return _train(cfg, dist)
     finally:
@@ -499,7 +508,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else _maybe_meta(data_dir)
 
     # model
-    ckpt = load_checkpoint(os.path.join(cfg.out_dir, CKPT_NAME), map_location="cpu") if cfg.init_from == "resume" else None
+    ckpt = parallel.read_resume_checkpoint(cfg.out_dir, cfg.parallelism) if cfg.init_from == "resume" else None
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
         saved_world_size = ckpt.get("world_size", 1)
@@ -512,16 +521,24 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                   f"evaluating it only (raise max_iters to train on)")
     eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing
     best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
-    model = init_model(cfg, meta, ckpt)
+    with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
+        model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
     splits = {s: dataio.open_split(data_dir, s, model.config.vocab_size, meta) for s in ("train", "val")}
     if cfg.hellaswag:  # encoded once, with the dataset's tokenizer (GPT-2 BPE for GPT-2's weights without one)
         tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
         hellaswag_examples = hellaswag.encode(hellaswag.load_examples(cfg.hellaswag_path), tokenizer, cfg.block_size)
-    model.to(device)
+    if cfg.activation_checkpointing:
+        n = parallel.checkpoint_activations(model, cfg.activation_checkpointing)
+        log.print(f"activation checkpointing: {n} of {model.config.n_layer} blocks recompute in the backward")
+    if cfg.parallelism == "fsdp":
+        model = parallel.shard_model(model, dist, dtype, compile=cfg.compile)  # moves each rank's shard to device
+    else:
+        model.to(device)
     raw_model = model
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
+    log.print(parallel.memory_text(parallel.memory_per_rank(model), dist.world_size))
 
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
     optimizer = raw_model.configure_optimizers(
@@ -529,22 +546,28 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         verbose=dist.master,
     )
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        parallel.load_optimizer_and_sharded_weights(raw_model, optimizer, ckpt)
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, cfg, dist, iter_num)
     del ckpt  # free its memory
 
-    if cfg.compile:  # after the weights are loaded; checkpoints save raw_model, never the compiled wrapper
+    if cfg.compile and cfg.parallelism == "ddp":  # after the weights are loaded; checkpoints save raw_model, never
+        # the compiled wrapper. FSDP compiled each block before sharding.
         log.print("compiling the model...")
         model = torch.compile(model)
     eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
-    if dist.enabled:
+    if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **NO_BUFFER_SYNC)
 
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         nonlocal best_file
-        if dist.master:
+        if cfg.parallelism == "fsdp":  # every rank writes its shards
+            best_file = parallel.SHARDED_NAME if improved else None  # the folder always holds the latest save
+            state = train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist)
+            parallel.save_sharded(cfg.out_dir, raw_model, optimizer, {**state, "best_file": best_file}, dist)
+            log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{parallel.SHARDED_NAME}")
+        elif dist.master:
             state = checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist)
             best_file = save_run_checkpoint(state, cfg, improved, best_file)
             log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}"
