@@ -22,14 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -239,8 +232,14 @@ def read_train_state(folder: str) -> dict[str, Any]:
     return {**torch.load(path, map_location="cpu", weights_only=True), "sharded": folder}
 
 
+# torch.distributed.checkpoint is imported where it is used: importing it takes ~0.5 s, which runs without sharded
+# checkpoints (and sample.py on a ckpt.pt) need not pay.
+
+
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """{model, optimizer} keyed by parameter names (the same on any number of ranks); DTensor shards under FSDP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     if optimizer is None:
         return {"model": get_state_dict(model, [])[0]}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -250,8 +249,13 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load a DCP folder into a model (sharded with FSDP or whole) and, if given, its optimizer: DCP reads each
     rank's part of every tensor, whatever the number of ranks that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     state = _state_dicts(model, optimizer)
-    dcp.load(state, checkpoint_id=folder, no_dist=not torch_dist.is_initialized())
+    with warnings.catch_warnings():  # one process without a process group (sample.py, conversion) is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder, no_dist=not torch_dist.is_initialized())
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
@@ -261,6 +265,8 @@ def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict) -> None:
     """A ckpt.pt's optimizer state (torch's format: whole tensors keyed by position) into a sharded model's
     optimizer: the positions become parameter names, and each rank keeps its shard of every tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     by_name = {
@@ -282,6 +288,8 @@ def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimize
     rename, and only then removes the previous folder. A kill at any moment leaves the link on a complete
     checkpoint; folders of killed saves are removed by the next save. Returns the new folder.
     """
+    import torch.distributed.checkpoint as dcp
+
     link = os.path.join(out_dir, SHARDED_NAME)
     name = [None]
     if dist.master:

@@ -1,9 +1,11 @@
 """Small datasets and configs that the tests build themselves (nothing downloaded, nothing large)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -57,3 +59,16 @@ def run_script(args: list[str], timeout: float = 300, env: dict | None = None, *
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=full_env, **kw)
+
+
+def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until a running train.py has logged iteration `at_least` (to signal it at a known point)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if os.path.exists(metrics_path):
+            iters = [json.loads(l).get("iter", 0) for l in open(metrics_path) if l.strip()]
+            if iters and max(iters) >= at_least:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"no iter {at_least} in {metrics_path}")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import dataio
 from common import UserError, load_checkpoint, save_checkpoint
-from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
+from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
 from model import GPT
 from train import NonFiniteError, batch_generator, get_batch, save_run_checkpoint, train
 
@@ -29,18 +29,6 @@ def data_dir(tmp_path):
     d = tmp_path / "tinychar"
     make_char_dataset(d)
     return d
-
-
-def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if os.path.exists(metrics_path):
-            iters = [json.loads(l).get("iter", 0) for l in open(metrics_path) if l.strip()]
-            if iters and max(iters) >= at_least:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"no iter {at_least} in {metrics_path}")
 
 
 def start(args, **kw) -> subprocess.Popen:

@@ -1,0 +1,41 @@
+# GPT-2 XL (1.56B parameters) from scratch on OpenWebText, sharded with FSDP2 over 8 GPUs of 24 GB (RTX 4090, A10).
+# $ python data/openwebtext/prepare.py
+# $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
+#
+# Memory per GPU for parameters + gradients + AdamW state (float32: 4 + 4 + 8 bytes per parameter); train.py
+# prints the measured figure of its own shards at start ("memory per rank: ..."):
+#   DDP (a full copy per GPU): 1,556,840,000 x 16 B = 23.2 GiB, plus DDP's 5.8 GiB of gradient buckets: no room
+#     left on a 24 GB GPU before the first activation.
+#   FSDP over 8 GPUs: 23.2 GiB / 8 = 2.9 GiB, plus one block's all-gathered bf16 parameters at a time (~60 MiB) and
+#     the activations: with activation checkpointing every block keeps only its input (12 x 1024 x 1600 x 2 B =
+#     38 MiB per block, 1.8 GiB for 48 blocks) and recomputes the rest in the backward.
+# (tests/test_fsdp.py computes these figures from the model itself.)
+
+wandb_log = True
+wandb_project = "owt"
+wandb_run_name = "gpt2-xl-fsdp"
+
+parallelism = "fsdp"
+activation_checkpointing = True
+dtype = "bfloat16"  # FSDP's mixed precision: bf16 all-gathers and compute, float32 gradient reduction and AdamW
+
+n_layer = 48
+n_head = 25
+n_embd = 1600
+
+# 12 batch size * 1024 block size * 40 grad accum (5 per GPU on 8 GPUs) = 491,520 tokens per step (~0.5M)
+dataset = "openwebtext"
+batch_size = 12
+block_size = 1024
+gradient_accumulation_steps = 5 * 8
+
+learning_rate = 2e-4  # GPT-3 XL's (1.3B): larger models take smaller steps
+min_lr = 2e-5
+max_iters = 600000
+lr_decay_iters = 600000
+
+eval_interval = 1000
+eval_iters = 200
+log_interval = 10
+
+weight_decay = 1e-1

@@ -1,0 +1,248 @@
+"""FSDP2 (parallelism="fsdp") on the CPU: 2 gloo processes under torchrun against one process, sharded checkpoints,
+activation checkpointing. Expected values come from the plain one-process run (no FSDP, no recompute)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import parallel
+from common import UserError, load_checkpoint
+from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
+from model import GPT, GPTConfig
+from train import check_config, train
+
+# float32 on the CPU: FSDP computes the same sums in another order (reduce-scatter of 2 halves, sharded AdamW)
+TOL = 1e-5
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    d = tmp_path / "tinychar"
+    make_char_dataset(d)
+    return d
+
+
+def torchrun(cfg, nproc: int = 2) -> subprocess.CompletedProcess:
+    r = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
+                    *config_args(cfg)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def sharded_params(out_dir) -> dict[str, torch.Tensor]:
+    model, _ = parallel.load_sharded_as_full(str(out_dir / parallel.SHARDED_NAME))
+    return model.state_dict()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def memory_bytes(stdout: str) -> int:
+    return int(re.search(r"memory per rank: .*; (\d+) bytes\)", stdout).group(1))
+
+
+def losses(out_dir) -> list[float]:
+    return [json.loads(l)["loss"] for l in open(out_dir / "metrics.jsonl") if '"loss"' in l]
+
+
+@pytest.mark.parametrize("micro_steps_per_rank, checkpointing", [(1, False), (2, True)])
+def test_fsdp_on_2_ranks_equals_one_process_with_the_same_global_batch(
+    data_dir, tmp_path, capsys, micro_steps_per_rank, checkpointing
+):
+    run = dict(gradient_accumulation_steps=2 * micro_steps_per_rank, max_iters=6, lr_decay_iters=6, eval_interval=3,
+               log_interval=1, dropout=0.0)
+    train(tiny_config(data_dir, tmp_path / "single", **run))
+    single_out = capsys.readouterr().out
+    r = torchrun(tiny_config(data_dir, tmp_path / "fsdp", **run, parallelism="fsdp",
+                             activation_checkpointing=checkpointing))
+    assert f"tokens per iteration: {256 * micro_steps_per_rank:,} ({micro_steps_per_rank} micro-steps x 2 ranks" in r.stdout
+    diff = max_diff(load_checkpoint(str(tmp_path / "single" / "ckpt.pt"))["model"], sharded_params(tmp_path / "fsdp"))
+    print(f"max |param diff| after 6 AdamW steps, {micro_steps_per_rank} micro-steps/rank, AC={checkpointing}: {diff:.2e}")
+    assert diff < TOL, diff
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "single"), abs=TOL)
+    # parameters + gradients + AdamW state of rank 0: half of the whole model's (FSDP pads dim 0 to an even size)
+    ratio = memory_bytes(r.stdout) / memory_bytes(single_out)
+    print(f"per-rank memory, 2 ranks / 1 process: {ratio:.4f}")
+    assert 0.5 <= ratio < 0.52, ratio
+
+
+def test_activation_checkpointing_recomputes_and_trains_exactly_as_without(data_dir, tmp_path):
+    # dropout on: the recomputation must replay the same masks (the checkpoint restores the RNG state)
+    run = dict(max_iters=4, eval_interval=4, dropout=0.1)
+    plain = train(tiny_config(data_dir, tmp_path / "plain", **run))
+    for setting in (True, 1):
+        ac = train(tiny_config(data_dir, tmp_path / f"ac{setting}", **run, activation_checkpointing=setting))
+        assert ac["last_loss"] == plain["last_loss"]
+        assert max_diff(plain["model"].state_dict(), ac["model"].state_dict()) == 0.0
+    # and it does recompute: the first N blocks' attention runs twice per forward+backward, the others once
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=11))
+    assert parallel.checkpoint_activations(model, 2) == 2
+    calls = [0, 0, 0]
+    for i, block in enumerate(model.transformer.h):
+        block.attn.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    idx = torch.randint(11, (2, 8))
+    model(idx, idx)[1].backward()
+    assert calls == [2, 2, 1]
+
+
+def test_fsdp_and_activation_checkpointing_settings_are_checked(data_dir, tmp_path):
+    cases = {
+        "parallelism='zero' is not one of ddp, fsdp": dict(parallelism="zero"),
+        "dtype='float16' is not supported with parallelism='fsdp'": dict(parallelism="fsdp", dtype="float16"),
+        "keep_last=2 is not supported with sharded checkpoints": dict(parallelism="fsdp", keep_last=2),
+        "always_save_checkpoint=False is not supported": dict(parallelism="fsdp", always_save_checkpoint=False),
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(UserError, match=re.escape(message)):
+            check_config(tiny_config(data_dir, tmp_path, **overrides), 1)
+    with pytest.raises(UserError, match=r"activation_checkpointing=3 must be True, False or a number of blocks 0\.\.2"):
+        train(tiny_config(data_dir, tmp_path / "ac", activation_checkpointing=3))
+
+
+RESUME = dict(gradient_accumulation_steps=2, max_iters=8, lr_decay_iters=8, eval_interval=4, log_interval=1,
+              dropout=0.0)
+
+
+def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_run(data_dir, tmp_path):
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **RESUME))
+    ref_params = reference["model"].state_dict()
+    # 1 rank (FSDP, a process group of one) for 4 steps, a sharded save, then 2 ranks for the other 4
+    train(tiny_config(data_dir, tmp_path / "run", **{**RESUME, "max_iters": 4}, parallelism="fsdp"))
+    torchrun(tiny_config(data_dir, tmp_path / "run", **RESUME, parallelism="fsdp", init_from="resume"))
+    assert losses(tmp_path / "run")[-1] == pytest.approx(losses(tmp_path / "ref")[-1], abs=TOL)
+    diff = max_diff(ref_params, sharded_params(tmp_path / "run"))
+    print(f"resume 1 -> 2 ranks: max |param diff| {diff:.2e}")
+    assert diff < TOL
+    # the conversion to one ckpt.pt: logits equal the sharded model's, and the uninterrupted run's within TOL
+    parallel.main([str(tmp_path / "run" / parallel.SHARDED_NAME)])  # python parallel.py OUT_DIR/ckpt_sharded
+    converted = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert converted["iter_num"] == 8 and converted["optimizer"]["state"]
+    idx = torch.randint(converted["model_args"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    sharded, _ = parallel.load_sharded_as_full(str(tmp_path / "run" / parallel.SHARDED_NAME))
+    from common import model_from_checkpoint
+
+    logits = [m.eval()(idx, idx)[0] for m in (model_from_checkpoint(converted), sharded, reference["model"].eval())]
+    assert torch.equal(logits[0], logits[1])
+    assert (logits[0] - logits[2]).abs().max() < 1e-4
+    # a one-process ckpt.pt resumed under FSDP: the optimizer's whole tensors are sharded on load
+    train(tiny_config(data_dir, tmp_path / "plain", **{**RESUME, "max_iters": 4}))
+    resumed = train(tiny_config(data_dir, tmp_path / "plain", **RESUME, parallelism="fsdp", init_from="resume"))
+    assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=TOL)
+    assert max_diff(ref_params, sharded_params(tmp_path / "plain")) < TOL
+
+
+def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(data_dir, tmp_path):
+    run = {**RESUME, "max_iters": 16, "lr_decay_iters": 16, "eval_interval": 1000}
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
+    cfg = tiny_config(data_dir, tmp_path / "run", **run, parallelism="fsdp")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *config_args(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 3, proc, timeout=200)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only, as when one node is preempted first
+    _, err = proc.communicate(timeout=200)
+    assert proc.returncode != 0
+    assert "checkpoint saved: resume with --init_from=resume" in err
+    folder = tmp_path / "run" / parallel.SHARDED_NAME
+    stopped_at = parallel.read_train_state(str(folder))["iter_num"]
+    assert 3 <= stopped_at < 16, err[-2000:]
+    assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # saved on 2 ranks, resumed in one process (FSDP with a group of one)
+    resumed = train(tiny_config(data_dir, tmp_path / "run", **run, parallelism="fsdp", init_from="resume"))
+    assert resumed["iter_num"] == 16
+    assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=TOL)
+    diff = max_diff(reference["model"].state_dict(), sharded_params(tmp_path / "run"))
+    print(f"SIGTERM at iter {stopped_at} on 2 ranks, resume on 1: max |param diff| {diff:.2e}")
+    assert diff < TOL
+
+
+KILL_CHILD = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import parallel
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from helpers import tiny_config
+from train import train
+
+stage, saves = sys.argv[1], []
+def kill(at):
+    if at == stage and len(saves) == 2:  # the second save: the first one is the checkpoint to keep
+        os.kill(os.getpid(), signal.SIGKILL)
+def count(*args, **kwargs):
+    saves.append(1)
+    return save(*args, **kwargs)
+save, parallel.save_sharded = parallel.save_sharded, count
+parallel._fault_point = kill
+finish = FileSystemWriter.finish
+def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
+    kill("dcp_finish")
+    return finish(self, *args, **kwargs)
+FileSystemWriter.finish = finish_or_die
+train(tiny_config({data!r}, {out!r}, max_iters=4, eval_interval=2, parallelism="fsdp"))
+"""
+
+
+@pytest.mark.parametrize("stage", ["dcp_finish", "before_link"])
+def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tmp_path, stage):
+    out = tmp_path / "run"
+    code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
+    r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert len([f for f in os.listdir(out) if f.startswith(parallel.SHARDED_NAME + "_")]) == 2  # the killed save's too
+    ckpt = parallel.read_resume_checkpoint(str(out), "fsdp")
+    assert ckpt["iter_num"] == 2
+    model, _ = parallel.load_sharded_as_full(ckpt["sharded"])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the next save removes the killed save's folder
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
+    kept = sorted(f for f in os.listdir(out) if f != "metrics.jsonl")
+    assert kept == ["ckpt_sharded", os.readlink(out / "ckpt_sharded")] and kept[1].startswith("ckpt_sharded_0000004_")
+
+
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_shards_and_grads():
+    from common import cleanup_distributed, setup_distributed
+
+    dist = setup_distributed("cpu", group_of_one=True)  # FSDP needs a process group, even of one
+    try:
+        torch.manual_seed(0)
+        model = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
+                                     dist, "bfloat16", compile=False)
+        seen = []
+        model.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
+        idx = torch.randint(11, (2, 8))
+        model(idx, idx)[1].backward()
+        assert seen == [torch.bfloat16]  # the all-gathered parameters the block computes with
+        assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    finally:
+        cleanup_distributed(dist)
+
+
+def test_the_xl_fsdp_config_fits_24_gb_gpus_only_sharded():
+    from configurator import configure
+    from train import TrainConfig
+
+    cfg = configure(TrainConfig(), [os.path.join(ROOT, "config", "train_gpt2_xl_fsdp.py")])
+    check_config(cfg, 8)
+    assert cfg.parallelism == "fsdp" and cfg.activation_checkpointing is True
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                              bias=cfg.bias, vocab_size=50257))
+    mem = parallel.memory_per_rank(model)
+    whole = mem["params"] + mem["grads"] + mem["optimizer"]
+    gib = 1 << 30
+    print(f"GPT-2 XL: {mem['numel']:,} parameters; DDP {whole / gib:.1f} GiB + buckets {mem['grads'] / gib:.1f} GiB "
+          f"per GPU, FSDP over 8: {whole / 8 / gib:.2f} GiB")
+    assert whole + mem["grads"] > 24 * gib  # DDP: no room on a 24 GB GPU, before any activation
+    assert whole / 8 < 3 * gib  # FSDP over 8 GPUs
