@@ -12,6 +12,9 @@ DDP on 2 nodes of 8 GPUs (run on each node, with its own --node_rank; the master
 $ torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 train.py ...
 (If your cluster has no Infiniband, prepend NCCL_IB_DISABLE=1.)
 
+FSDP instead of DDP, for models whose weights, gradients and AdamW state do not fit one GPU (see parallel.py):
+$ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
+
 Config: the TrainConfig defaults below, then config files and --key=value overrides in the order given.
 """
 from __future__ import annotations

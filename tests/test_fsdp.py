@@ -50,16 +50,18 @@ def memory_bytes(stdout: str) -> int:
     return int(re.search(r"memory per rank: .*; (\d+) bytes\)", stdout).group(1))
 
 
-def losses(out_dir) -> list[float]:
-    return [json.loads(l)["loss"] for l in open(out_dir / "metrics.jsonl") if '"loss"' in l]
+def losses(out_dir, key: str = "loss") -> list[float]:
+    return [r[key] for r in map(json.loads, open(out_dir / "metrics.jsonl")) if key in r]
 
 
 @pytest.mark.parametrize("micro_steps_per_rank, checkpointing", [(1, False), (2, True)])
 def test_fsdp_on_2_ranks_equals_one_process_with_the_same_global_batch(
     data_dir, tmp_path, capsys, micro_steps_per_rank, checkpointing
 ):
+    # eval_iters=3 over 2 ranks: one rank runs a batch more, the other repeats one uncounted (FSDP's forwards
+    # are collective)
     run = dict(gradient_accumulation_steps=2 * micro_steps_per_rank, max_iters=6, lr_decay_iters=6, eval_interval=3,
-               log_interval=1, dropout=0.0)
+               eval_iters=3, log_interval=1, dropout=0.0)
     train(tiny_config(data_dir, tmp_path / "single", **run))
     single_out = capsys.readouterr().out
     r = torchrun(tiny_config(data_dir, tmp_path / "fsdp", **run, parallelism="fsdp",
@@ -68,7 +70,8 @@ def test_fsdp_on_2_ranks_equals_one_process_with_the_same_global_batch(
     diff = max_diff(load_checkpoint(str(tmp_path / "single" / "ckpt.pt"))["model"], sharded_params(tmp_path / "fsdp"))
     print(f"max |param diff| after 6 AdamW steps, {micro_steps_per_rank} micro-steps/rank, AC={checkpointing}: {diff:.2e}")
     assert diff < TOL, diff
-    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "single"), abs=TOL)
+    for key in ("loss", "val_loss", "train_loss"):
+        assert losses(tmp_path / "fsdp", key) == pytest.approx(losses(tmp_path / "single", key), abs=TOL), key
     # parameters + gradients + AdamW state of rank 0: half of the whole model's (FSDP pads dim 0 to an even size)
     ratio = memory_bytes(r.stdout) / memory_bytes(single_out)
     print(f"per-rank memory, 2 ranks / 1 process: {ratio:.4f}")
@@ -246,3 +249,17 @@ def test_the_xl_fsdp_config_fits_24_gb_gpus_only_sharded():
           f"per GPU, FSDP over 8: {whole / 8 / gib:.2f} GiB")
     assert whole + mem["grads"] > 24 * gib  # DDP: no room on a 24 GB GPU, before any activation
     assert whole / 8 < 3 * gib  # FSDP over 8 GPUs
+
+
+def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    folder = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)).save_pretrained(folder)
+    run = dict(init_from=str(folder), max_iters=2, eval_interval=2, dropout=0.0)
+    plain = train(tiny_config(data_dir, tmp_path / "plain", **run))
+    sharded = train(tiny_config(data_dir, tmp_path / "fsdp", **run, parallelism="fsdp"))
+    for key in ("val_loss", "train_loss", "last_loss"):  # the evaluation at iter 0 ran on the imported weights
+        assert sharded[key] == pytest.approx(plain[key], abs=TOL), key
+    assert losses(tmp_path / "fsdp", "val_loss")[0] == pytest.approx(losses(tmp_path / "plain", "val_loss")[0], abs=TOL)
