@@ -134,8 +134,13 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
     sharded, _ = parallel.load_sharded_as_full(str(tmp_path / "run" / parallel.SHARDED_NAME))
     from common import model_from_checkpoint
 
-    logits = [m.eval()(idx, idx)[0] for m in (model_from_checkpoint(converted), sharded, reference["model"].eval())]
-    assert torch.equal(logits[0], logits[1])
+    from sample import SampleConfig, load_model
+
+    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=parallel.SHARDED_NAME, device="cpu"))
+    models = (model_from_checkpoint(converted), sharded, sampled, reference["model"].eval())
+    logits = [m.eval()(idx, idx)[0] for m in models]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    logits = logits[:2] + logits[3:]
     assert (logits[0] - logits[2]).abs().max() < 1e-4
     # a one-process ckpt.pt resumed under FSDP: the optimizer's whole tensors are sharded on load
     train(tiny_config(data_dir, tmp_path / "plain", **{**RESUME, "max_iters": 4}))
