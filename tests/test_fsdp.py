@@ -268,3 +268,35 @@ def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path):
     for key in ("val_loss", "train_loss", "last_loss"):  # the evaluation at iter 0 ran on the imported weights
         assert sharded[key] == pytest.approx(plain[key], abs=TOL), key
     assert losses(tmp_path / "fsdp", "val_loss")[0] == pytest.approx(losses(tmp_path / "plain", "val_loss")[0], abs=TOL)
+
+
+NAN_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+from common import exit_on_user_error
+from model import GPT
+
+forward, calls = GPT.forward, [0]
+def poisoned(self, idx, targets=None, **kw):  # rank 1's loss of iteration 3 is NaN; rank 0's stays finite
+    logits, loss = forward(self, idx, targets, **kw)
+    if self.training and os.environ["RANK"] == "1":
+        calls[0] += 1
+        if calls[0] == 4:
+            loss = loss * float("nan")
+    return logits, loss
+GPT.forward = poisoned
+exit_on_user_error(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tmp_path):
+    script = tmp_path / "nan_on_rank_1.py"
+    script.write_text(NAN_ON_RANK_1.format(root=ROOT))
+    cfg = tiny_config(data_dir, tmp_path / "run", max_iters=8, eval_interval=1000, parallelism="fsdp",
+                      gradient_accumulation_steps=2)
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                    *config_args(cfg)], timeout=300)
+    assert r.returncode != 0
+    # the loss is averaged over ranks before the check, so both ranks see it and stop with the same error
+    assert r.stderr.count("error: non-finite loss at iter 3 ") == 2, r.stderr[-3000:]
