@@ -415,10 +415,12 @@ class GPT(nn.Module):
         device_type: str,
         fused: bool | None = None,
         verbose: bool = True,
+        params: list[nn.Parameter] | None = None,
     ) -> torch.optim.AdamW:
         """AdamW with weight decay on 2-D weights (matmuls, embeddings) only; biases and LayerNorms are not decayed.
-        fused=None uses the fused kernel where the device has one."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        fused=None uses the fused kernel where the device has one. params: a subset to optimize (default: all)."""
+        if params is None:
+            params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [

@@ -58,6 +58,7 @@ from common import (
 )
 from configurator import config_summary, configure
 from model import GPT, GPTConfig
+from optim import NS_DTYPES, OPTIMIZERS, build_optimizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -98,8 +99,14 @@ class TrainConfig:
     vocab_padding_multiple: int = 64  # 50257 -> 50304 rows; 1 turns padding off
     gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, faster on the CPU); None: tanh from
     # scratch, else what the checkpoint or GPT-2 weights were trained with
+    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
+    optimizer: str = "adamw"
+    muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
+    muon_momentum: float = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
+    muon_ns_dtype: str = "auto"  # "bfloat16" (torch's), "float32"; auto: float32 on CPUs without bf16 kernels
     # AdamW
-    learning_rate: float = 6e-4  # max learning rate
+    learning_rate: float = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
     max_iters: int = 600000  # optimizer steps
     weight_decay: float = 1e-1
     beta1: float = 0.9
@@ -345,7 +352,7 @@ def resume_changes(
     changed = [
         f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
         for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from", "gelu")
+        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from", "gelu", "optimizer")
     ]
     model = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
     saved_gelu = checkpoint_model_config(model_args).gelu
@@ -355,6 +362,12 @@ def resume_changes(
         raise UserError(
             f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
             f"out_dir to start a new run"
+        )
+    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
+    if saved_optimizer != cfg.optimizer:
+        raise UserError(
+            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
+            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
         )
     if world_size != saved_world_size:
         changed.append(f"world_size: {saved_world_size} -> {world_size}")
@@ -470,6 +483,14 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
                         f"{cfg.eval_interval} (HellaSwag runs at evals)")
     problems += parallel.config_problems(cfg)
+    if cfg.optimizer not in OPTIMIZERS:
+        problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
+        problems.append(f"muon_ns_dtype={cfg.muon_ns_dtype!r} is not one of auto, {', '.join(NS_DTYPES)}")
+    if cfg.optimizer == "muon" and cfg.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
+        problems.append(f"learning_rate={cfg.learning_rate} must be > 0 with optimizer='muon'")
+    if cfg.optimizer == "muon" and cfg.parallelism == "fsdp":  # a rank holds shards, Muon needs whole matrices
+        problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -544,12 +565,9 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     log.print(parallel.memory_text(parallel.memory_per_rank(model), dist.world_size))
 
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-    optimizer = raw_model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type, fused=cfg.fused_adamw,
-        verbose=dist.master,
-    )
+    optimizer = build_optimizer(raw_model, cfg, device_type, verbose=dist.master)
     if ckpt is not None:
-        parallel.load_optimizer_and_sharded_weights(raw_model, optimizer, ckpt)
+        parallel.load_optimizer_and_sharded_weights(raw_model, optimizer.as_torch(), ckpt)
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt, cfg, dist, iter_num)
@@ -568,7 +586,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         if cfg.parallelism == "fsdp":  # every rank writes its shards
             best_file = parallel.SHARDED_NAME if improved else None  # the folder always holds the latest save
             state = train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist)
-            parallel.save_sharded(cfg.out_dir, raw_model, optimizer, {**state, "best_file": best_file}, dist)
+            parallel.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), {**state, "best_file": best_file}, dist)
             log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{parallel.SHARDED_NAME}")
         elif dist.master:
             state = checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist)
@@ -603,8 +621,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
             # one optimizer step
             lr = get_lr(iter_num, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            optimizer.set_lr(lr)
             batches = train_batches(splits["train"], cfg, iter_num, dist.rank, accum_steps)
             loss, grad_norm, applied = train_step(model, optimizer, scaler, batches, ctx, cfg, dist)
             if not applied and not (scaler.is_enabled() and math.isfinite(loss)):

@@ -383,15 +383,16 @@ def test_get_batch_windows_stay_inside_the_data(tmp_path_factory, n, block, batc
     assert torch.equal(x, start[:, None] + torch.arange(block)) and torch.equal(y, x + 1)
 
 
-def _step_with(loss_scale: float, scaler_enabled: bool):
+def _step_with(loss_scale: float, scaler_enabled: bool, optimizer: str = "adamw"):
     """One train_step of a tiny model whose loss is multiplied by loss_scale (inf, nan or 1)."""
     from common import Dist
     from model import GPTConfig
+    from optim import build_optimizer
     from train import TrainConfig, train_step
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16))
-    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu", verbose=False)
+    opt = build_optimizer(model, TrainConfig(optimizer=optimizer, learning_rate=1e-2), "cpu", verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=scaler_enabled, init_scale=1024.0)
     x = torch.randint(0, 20, (2, 8))
 
@@ -411,19 +412,21 @@ def _step_with(loss_scale: float, scaler_enabled: bool):
     return loss, norm, applied, unchanged, scaler
 
 
-def test_grad_scaler_skips_overflowing_steps_and_halves_its_scale():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_grad_scaler_skips_overflowing_steps_and_halves_its_scale(optimizer):
     # float16's scaler (enabled on the CPU to exercise the same order: scale, backward, unscale, clip, step, update)
-    loss, norm, applied, unchanged, scaler = _step_with(1.0, scaler_enabled=True)
+    loss, norm, applied, unchanged, scaler = _step_with(1.0, scaler_enabled=True, optimizer=optimizer)
     assert applied and not unchanged and scaler.get_scale() == 1024.0
     # a loss that is finite but whose gradients overflow: skipped by the scaler, which lowers its scale
-    loss, norm, applied, unchanged, scaler = _step_with(1e36, scaler_enabled=True)
+    loss, norm, applied, unchanged, scaler = _step_with(1e36, scaler_enabled=True, optimizer=optimizer)
     assert np.isfinite(loss) and not np.isfinite(norm)
     assert not applied and unchanged and scaler.get_scale() == 512.0
 
 
-def test_a_nan_loss_is_never_applied_with_or_without_the_scaler():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_nan_loss_is_never_applied_with_or_without_the_scaler(optimizer):
     for enabled in (False, True):
-        loss, norm, applied, unchanged, _ = _step_with(float("nan"), scaler_enabled=enabled)
+        loss, norm, applied, unchanged, _ = _step_with(float("nan"), scaler_enabled=enabled, optimizer=optimizer)
         assert np.isnan(loss) and not applied and unchanged
 
 

@@ -15,6 +15,7 @@ import dataio
 from common import load_checkpoint, model_from_checkpoint, set_deterministic
 from helpers import config_args, make_char_dataset, run_script, tiny_config
 from model import GPT, GPTConfig
+from optim import build_optimizer
 from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
 from common import UserError
 
@@ -95,13 +96,13 @@ def _tiny_model(seed=0) -> GPT:
     return GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, bias=True))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "muon"])
 @pytest.mark.parametrize("ignore", [False, True])
 def test_accumulation_equals_one_big_batch(ignore, optimizer):
     """4 micro-steps of batch 2 give the same parameters after one step as 1 step of batch 8, also when
     micro-batches hold different numbers of ignored (-1) targets. SGD with lr 1 shows the gradients themselves
     (atol 1e-6); AdamW's first step divides by sqrt(v), which magnifies rounding of tiny gradients (atol 1e-4, 1% of
-    its lr 1e-2 step)."""
+    its lr 1e-2 step); Muon's (lr 0.02, float32 Newton-Schulz) normalises the gradient too (atol 1e-4)."""
     torch.manual_seed(1)
     x = torch.randint(0, 50, (8, 16))
     y = torch.randint(0, 50, (8, 16))
@@ -118,7 +119,8 @@ def test_accumulation_equals_one_big_batch(ignore, optimizer):
         if optimizer == "sgd":
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
         else:
-            opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu", verbose=False)
+            opt_cfg = TrainConfig(optimizer=optimizer, learning_rate=1e-2, muon_ns_dtype="float32")
+            opt = build_optimizer(model, opt_cfg, "cpu", verbose=False)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         loss, _, applied = train_step(model, opt, scaler, batches, torch.autocast("cpu", enabled=False), cfg, Dist())
         assert applied
@@ -129,9 +131,12 @@ def test_accumulation_equals_one_big_batch(ignore, optimizer):
     assert max_param_diff(p_big, _tiny_model().state_dict()) > 1e-3  # the step did move the weights
 
 
-def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
-    """torchrun --nproc_per_node=2 (gloo, 1 micro-step per rank) == 1 process with 2 micro-steps, same data."""
-    common = dict(gradient_accumulation_steps=2, max_iters=6, eval_interval=3, log_interval=1, dropout=0.0)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path, optimizer):
+    """torchrun --nproc_per_node=2 (gloo, 1 micro-step per rank) == 1 process with 2 micro-steps, same data.
+    With Muon every rank orthogonalises the same all-reduced gradient (rank 0 saves, the ranks' losses agree)."""
+    common = dict(gradient_accumulation_steps=2, max_iters=6, eval_interval=3, log_interval=1, dropout=0.0,
+                  optimizer=optimizer, muon_ns_dtype="float32")
     single = tiny_config(data_dir, tmp_path / "single", **common)
     ddp = tiny_config(data_dir, tmp_path / "ddp", **common)
     train(single)
@@ -151,10 +156,13 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
                 assert b[key] == pytest.approx(a[key], abs=1e-5), (key, a, b)
 
 
-def test_resume_is_bitwise_identical_to_an_uninterrupted_run(data_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(data_dir, tmp_path, optimizer):
     """2N iterations == N iterations + resume for N more: same loss and bitwise-equal parameters (CPU float32),
-    with dropout on, so the restored RNG state matters too."""
-    common = dict(max_iters=16, lr_decay_iters=16, eval_interval=8, dropout=0.1, gradient_accumulation_steps=2)
+    with dropout on, so the restored RNG state matters too; the optimizer's state (Adam's moments, Muon's momentum)
+    is bitwise the uninterrupted run's."""
+    common = dict(max_iters=16, lr_decay_iters=16, eval_interval=8, dropout=0.1, gradient_accumulation_steps=2,
+                  optimizer=optimizer)
     full = train(tiny_config(data_dir, tmp_path / "full", **common))
     train(tiny_config(data_dir, tmp_path / "split", **{**common, "max_iters": 8}))
     resumed = train(tiny_config(data_dir, tmp_path / "split", **common, init_from="resume"))
@@ -162,9 +170,14 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(data_dir, tmp_path)
     assert resumed["last_loss"] == full["last_loss"]
     a, b = params_of(tmp_path / "full" / "ckpt.pt"), params_of(tmp_path / "split" / "ckpt.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    full_opt = load_checkpoint(str(tmp_path / "full" / "ckpt.pt"))["optimizer"]["state"]
-    split_opt = load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))["optimizer"]["state"]
-    assert all(torch.equal(full_opt[i]["exp_avg_sq"], split_opt[i]["exp_avg_sq"]) for i in full_opt)
+    full_opt = load_checkpoint(str(tmp_path / "full" / "ckpt.pt"))["optimizer"]
+    split_opt = load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))["optimizer"]
+    states = [(full_opt["muon"]["state"], split_opt["muon"]["state"], "momentum_buffer")] if optimizer == "muon" else []
+    adamw = (full_opt["adamw"], split_opt["adamw"]) if optimizer == "muon" else (full_opt, split_opt)
+    states.append((adamw[0]["state"], adamw[1]["state"], "exp_avg_sq"))
+    for full_state, split_state, key in states:
+        assert full_state.keys() == split_state.keys() and len(full_state) > 0
+        assert all(torch.equal(full_state[i][key], split_state[i][key]) for i in full_state)
 
 
 def test_best_val_loss_is_never_overwritten_by_a_worse_value(data_dir, tmp_path):
