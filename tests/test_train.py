@@ -261,6 +261,8 @@ def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
         (["--init_from=gpt3"], "init_from='gpt3' is not one of scratch, resume"),
         (["--attention=fast"], "attention='fast' is not one of math, sdpa"),
         (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be at least 1"),
+        (["--optimizer=sgd"], "optimizer='sgd' is not one of adamw, muon"),
+        (["--optimizer=muon", "--parallelism=fsdp"], "optimizer='muon' needs whole matrices, and parallelism='fsdp'"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message):
