@@ -83,29 +83,28 @@ class GPTConfig:
 
 class KVCache:
     """
-    Keys and values of the positions seen so far, for every layer, so that generating one more token costs
-    one position of compute instead of the whole context. Buffers are allocated on first use, in the dtype the
-    attention produces (bf16 under autocast).
+    Keys and values of the positions seen so far, for every layer, so that generating one more token costs one
+    position of compute instead of the whole context. Static: every buffer is allocated up front at its full
+    (B, nh, block_size, hs) size and written in place at the positions given as a tensor, so a decoding step has
+    the same shapes at every position and compiles once (slots not yet written are masked out, never read).
+    dtype: what the attention produces (bfloat16 under bf16 autocast or for a bf16 model).
     """
 
-    def __init__(self, config: GPTConfig, batch_size: int):
-        self.config = config
-        self.batch_size = batch_size
-        self.pos = 0  # number of positions stored
-        self.k: list[torch.Tensor | None] = [None] * config.n_layer
-        self.v: list[torch.Tensor | None] = [None] * config.n_layer
+    def __init__(self, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device="cpu"):
+        shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.pos = 0  # number of positions stored (host-side bookkeeping; the compiled step never reads it)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v (B, nh, T, hs) of one layer; return all keys and values so far (B, nh, pos+T, hs)."""
-        B, nh, T, hs = k.shape
-        if self.k[layer] is None:
-            shape = (B, nh, self.config.block_size, hs)
-            self.k[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's k, v (B, nh, T, hs) at positions pos (T,); return its whole buffers
+        (B, nh, block_size, hs), of which the caller's mask keeps the slots written so far."""
         ck, cv = self.k[layer], self.v[layer]
-        ck[:, :, self.pos : self.pos + T] = k
-        cv[:, :, self.pos : self.pos + T] = v
-        return ck[:, :, : self.pos + T], cv[:, :, : self.pos + T]
+        ck.index_copy_(2, pos, k.to(ck.dtype))
+        cv.index_copy_(2, pos, v.to(cv.dtype))
+        return ck, cv
 
     def reset(self) -> None:
         self.pos = 0
@@ -113,7 +112,7 @@ class KVCache:
 
 def causal_mask(T: int, past: int, device: torch.device | str) -> torch.Tensor:
     """The (T, past + T) boolean "may attend" mask of T new queries after `past` stored positions: query i sees
-    keys 0..past+i. Built where needed (math attention, a multi-token step over a KV cache, padding) instead of
+    keys 0..past+i. Built where needed (math attention, padding; the KV cache masks by position) instead of
     a (block_size, block_size) buffer per layer; plain causal SDPA needs none (is_causal)."""
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
 
@@ -134,8 +133,13 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """pos: (T,) the positions of x's rows, where kv_cache stores their keys and values."""
         B, T, C = x.size()  # batch, sequence length, n_embd
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
@@ -143,36 +147,40 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
 
-        past = 0
         if kv_cache is not None:
-            past = kv_cache.pos
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past + T, hs)
-        mask = self._mask(T, past, key_padding_mask, x.device)  # None (plain causal), or (B or 1, 1, T, past + T)
+            k, v = kv_cache.update(self.layer_idx, k, v, pos)  # (B, nh, block_size, hs)
+            # the query at position p sees slots 0..p: those written so far, never the unwritten rest
+            slots = torch.arange(k.size(2), device=x.device)  # (block_size,)
+            mask = (slots <= pos[:, None]).view(1, 1, T, -1)  # (1, 1, T, block_size)
+        else:
+            mask = self._mask(T, key_padding_mask, x.device)  # None (plain causal), or (B, 1, T, T) bool
 
         if self.attention == "math":
-            y = self._math_attention(q, k, v, mask, past)
+            y = self._math_attention(q, k, v, mask)
         else:
             y = self._sdpa(q, k, v, mask, is_causal=mask is None and T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def _mask(self, T: int, past: int, key_padding_mask: torch.Tensor | None, device) -> torch.Tensor | None:
-        """The boolean "may attend" mask, or None where plain causal attention (or no mask at all) is exact."""
+    def _mask(self, T: int, key_padding_mask: torch.Tensor | None, device) -> torch.Tensor | None:
+        """The boolean "may attend" mask, or None where plain causal attention is exact.
+        Why the key-padding path stays though no script passes attention_mask: it is forward()'s half of padded
+        batches of different lengths (HF's attention_mask convention, right padding), for callers that score or
+        train on such batches; tests pin it to a float64 reference on every attention path. generate() does not
+        use it: its batch rows share one prompt length, and the cache path builds its own mask from positions."""
         if key_padding_mask is None:
-            if past == 0 or T == 1:
-                return None  # causal from position 0, or one new query that may see every stored key
-            return causal_mask(T, past, device).view(1, 1, T, past + T)
+            return None
         causal = causal_mask(T, 0, device)  # (T, T)
         mask = causal & key_padding_mask.bool()[:, None, None, :]  # (B, 1, T, T)
         # A padding query with no real key before it would see nothing, and softmax over nothing is NaN;
         # letting every query see itself keeps it finite and changes no real token (they see themselves anyway).
         return mask | torch.eye(T, dtype=torch.bool, device=mask.device)
 
-    def _math_attention(self, q, k, v, mask: torch.Tensor | None, past: int) -> torch.Tensor:
+    def _math_attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         T, S = q.size(-2), k.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
         if mask is None:
-            mask = causal_mask(T, S - T, q.device)  # (T, S); for T == 1 all True
+            mask = causal_mask(T, 0, q.device)  # (T, T)
         att = att.masked_fill(~mask, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
@@ -236,8 +244,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, key_padding_mask=None, kv_cache=None):
-        x = x + self.attn(self.ln_1(x), key_padding_mask, kv_cache)
+    def forward(self, x, key_padding_mask=None, kv_cache=None, pos=None):
+        x = x + self.attn(self.ln_1(x), key_padding_mask, kv_cache, pos)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -316,11 +324,17 @@ class GPT(nn.Module):
         if attention_mask is not None and kv_cache is not None:
             raise GPTError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x, attention_mask, kv_cache)
+        x = self._blocks(idx, pos, attention_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
+        return x
+
+    def _blocks(self, idx, pos, attention_mask=None, kv_cache=None) -> torch.Tensor:
+        """The hidden states (B, T, C) after ln_f of ids idx (B, T) at positions pos (T,), a tensor: the
+        compiled decoding step calls this with the same shapes at every position."""
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, attention_mask, kv_cache, pos)
         return self.transformer.ln_f(x)
 
     def crop_block_size(self, block_size: int) -> None:
@@ -472,39 +486,72 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         vocab_size: int | None = None,
+        compile: bool = False,
     ) -> torch.Tensor:
         """
         Extend idx (B, T) by max_new_tokens tokens, sampled from softmax(logits / temperature) after the optional
-        top-k and top-p (nucleus) filters; temperature=0 takes the most likely token (greedy).
+        top-k and top-p (nucleus) filters; temperature=0 takes the most likely token (greedy). The B rows are
+        generated together: each step reads the weights once for all of them.
         vocab_size: sample only ids below it, for a tokenizer with fewer tokens than the model has rows (nanoGPT's
         GPT-2-sized runs have 50304 rows for GPT-2's 50257 tokens); None: the model's vocab_size.
+        With the cache, the prompt is prefilled in one forward pass, then each new token costs one position.
+        compile=True runs that one-token step through torch.compile: its shapes are the same at every position
+        (static cache, positions as a tensor), so it compiles once per batch size and dtype, for any depth.
         The context is the last block_size tokens, exactly as without the cache: past block_size the window
-        slides, so every new position changes every position embedding and the cache is re-filled (crop and
-        re-prefill); up to block_size each new token costs one position.
+        slides, so every new position changes every position embedding and the cache is re-filled each step.
         The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
         """
         was_training = self.training
         self.eval()
         try:
-            cache = KVCache(self.config, idx.size(0)) if use_cache else None
+            cache = None
+            if use_cache:
+                device_type = idx.device.type
+                autocast = torch.is_autocast_enabled(device_type)
+                dtype = torch.get_autocast_dtype(device_type) if autocast else self.lm_head.weight.dtype
+                cache = KVCache(self.config, idx.size(0), dtype, idx.device)
+            step = _compiled_decode_step() if compile and use_cache else GPT._decode_step
             for _ in range(max_new_tokens):
-                logits = self._next_token_logits(idx, cache)[:, :vocab_size]  # (B, vocab_size)
+                logits = self._next_token_logits(idx, cache, step)[:, :vocab_size]  # (B, vocab_size)
                 idx_next = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
         finally:
             self.train(was_training)
         return idx
 
-    def _next_token_logits(self, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def _next_token_logits(self, idx: torch.Tensor, cache: KVCache | None, step) -> torch.Tensor:
         block_size = self.config.block_size
         if cache is None:
             x = self._hidden(idx[:, -block_size:])
-        elif cache.pos == 0 or cache.pos >= block_size or cache.pos != idx.size(1) - 1:
-            cache.reset()  # (re-)prefill with the last block_size tokens
+        elif cache.pos == idx.size(1) - 1 and cache.pos < block_size:  # one new position
+            pos = torch.full((1,), cache.pos, dtype=torch.long, device=idx.device)  # (1,)
+            cache.pos += 1
+            last = idx[:, -1:].clone(memory_format=torch.contiguous_format)  # (B, 1): the same strides every step
+            return step(self, last, pos, cache)
+        else:  # prefill, or past block_size re-prefill: the last block_size tokens in one forward pass
+            cache.reset()
             x = self._hidden(idx[:, -block_size:], kv_cache=cache)
-        else:
-            x = self._hidden(idx[:, -1:], kv_cache=cache)  # one new position
-        return self.lm_head(x[:, -1, :])[:, : self.config.vocab_size].float()  # (B, vocab_size)
+        return self._last_logits(x)
+
+    def _decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, vocab_size) of the next token after ids idx (B, 1) at position pos (1,), stored in cache."""
+        return self._last_logits(self._blocks(idx, pos, kv_cache=cache))
+
+    def _last_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits (B, vocab_size) over the real vocabulary at the last position of x (B, T, C)."""
+        return self.lm_head(x[:, -1, :])[:, : self.config.vocab_size].float()
+
+
+_COMPILED_DECODE_STEP = None
+
+
+def _compiled_decode_step():
+    """GPT._decode_step through torch.compile, made once per process: fullgraph (one graph for every layer, no
+    per-layer variants) and static shapes (a new batch size or dtype compiles a new variant, not a dynamic one)."""
+    global _COMPILED_DECODE_STEP
+    if _COMPILED_DECODE_STEP is None:
+        _COMPILED_DECODE_STEP = torch.compile(GPT._decode_step, fullgraph=True, dynamic=False)
+    return _COMPILED_DECODE_STEP
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,26 +1,43 @@
 """
-Generation speed with and without the KV cache, side by side in one run, on a randomly initialised GPT.
+Generation speed of GPT.generate's modes side by side in one run, on a randomly initialised GPT.
 
-    python benchmarks/generation.py                         # GPT-2-small-shaped model (6 layers), 300 new tokens
-    python benchmarks/generation.py --max_new_tokens=100 --dtype=bfloat16 --repeats=3
+    python benchmarks/generation.py                                  # 6 x 384 model, 256 and 1000 new tokens
+    python benchmarks/generation.py --before=a8a8fbc --max_new_tokens 256 1000 --repeats=2
+    python benchmarks/generation.py --max_new_tokens 100 --uncached  # and without the KV cache (slow)
 
-Both runs decode greedily (temperature 0) from the same random prompt, so their tokens must be identical; the
-script checks that and exits with status 1 (naming the first differing position) if they are not. It prints
-the tokens/s of each and the speed-up. Timings are the best of --repeats, after a short warm-up of each mode.
+Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
+weights and with the weights converted to bfloat16; `--uncached` adds generation without the cache, and
+`--before=REV` the KV-cache generate of model.py at git revision REV (same weights), to measure a change side by
+side. In every round the modes run one after another, the order reversed each round so that a shared machine's
+drift favours none; each mode's figure is its best round. Compile time is measured apart: the first compiled
+call's time minus the next one's, on a few tokens.
+
+Every mode decodes greedily from the same random prompt. Its tokens are checked against a float64 forward pass
+over its own output: each chosen token's float64 logit must be within the mode's tolerance of the best one (a
+closer call is a near-tie that rounding may flip, not an error); otherwise the script names the first divergence
+and exits with status 1.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import subprocess
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
-from common import UserError, autocast_context, exit_on_user_error, resolve_device, synchronize  # noqa: E402
+from common import UserError, exit_on_user_error, resolve_device, synchronize  # noqa: E402
 from model import GPT, GPTConfig, GPTError  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A chosen token's float64 logit may be this far below the best one: float32 steps differ from float64 by ~1e-5
+# here, bf16 weights (8 mantissa bits) by ~1e-2 on logits of size ~0.4.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,37 +47,83 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n_embd", type=int, default=384)
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--vocab_size", type=int, default=50257)
-    p.add_argument("--vocab_padding_multiple", type=int, default=64)
     p.add_argument("--attention", default="sdpa", help="math or sdpa")
     p.add_argument("--prompt_len", type=int, default=16)
-    p.add_argument("--max_new_tokens", type=int, default=300)
+    p.add_argument("--max_new_tokens", type=int, nargs="+", default=[256, 1000], help="one table per length")
     p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: autocast")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per mode; the best is reported")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds; each mode's best is reported")
+    p.add_argument("--uncached", action="store_true", help="also time generation without the KV cache")
+    p.add_argument("--before", default=None, help="git revision whose model.py's generate (KV cache) to time too")
     p.add_argument("--seed", type=int, default=1337)
     return p.parse_args(argv)
 
 
-def timed_generate(model: GPT, prompt: torch.Tensor, n: int, use_cache: bool, device: str, dtype: str):
+def model_at_revision(rev: str) -> types.ModuleType:
+    """model.py as it was at git revision rev, imported as its own module."""
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:model.py"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise UserError(f"--before={rev!r}: cannot read model.py at that git revision ({e})") from None
+    module = types.ModuleType(f"model_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    exec(compile(source, f"model.py@{rev}", "exec"), module.__dict__)
+    return module
+
+
+def build_modes(model: GPT, args: argparse.Namespace) -> dict:
+    """name -> (generate(prompt, n) function, weights dtype, compiled?)."""
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    modes = {}
+    if args.before:
+        old_module = model_at_revision(args.before)
+        old = old_module.GPT(old_module.GPTConfig(**vars(model.config))).to(args.device).eval()
+        old.load_state_dict(model.state_dict())
+        modes[f"before ({args.before}), fp32"] = (lambda p, n: old.generate(p, n, temperature=0.0), torch.float32, False)
+    if args.uncached:
+        modes["no cache, fp32"] = (lambda p, n: model.generate(p, n, temperature=0.0, use_cache=False), torch.float32, False)
+    for name, m, dtype in (("fp32", model, torch.float32), ("bf16", bf16, torch.bfloat16)):
+        modes[f"eager, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0), dtype, False)
+        modes[f"compiled, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0, compile=True), dtype, True)
+    return modes
+
+
+def timed(fn, prompt: torch.Tensor, n: int, device: str) -> tuple[torch.Tensor, float]:
     synchronize(device)
     t0 = time.perf_counter()
-    with autocast_context(device, dtype):
-        out = model.generate(prompt, n, temperature=0.0, use_cache=use_cache)
+    out = fn(prompt, n)
     synchronize(device)
     return out, time.perf_counter() - t0
 
 
+@torch.no_grad()
+def first_divergence(reference: GPT, out: torch.Tensor, prompt_len: int, tol: float) -> str | None:
+    """Where a chosen token's float64 logit falls more than tol below the best one, as text; None if nowhere."""
+    bs = reference.config.block_size
+    L = out.size(1)
+    # logits predicting token t come from the window of the block_size tokens before it
+    head, _ = reference(out[:, : min(bs, L - 1)])  # (B, min(bs, L-1), V): predictions for tokens 1 .. bs
+    for t in range(prompt_len, L):
+        logits = head[:, t - 1] if t <= bs else reference(out[:, t - bs : t])[0][:, -1]  # (B, V)
+        chosen = logits.gather(1, out[:, t : t + 1]).squeeze(1)  # (B,)
+        gap = logits.max(dim=1).values - chosen  # (B,)
+        if (gap > tol).any():
+            row = int((gap > tol).nonzero()[0])
+            return f"new token {t - prompt_len} of sample {row}: its logit is {gap[row]:.3g} below the best (> {tol})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.prompt_len < 1 or args.max_new_tokens < 1 or args.repeats < 1:
-        raise UserError("--prompt_len, --max_new_tokens and --repeats must be at least 1")
+    if args.prompt_len < 1 or min(args.max_new_tokens) < 1 or args.repeats < 1 or args.batch_size < 1:
+        raise UserError("--prompt_len, --max_new_tokens, --repeats and --batch_size must be at least 1")
     device = resolve_device(args.device)
     try:
         config = GPTConfig(
             block_size=args.block_size,
             vocab_size=args.vocab_size,
-            vocab_padding_multiple=args.vocab_padding_multiple,
             n_layer=args.n_layer,
             n_head=args.n_head,
             n_embd=args.n_embd,
@@ -73,41 +136,48 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)
     model = GPT(config).to(device).eval()
+    reference = copy.deepcopy(model).double()
     prompt = torch.randint(0, config.vocab_size, (args.batch_size, args.prompt_len), device=device)
+    modes = build_modes(model, args)
     print(
         f"model: {config.n_layer} layers, {config.n_head} heads, n_embd {config.n_embd}, block {config.block_size}, "
-        f"vocab {config.vocab_size} (padded {config.padded_vocab_size}), {model.get_num_params() / 1e6:.1f}M params"
+        f"vocab {config.vocab_size}, {model.get_num_params() / 1e6:.1f}M params"
     )
     print(
-        f"run: {device}, {args.dtype}, {torch.get_num_threads()} threads, attention={config.attention}, "
-        f"batch {args.batch_size}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens, greedy, "
-        f"best of {args.repeats}, torch {torch.__version__}"
+        f"run: {device}, {torch.get_num_threads()} threads, attention={config.attention}, batch {args.batch_size}, "
+        f"prompt {args.prompt_len}, greedy, best of {args.repeats}, torch {torch.__version__}"
     )
 
-    for use_cache in (True, False):  # warm-up: first-call allocations and kernel selection are not timed
-        timed_generate(model, prompt, 4, use_cache, device, args.dtype)
+    compile_s = {}
+    for name, (fn, _, compiled) in modes.items():  # warm-up: compiles, first-call allocations, kernel choice
+        first = timed(fn, prompt, 4, device)[1]
+        if compiled:
+            compile_s[name] = first - timed(fn, prompt, 4, device)[1]
+    print("compile time (first compiled call minus the next, 4 tokens): "
+          + ", ".join(f"{name}: {s:.1f} s" for name, s in compile_s.items()))
 
-    best = {True: float("inf"), False: float("inf")}
-    outputs = {}
-    for r in range(args.repeats):
-        # Alternate the order so slow drift of a shared machine does not favour one mode.
-        for use_cache in (True, False) if r % 2 == 0 else (False, True):
-            out, dt = timed_generate(model, prompt, args.max_new_tokens, use_cache, device, args.dtype)
-            best[use_cache] = min(best[use_cache], dt)
-            outputs[use_cache] = out
-
-    new_tokens = args.batch_size * args.max_new_tokens
-    print(f"{'mode':<10} {'seconds':>9} {'tokens/s':>10}")
-    for use_cache, name in ((False, "no cache"), (True, "KV cache")):
-        print(f"{name:<10} {best[use_cache]:>9.2f} {new_tokens / best[use_cache]:>10.1f}")
-    print(f"speed-up with the KV cache: {best[False] / best[True]:.2f}x")
-
-    cached, uncached = outputs[True], outputs[False]
-    if not torch.equal(cached, uncached):
-        where = (cached != uncached).any(dim=0).nonzero()[0].item() - args.prompt_len
-        print(f"MISMATCH: cached and uncached greedy tokens first differ at new token {where}", file=sys.stderr)
+    failed = False
+    for n in args.max_new_tokens:
+        best = {name: float("inf") for name in modes}
+        outputs = {}
+        for r in range(args.repeats):
+            order = list(modes) if r % 2 == 0 else list(reversed(modes))
+            for name in order:
+                out, dt = timed(modes[name][0], prompt, n, device)
+                best[name] = min(best[name], dt)
+                outputs[name] = out
+        base = next(iter(modes))
+        print(f"\n{n} new tokens x batch {args.batch_size}; speed-up against '{base}'")
+        print(f"{'mode':<28} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check")
+        for name, (_, dtype, _) in modes.items():
+            why = first_divergence(reference, outputs[name], args.prompt_len, TOLERANCE[dtype])
+            failed |= why is not None
+            check = f"DIVERGES at {why}" if why else f"ok (tol {TOLERANCE[dtype]:g})"
+            tokens_per_s = args.batch_size * n / best[name]
+            print(f"{name:<28} {best[name]:>9.2f} {tokens_per_s:>10.1f} {best[base] / best[name]:>8.2f}x  {check}")
+    if failed:
+        print("MISMATCH: a mode chose a token that the float64 model ranks clearly below the best", file=sys.stderr)
         sys.exit(1)
-    print(f"outputs identical: {tuple(cached.shape)} tokens")
 
 
 if __name__ == "__main__":

@@ -293,6 +293,61 @@ def test_kv_cache_forward_matches_full_forward(attention: str) -> None:
         model(idx[:, :1], kv_cache=cache)
 
 
+def test_prompt_is_prefilled_in_one_pass_then_one_position_per_token() -> None:
+    model = make_model(seed=30, block_size=32)
+    widths = []
+    model.transformer.h[0].register_forward_hook(lambda mod, args, out: widths.append(args[0].size(1)))
+    prompt = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(31))
+    model.generate(prompt, 10, temperature=0.0)
+    assert widths == [7] + [1] * 9  # the 10th token's logits come from the 9th step; nothing runs after it
+
+
+def test_batch_rows_generate_as_they_would_alone() -> None:
+    model = make_model(seed=32)
+    prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(33))
+    together = model.generate(prompt, 25, temperature=0.0)  # past block_size 16 too
+    for row in range(3):
+        alone = greedy_reference(model, prompt[row : row + 1], 25)
+        assert torch.equal(together[row : row + 1], alone), f"row {row}"
+
+
+def test_bf16_model_cache_follows_the_weights_dtype_and_tracks_float32() -> None:
+    model = make_model(seed=34)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(35))
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    cache = KVCache(bf16.config, 2, torch.bfloat16)
+    with torch.no_grad():
+        pieces = [bf16(prompt[:, :3], kv_cache=cache)[0], bf16(prompt[:, 3:4], kv_cache=cache)[0],
+                  bf16(prompt[:, 4:5], kv_cache=cache)[0]]
+        reference, _ = model.double()(prompt)
+    assert cache.k[0].dtype == torch.bfloat16
+    # bf16 keeps 8 mantissa bits: logits of this size (|x| < 1) agree with float64 to a few 1e-3
+    torch.testing.assert_close(torch.cat(pieces, 1).double(), reference, atol=2e-2, rtol=0)
+
+
+def test_compiled_decode_compiles_once_for_a_deep_model_and_matches_eager() -> None:
+    """10 layers (more than dynamo's recompile limit of 8, which per-layer compiles hit), past block_size, two
+    calls with new caches and another prompt length: any recompile raises. Greedy tokens equal the uncached ones,
+    and seeded sampling gives the same tokens as eager (the sampler runs eagerly on the same logits up to
+    rounding, which no near-tie meets in this model)."""
+    model = make_model(seed=36, n_layer=10, n_embd=16)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(37))
+    expected = greedy_reference(model, prompt, 30)
+
+    def sample(compile: bool, p: torch.Tensor = prompt) -> torch.Tensor:
+        g = torch.Generator().manual_seed(38)
+        return model.generate(p, 12, temperature=0.9, top_k=40, top_p=0.95, generator=g, compile=compile)
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled_greedy = model.generate(prompt, 30, temperature=0.0, compile=True)  # the first call compiles
+        compiled_sample = sample(True)
+        compiled_short = sample(True, prompt[:, :3])
+    assert torch.equal(compiled_greedy, expected)
+    assert torch.equal(compiled_sample, sample(False))
+    assert torch.equal(compiled_short, sample(False, prompt[:, :3]))
+
+
 # ----------------------------------------------------------------------------------- 4. HF GPT-2 parity
 
 
