@@ -2,13 +2,13 @@
 Generation speed of GPT.generate's modes side by side in one run, on a randomly initialised GPT.
 
     python benchmarks/generation.py                                  # 6 x 384 model, 256 and 1000 new tokens
-    python benchmarks/generation.py --before=a8a8fbc --max_new_tokens 256 1000 --repeats=2
+    python benchmarks/generation.py --before=a8a8fbc --max_new_tokens 256 1000 --batch_size=10  # sample.py's 10
     python benchmarks/generation.py --max_new_tokens 100 --uncached  # and without the KV cache (slow)
 
 Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
 weights and with the weights converted to bfloat16; `--uncached` adds generation without the cache, and
-`--before=REV` the KV-cache generate of model.py at git revision REV (same weights), to measure a change side by
-side. In every round the modes run one after another, the order reversed each round so that a shared machine's
+`--before=REV` the KV-cache generate of model.py at git revision REV (same weights, the batch's samples one after
+another, as sample.py generated them before it batched them), to measure a change side by side. In every round the modes run one after another, the order reversed each round so that a shared machine's
 drift favours none; each mode's figure is its best round. Compile time is measured apart: the first compiled
 call's time minus the next one's, on a few tokens.
 
@@ -81,7 +81,11 @@ def build_modes(model: GPT, args: argparse.Namespace) -> dict:
         old_module = model_at_revision(args.before)
         old = old_module.GPT(old_module.GPTConfig(**vars(model.config))).to(args.device).eval()
         old.load_state_dict(model.state_dict())
-        modes[f"before ({args.before}), fp32"] = (lambda p, n: old.generate(p, n, temperature=0.0), torch.float32, False)
+        # as sample.py ran before batching: the samples one after another
+        def before(p: torch.Tensor, n: int) -> torch.Tensor:
+            return torch.cat([old.generate(p[i : i + 1], n, temperature=0.0) for i in range(p.size(0))])
+
+        modes[f"before ({args.before}), fp32"] = (before, torch.float32, False)
     if args.uncached:
         modes["no cache, fp32"] = (lambda p, n: model.generate(p, n, temperature=0.0, use_cache=False), torch.float32, False)
     for name, m, dtype in (("fp32", model, torch.float32), ("bf16", bf16, torch.bfloat16)):

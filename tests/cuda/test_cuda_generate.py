@@ -1,0 +1,74 @@
+"""CUDA: KV-cache generation (static cache, compiled one-token step) against a float64 forward pass over its own
+tokens. GPU kernels round differently from the CPU's and between the cached and uncached shapes, so tokens are
+checked with benchmarks/generation.py's tolerance (a near-tie may flip), not for exact equality."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+
+from cuda_helpers import requires_cuda
+from helpers import ROOT
+from model import GPT, GPTConfig, KVCache
+
+sys.path.insert(0, f"{ROOT}/benchmarks")
+from generation import TOLERANCE, first_divergence  # noqa: E402
+
+pytestmark = requires_cuda
+
+
+def tiny(n_layer: int = 2, **changes) -> tuple[GPT, GPT]:
+    """A tiny model on the GPU and its float64 copy on the CPU (the reference)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=101, n_layer=n_layer, n_head=2, n_embd=32, **changes)).eval()
+    return model.cuda(), copy.deepcopy(model).double()
+
+
+def check(reference: GPT, out: torch.Tensor, prompt_len: int, dtype: torch.dtype) -> None:
+    why = first_divergence(reference, out.cpu(), prompt_len, TOLERANCE[dtype])
+    assert why is None, why
+
+
+def test_cached_and_uncached_greedy_past_block_size_agree_with_float64():
+    model, reference = tiny()
+    prompt = torch.randint(0, 101, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    for use_cache in (True, False):
+        out = model.generate(prompt, 30, temperature=0.0, use_cache=use_cache)  # block_size 16: slides
+        assert out.shape == (3, 35) and out.device.type == "cuda"
+        check(reference, out, 5, torch.float32)
+
+
+def test_compiled_step_compiles_once_for_a_deep_model_on_cuda():
+    model, reference = tiny(n_layer=10)
+    prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = model.generate(prompt, 30, temperature=0.0, compile=True)
+        again = model.generate(prompt[:, :3], 12, temperature=0.0, compile=True)  # new cache, new prompt length
+    check(reference, out, 5, torch.float32)
+    check(reference, again, 3, torch.float32)
+
+
+def test_bf16_autocast_cache_is_bf16_and_tokens_stay_within_tolerance():
+    model, reference = tiny()
+    prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    with torch.autocast("cuda", torch.bfloat16):
+        out = model.generate(prompt, 10, temperature=0.0)
+        cache = KVCache(model.config, 2, torch.bfloat16, "cuda")
+        model(prompt, kv_cache=cache)
+    assert cache.k[0].dtype == torch.bfloat16 and cache.pos == 5
+    check(reference, out, 5, torch.bfloat16)
+
+
+def test_seeded_sampling_on_cuda_repeats_and_stays_on_the_real_vocabulary():
+    model, _ = tiny(vocab_padding_multiple=64)
+    prompt = torch.zeros(4, 1, dtype=torch.long, device="cuda")
+
+    def sample(seed: int) -> torch.Tensor:
+        g = torch.Generator("cuda").manual_seed(seed)
+        return model.generate(prompt, 40, temperature=1.0, top_k=50, top_p=0.9, generator=g)
+
+    a = sample(5)
+    assert torch.equal(a, sample(5))
+    assert a.max().item() < 101

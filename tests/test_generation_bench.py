@@ -1,0 +1,33 @@
+"""benchmarks/generation.py's check of a mode's tokens: a near-tie that rounding may flip passes, a clearly worse
+token is named. The expected choices come from a brute-force float64 forward pass in the test, not the script."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from helpers import ROOT
+
+sys.path.insert(0, f"{ROOT}/benchmarks")
+from generation import first_divergence  # noqa: E402
+
+from model import GPT, GPTConfig  # noqa: E402
+
+
+def test_near_ties_pass_and_a_clearly_worse_token_is_named() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double().eval()
+    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
+    out = model.generate(prompt, 9, temperature=0.0)  # (2, 12): past block_size 8, so windows slide
+    assert first_divergence(model, out, 3, tol=0.0) is None  # greedy tokens are the float64 argmax
+
+    # at new token 6 (position 9, predicted from the window of positions 1..8) take the runner-up of sample 1
+    with torch.no_grad():
+        logits = model(out[1:2, 1:9])[0][0, -1]  # (V,)
+    top2 = logits.topk(2)
+    gap = (top2.values[0] - top2.values[1]).item()
+    flipped = out[:, :10].clone()
+    flipped[1, 9] = top2.indices[1]
+    assert first_divergence(model, flipped, 3, tol=gap * 1.01) is None, "a flip within the tolerance is a near-tie"
+    why = first_divergence(model, flipped, 3, tol=gap * 0.99)
+    assert why is not None and why.startswith("new token 6 of sample 1:"), why
