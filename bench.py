@@ -388,6 +388,7 @@ def setup_run(cfg: BenchConfig) -> dict:
         data_path = os.path.join(data_dir, "train.bin")
         dataio.open_tokens(data_path, vocab_size=cfg.vocab_size)  # a missing file or a bad id fails here
     model = build_model(cfg).to(device)
+    model.check_attention_kernel(autocast_context(device, dtype), compile=cfg.compile)  # one line, not compile's trace
     optimizer = model.configure_optimizers(
         cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type, fused=cfg.fused_adamw, verbose=False
     )

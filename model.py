@@ -17,6 +17,7 @@ import math
 import os
 import re
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -346,6 +347,30 @@ class GPT(nn.Module):
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
         self.transformer.wpe.num_embeddings = block_size
 
+    def check_attention_kernel(self, ctx: AbstractContextManager | None = None, compile: bool = False) -> None:
+        """
+        Where sdpa_backend forces one kernel, raise now the GPTError of a kernel that refuses this model's case
+        (its device, the dtype under the autocast `ctx`, head size, dropout in training mode), by running the first
+        layer's attention once eagerly on two positions. Under torch.compile the same refusal comes from inside
+        the compiler, as a long traceback (TorchRuntimeError) instead of the one-line error. compile=True also
+        refuses a torch whose compiler cannot trace the forced kernel (see sdpa_kernel_compiles).
+        """
+        cfg = self.config
+        if cfg.attention != "sdpa" or cfg.sdpa_backend == "auto":
+            return
+        if compile and not sdpa_kernel_compiles():
+            raise GPTError(
+                f"sdpa_backend={cfg.sdpa_backend!r} with compile=True needs torch 2.5 or later, whose compiler "
+                f"traces the sdpa_kernel context (torch {torch.__version__} would run every layer's attention "
+                f"outside the compiled graph): upgrade torch, or use sdpa_backend='auto' or compile=False"
+            )
+        weight = self.lm_head.weight
+        x = torch.zeros(1, min(2, cfg.block_size), cfg.n_embd, device=weight.device, dtype=weight.dtype)  # (1, T, C)
+        # dropout draws random numbers: fork the RNG so that the run's own stream (bitwise resume) is untouched
+        with torch.random.fork_rng(devices=[weight.device] if weight.device.type == "cuda" else []):
+            with ctx if ctx is not None else nullcontext():
+                self.transformer.h[0].attn(x)
+
     # ------------------------------------------------------------------------------------------- GPT-2 weights
 
     @classmethod
@@ -594,6 +619,17 @@ def sample_next_token(
         logits = top_p_filter(logits, top_p)
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def sdpa_kernel_compiles() -> bool:
+    """Whether torch.compile traces the sdpa_kernel context manager that a forced sdpa_backend uses (dynamo's
+    SDPAKernelVariable, torch 2.5+). Without it dynamo breaks the graph there and every layer's attention runs
+    eagerly, between compiled pieces."""
+    try:
+        from torch._dynamo.variables import SDPAKernelVariable  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def fused_adamw_available(device_type: str) -> bool:

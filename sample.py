@@ -148,6 +148,7 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
             f"(run that dataset's prepare.py)"
         )
     model.eval().to(device)
+    model.check_attention_kernel(autocast_context(device, resolve_dtype(cfg.dtype, device, False)), cfg.compile)
     log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
     return model, tokenizer
 

@@ -261,10 +261,12 @@ def train_step(model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: D
     # not an overflow it can fix, so it is counted like any other non-finite step.
     if math.isfinite(mean_loss) and (math.isfinite(norm) or scaler.is_enabled()):
         scaler.step(optimizer)
-        scaler.update()
         applied = math.isfinite(norm)
     else:
         applied = False
+    # Also after a skipped step: update() is what clears unscale_'s record for this optimizer (without it the next
+    # step's unscale_ raises "already been called"); it lowers the scale when the gradients were not finite.
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return mean_loss, norm, applied
 
@@ -560,6 +562,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = parallel.shard_model(model, dist, dtype, compile=cfg.compile)  # moves each rank's shard to device
     else:
         model.to(device)
+        model.check_attention_kernel(ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
     raw_model = model
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
     log.print(parallel.memory_text(parallel.memory_per_rank(model), dist.world_size))

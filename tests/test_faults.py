@@ -385,6 +385,13 @@ def test_get_batch_windows_stay_inside_the_data(tmp_path_factory, n, block, batc
 
 def _step_with(loss_scale: float, scaler_enabled: bool, optimizer: str = "adamw"):
     """One train_step of a tiny model whose loss is multiplied by loss_scale (inf, nan or 1)."""
+    [(loss, norm, applied, unchanged)], scaler = _steps_with([loss_scale], scaler_enabled, optimizer)
+    return loss, norm, applied, unchanged, scaler
+
+
+def _steps_with(loss_scales: list[float], scaler_enabled: bool, optimizer: str = "adamw"):
+    """train_steps of one tiny model, optimizer and scaler, the i-th with its loss multiplied by loss_scales[i].
+    Returns [(loss, norm, applied, parameters unchanged by the step)] per step, and the scaler."""
     from common import Dist
     from model import GPTConfig
     from optim import build_optimizer
@@ -395,6 +402,7 @@ def _step_with(loss_scale: float, scaler_enabled: bool, optimizer: str = "adamw"
     opt = build_optimizer(model, TrainConfig(optimizer=optimizer, learning_rate=1e-2), "cpu", verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=scaler_enabled, init_scale=1024.0)
     x = torch.randint(0, 20, (2, 8))
+    scale = {"now": 1.0}
 
     class Scaled(torch.nn.Module):  # the model, with its loss multiplied
         def __init__(self):
@@ -403,13 +411,16 @@ def _step_with(loss_scale: float, scaler_enabled: bool, optimizer: str = "adamw"
 
         def forward(self, idx, targets):
             logits, loss = self.m(idx, targets)
-            return logits, loss * loss_scale
+            return logits, loss * scale["now"]
 
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    loss, norm, applied = train_step(Scaled(), opt, scaler, [(x, x)], torch.autocast("cpu", enabled=False),
-                                     TrainConfig(), Dist())
-    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    return loss, norm, applied, unchanged, scaler
+    steps = []
+    for loss_scale in loss_scales:
+        scale["now"] = loss_scale
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss, norm, applied = train_step(Scaled(), opt, scaler, [(x, x)], torch.autocast("cpu", enabled=False),
+                                         TrainConfig(), Dist())
+        steps.append((loss, norm, applied, all(torch.equal(before[k], v) for k, v in model.state_dict().items())))
+    return steps, scaler
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -421,6 +432,15 @@ def test_grad_scaler_skips_overflowing_steps_and_halves_its_scale(optimizer):
     loss, norm, applied, unchanged, scaler = _step_with(1e36, scaler_enabled=True, optimizer=optimizer)
     assert np.isfinite(loss) and not np.isfinite(norm)
     assert not applied and unchanged and scaler.get_scale() == 512.0
+
+
+def test_float16_scaler_steps_on_after_a_skipped_nonfinite_loss():
+    # max_nonfinite_skips > 0 with float16: a NaN loss skips the step after unscale_, and the next step must run
+    # (it raised "unscale_() has already been called on this optimizer since the last update()")
+    steps, scaler = _steps_with([float("nan"), 1.0, 1.0], scaler_enabled=True)
+    assert [applied for _, _, applied, _ in steps] == [False, True, True]
+    assert steps[0][3] and not steps[1][3]  # the NaN step left the weights alone, the next one trained them
+    assert scaler.get_scale() == 512.0  # the NaN step's gradients were not finite: the scale halved once
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

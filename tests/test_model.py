@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import model as model_module
 from model import (
     GPT,
     GPTConfig,
@@ -21,6 +22,7 @@ from model import (
     KVCache,
     device_peak_flops,
     gpu_peak_flops,
+    sdpa_kernel_compiles,
     sample_next_token,
     top_k_filter,
     top_p_filter,
@@ -720,3 +722,33 @@ def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
     with pytest.raises(GPTError, match=r"sdpa_backend='flash' cannot run on cpu with dtype torch.float32"):
         model(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_refused_forced_kernel_is_the_one_line_error_even_compiled(tmp_path) -> None:
+    # flash refuses dropout on the CPU: eager and compiled runs both stop with the GPTError before any step (the
+    # compiled one raised torch._dynamo's TorchRuntimeError from inside the compiler)
+    from helpers import make_char_dataset, tiny_config as train_config
+    from train import train
+
+    make_char_dataset(tmp_path / "data", n_chars=5_000)
+    for compile in (False, True):
+        cfg = train_config(tmp_path / "data", tmp_path / f"out{compile}", compile=compile, attention="sdpa",
+                          sdpa_backend="flash", dropout=0.1, max_iters=2)
+        with pytest.raises(GPTError, match="sdpa_backend='flash' cannot run on cpu .*dropout"):
+            train(cfg)
+    model = make_model(attention="sdpa", sdpa_backend="flash", dropout=0.1)
+    model.eval().check_attention_kernel(compile=True)  # without dropout (eval) flash runs: nothing raised
+
+
+def test_forced_kernel_compiles_into_one_graph_or_is_refused(monkeypatch) -> None:
+    # a forced kernel's sdpa_kernel context must not break the compiled graph (torch before 2.5 broke it at
+    # every layer's attention and ran attention eagerly)
+    model = make_model(attention="sdpa", sdpa_backend="flash", n_layer=2)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    explanation = torch._dynamo.explain(model)(idx, idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert sdpa_kernel_compiles()
+    monkeypatch.setattr(model_module, "sdpa_kernel_compiles", lambda: False)  # a torch whose dynamo cannot
+    with pytest.raises(GPTError, match="needs torch 2.5 or later"):
+        model.check_attention_kernel(compile=True)
+    model.check_attention_kernel(compile=False)  # eager: fine on any torch
