@@ -1,0 +1,143 @@
+"""
+CUDA attention: every SDPA kernel (flash, efficient, cudnn, math, auto) against the project's math attention and a
+float64 reference, forward and backward, in float32, bfloat16 and float16, causal, with a padding mask, and with
+the KV cache. A kernel that cannot run a case must say so with the project's one-line GPTError.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cuda_helpers import DTYPES, has_bf16, relative_error, requires_cuda
+from model import GPT, GPTConfig, GPTError, KVCache
+
+pytestmark = requires_cuda
+
+BACKENDS = ("flash", "efficient", "cudnn", "math", "auto")
+CASES = ("causal", "padding")
+# Relative error (norm-wise) allowed against float64, by the dtype the matmuls run in (autocast): float32 with TF32
+# off rounds at ~6e-8 per operation; float16 at ~5e-4 and bfloat16 at ~4e-3, and an attention output or gradient
+# goes through a few roundings (q/k/v projections, scores, softmax, values, output projection).
+REL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+# head size 64, as GPT-2's (every fused kernel supports it); 128 keys
+CONFIG = GPTConfig(block_size=128, vocab_size=96, n_layer=2, n_head=2, n_embd=128, bias=True, dropout=0.0)
+
+
+def _attention(config: GPTConfig, dtype: torch.dtype = torch.float32, device: str = "cuda"):
+    torch.manual_seed(0)
+    return GPT(config).transformer.h[0].attn.to(device=device, dtype=dtype)
+
+
+def _inputs(case: str, B: int = 3, T: int = 128):
+    """x (B, T, C) of unit scale, an upstream gradient, and the padding mask (B, T) of the case (None: causal)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, CONFIG.n_embd, generator=g)
+    grad_out = torch.randn(B, T, CONFIG.n_embd, generator=g)
+    mask = None
+    if case == "padding":  # right padding: 128, 100 and 37 real tokens
+        lengths = torch.tensor([T, 100, 37])
+        mask = torch.arange(T)[None, :] < lengths[:, None]  # (B, T) bool
+    return x, grad_out, mask
+
+
+def _forward_backward(module, x, grad_out, mask, autocast_dtype: str | None):
+    """Output and the gradients of (output * grad_out).sum() w.r.t. the input and the module's weights."""
+    x = x.clone().requires_grad_(True)
+    ctx = (torch.autocast("cuda", dtype=DTYPES[autocast_dtype]) if autocast_dtype not in (None, "float32")
+           else torch.autocast("cuda", enabled=False))
+    with ctx:
+        y = module(x, key_padding_mask=mask)
+    (y.float() * grad_out.to(y.device)).sum().backward()
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    return y.detach(), grads
+
+
+def _reference(case: str):
+    """float64 math attention of the same weights (the module's parameters are the same for every config)."""
+    x, grad_out, mask = _inputs(case)
+    ref = _attention(dataclasses.replace(CONFIG, attention="math"), torch.float64)
+    return _forward_backward(ref, x.cuda().double(), grad_out.cuda().double(),
+                             None if mask is None else mask.cuda(), None)
+
+
+def _run(config: GPTConfig, case: str, dtype: str):
+    x, grad_out, mask = _inputs(case)
+    module = _attention(config)
+    return _forward_backward(module, x.cuda(), grad_out.cuda(), None if mask is None else mask.cuda(), dtype)
+
+
+@pytest.mark.parametrize("dtype", list(REL))
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sdpa_kernel_matches_math_attention_and_float64(backend: str, case: str, dtype: str) -> None:
+    if dtype == "bfloat16" and not has_bf16():
+        pytest.skip("this GPU has no native bfloat16")
+    y_ref, grads_ref = _reference(case)
+    y_math, grads_math = _run(dataclasses.replace(CONFIG, attention="math"), case, dtype)
+    try:
+        y, grads = _run(dataclasses.replace(CONFIG, attention="sdpa", sdpa_backend=backend), case, dtype)
+    except GPTError as e:  # the kernel refuses this case: the one-line error that names it and the way out
+        message = str(e)
+        assert "\n" not in message and f"sdpa_backend={backend!r} cannot run on cuda" in message, message
+        assert "choose another sdpa_backend" in message
+        assert backend in ("flash", "efficient", "cudnn"), f"{backend} must run every case: {message}"
+        pytest.skip(f"refused, as a GPTError: {message[:200]}")
+    tol = REL[dtype]
+    assert relative_error(y, y_ref) < tol, (relative_error(y, y_ref), relative_error(y_math, y_ref))
+    assert relative_error(y, y_math) < 2 * tol
+    for name, g, g_ref, g_math in zip(["input"] + [n for n, _ in _attention(CONFIG).named_parameters()],
+                                      grads, grads_ref, grads_math):
+        assert relative_error(g, g_ref) < tol, (name, relative_error(g, g_ref), relative_error(g_math, g_ref))
+        assert relative_error(g, g_math) < 2 * tol, name
+
+
+def test_known_refusals_are_one_line_errors() -> None:
+    # flash has no float32 kernel and takes no arbitrary mask: PyTorch's reasons, in one line
+    x, grad_out, mask = _inputs("padding")
+    flash = _attention(dataclasses.replace(CONFIG, attention="sdpa", sdpa_backend="flash"))
+    with pytest.raises(GPTError, match=r"sdpa_backend='flash' cannot run on cuda with dtype torch.float32"):
+        flash(x.cuda())
+    if has_bf16():
+        with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(GPTError, match="flash' cannot run on cuda"):
+            flash(x.cuda(), key_padding_mask=mask.cuda())
+
+
+@pytest.mark.skipif(not has_bf16(), reason="the fused kernels' bf16 paths need Ampere or later")
+@pytest.mark.parametrize("backend", ("flash", "efficient"))
+def test_fused_kernels_run_the_training_case_on_ampere(backend: str) -> None:
+    # GPT-2 training's case (bf16 autocast, causal, head size 64, no dropout) must not be refused on A100/H100
+    y, _ = _run(dataclasses.replace(CONFIG, attention="sdpa", sdpa_backend=backend), "causal", "bfloat16")
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("dtype", list(REL))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_cache_logits_match_the_full_forward_in_float64(backend: str, dtype: str) -> None:
+    """Prefill 40 positions, then 24 single positions with the cache: each step's logits against the float64 full
+    forward of the same weights (causal: position t's logits depend only on positions <= t)."""
+    if dtype == "bfloat16" and not has_bf16():
+        pytest.skip("this GPU has no native bfloat16")
+    torch.manual_seed(0)
+    base = GPT(dataclasses.replace(CONFIG, attention="math")).eval()
+    reference = GPT(dataclasses.replace(CONFIG, attention="math")).double().cuda().eval()
+    reference.load_state_dict(base.state_dict())
+    model = GPT(dataclasses.replace(CONFIG, attention="sdpa", sdpa_backend=backend)).cuda().eval()
+    model.load_state_dict(base.state_dict())
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        ref_logits = reference.lm_head(reference._hidden(idx))  # (B, 64, padded V)
+        cache = KVCache(model.config, batch_size=2)
+        ctx = torch.autocast("cuda", dtype=DTYPES[dtype]) if dtype != "float32" else torch.autocast("cuda", enabled=False)
+        try:
+            with ctx:
+                steps = [model.lm_head(model._hidden(idx[:, :40], kv_cache=cache))]
+                for t in range(40, 64):
+                    steps.append(model.lm_head(model._hidden(idx[:, t : t + 1], kv_cache=cache)))
+        except GPTError as e:
+            assert "\n" not in str(e) and f"sdpa_backend={backend!r} cannot run on cuda" in str(e)
+            assert backend in ("flash", "efficient", "cudnn"), str(e)
+            pytest.skip(f"refused, as a GPTError: {str(e)[:200]}")
+    logits = torch.cat(steps, dim=1)  # (B, 64, padded V)
+    assert relative_error(logits, ref_logits) < REL[dtype]
