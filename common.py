@@ -342,12 +342,14 @@ def _fsync_folder(folder: str) -> None:
             os.close(dir_fd)
 
 
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint without running code from it (weights_only); a missing or damaged file is a UserError."""
+def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint without running code from it (weights_only); a missing or damaged file is a UserError.
+    mmap=True maps the file instead of reading it: tensors are read on first use, and processes that map the same
+    file share its pages (DDP ranks on one node)."""
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}: train first, or set --out_dir to the run's folder")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except torch.OutOfMemoryError:
         raise UserError(f"out of memory loading {path} onto {map_location}: load it on the CPU") from None
     except pickle.UnpicklingError as e:

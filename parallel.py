@@ -208,7 +208,8 @@ def read_resume_checkpoint(out_dir: str, parallelism: str) -> dict[str, Any]:
     """The checkpoint a resume continues, as a dict: ckpt.pt's whole contents, or a sharded folder's train state
     (its tensors are loaded by load_optimizer_and_sharded_weights once the model is built and sharded)."""
     path = find_resume_checkpoint(out_dir, parallelism)
-    return read_train_state(path) if is_sharded(path) else load_checkpoint(path, map_location="cpu")
+    # mmap: the ranks of a node share one copy of ckpt.pt's pages instead of each reading all of it into memory
+    return read_train_state(path) if is_sharded(path) else load_checkpoint(path, map_location="cpu", mmap=True)
 
 
 def load_optimizer_and_sharded_weights(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict) -> None:

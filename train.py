@@ -26,8 +26,10 @@ import math
 import os
 import re
 import signal
+import socket
 import time
 from dataclasses import asdict, dataclass, fields
+from typing import Callable, NoReturn
 
 import numpy as np
 import torch
@@ -228,10 +230,18 @@ class NonFiniteError(UserError):
     pass
 
 
-def train_step(model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: Dist) -> tuple[float, float, bool]:
+class StepInterrupted(Exception):
+    """A stop was requested between two micro-steps: the step was abandoned (its gradients dropped), not applied."""
+
+
+def train_step(
+    model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: Dist, stop: Callable[[], bool] | None = None
+) -> tuple[float, float, bool]:
     """
     One optimizer step over the micro-batches of this rank. Returns (mean loss over all micro-batches and ranks,
-    gradient norm, whether the step was applied).
+    gradient norm, whether the step was applied). `stop` is asked between micro-steps (the ranks agree on its
+    answer): True drops the gradients so far and raises StepInterrupted, so a stop waits for one micro-step, not
+    a whole step of gradient accumulation.
 
     The gradient equals that of one big batch of the same tokens: each micro-batch's mean loss is weighted by
     its share of all target tokens (those not -1) over every micro-step and rank, so the weighting stays right
@@ -244,6 +254,9 @@ def train_step(model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: D
     loss_sum = torch.zeros((), device=dist.device)
     for i, ((x, y), n) in enumerate(zip(batches, counts)):
         last = i == len(batches) - 1
+        if i > 0 and stop is not None and stop():
+            optimizer.zero_grad(set_to_none=True)
+            raise StepInterrupted
         # DDP all-reduces (FSDP reduce-scatters) gradients in backward; only the last micro-step needs it.
         with parallel.gradient_sync(model, dist, sync=last):
             with ctx:
@@ -467,6 +480,9 @@ NO_BUFFER_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     else {"broadcast_buffers": False}
 )
+# gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
+# gradient's size less memory (measured: README, "DDP settings").
+DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> None:
@@ -495,6 +511,40 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
+    """
+    Under DDP every rank must see rank 0's out_dir: only rank 0 writes checkpoints, and a resume reads
+    out_dir/ckpt.pt on every rank. On several nodes without a shared file system the other nodes would find no
+    checkpoint (or an old one); say so at the start, naming the nodes. Rank 0 writes a marker file, every rank
+    looks for it.
+    """
+    if not dist.enabled:
+        return
+    token = [os.urandom(8).hex() if dist.master else None]
+    torch_dist.broadcast_object_list(token, src=0)
+    marker = os.path.join(out_dir, f".shared_check.{token[0]}")
+    if dist.master:
+        with open(marker, "w") as f:
+            f.write(token[0])
+    torch_dist.barrier()
+    seen = os.path.exists(marker)
+    node = f"{socket.gethostname()} (node rank {os.environ.get('GROUP_RANK', '?')})"
+    views: list = [None] * dist.world_size
+    torch_dist.all_gather_object(views, (node, dist.rank, seen))
+    if dist.master:
+        os.remove(marker)
+    blind = {}
+    for node_name, rank, ok in views:
+        if not ok:
+            blind.setdefault(node_name, []).append(rank)
+    if blind:
+        where = "; ".join(f"{n}: ranks {', '.join(map(str, r))}" for n, r in blind.items())
+        raise UserError(
+            f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only rank 0 writes "
+            f"checkpoints, every rank reads them to resume): put out_dir on a file system that every node mounts"
+        )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -534,6 +584,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else _maybe_meta(data_dir)
 
     # model
+    check_shared_out_dir(cfg.out_dir, dist)
     ckpt = parallel.read_resume_checkpoint(cfg.out_dir, cfg.parallelism) if cfg.init_from == "resume" else None
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
@@ -582,7 +633,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = torch.compile(model)
     eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
     if dist.enabled and cfg.parallelism == "ddp":
-        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **NO_BUFFER_SYNC)
+        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
 
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         nonlocal best_file
@@ -596,6 +647,12 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             best_file = save_run_checkpoint(state, cfg, improved, best_file)
             log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}"
                       + (f" (the best val loss's weights stay in {BEST_NAME})" if best_file == BEST_NAME else ""))
+
+    def stop_now(iter_num: int) -> NoReturn:
+        save(iter_num, best_val_loss, improved=False)
+        if dist.enabled:  # every rank exits only once rank 0's checkpoint is on disk
+            torch_dist.barrier()
+        raise SystemExit(stop.message(iter_num))
 
     with StopRequest(dist) as stop:
         running_mfu = -1.0
@@ -619,6 +676,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
                     save(iter_num, best_val_loss, improved)
                 t0 = time.time()  # the eval is not part of the next step's time
+                if stop.requested() and iter_num < cfg.max_iters and not eval_only:  # a signal during the eval
+                    stop_now(iter_num)
             if iter_num >= cfg.max_iters or eval_only:
                 break
 
@@ -626,7 +685,14 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             lr = get_lr(iter_num, cfg)
             optimizer.set_lr(lr)
             batches = train_batches(splits["train"], cfg, iter_num, dist.rank, accum_steps)
-            loss, grad_norm, applied = train_step(model, optimizer, scaler, batches, ctx, cfg, dist)
+            rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device_type == "cuda" else None
+            try:
+                loss, grad_norm, applied = train_step(model, optimizer, scaler, batches, ctx, cfg, dist, stop.requested)
+            except StepInterrupted:  # not applied: save the state before the step, dropout RNG included
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state(rng[1], device)
+                stop_now(iter_num)
             if not applied and not (scaler.is_enabled() and math.isfinite(loss)):
                 nonfinite_skips += 1
                 what = "loss" if not math.isfinite(loss) else "gradient norm"
@@ -653,11 +719,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 )
                 log.metrics({"iter": iter_num, "loss": loss, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt,
                              "mfu": mfu, "grad_norm": grad_norm})
-            if stop.requested():
-                save(iter_num, best_val_loss, improved=False)
-                if dist.enabled:  # every rank exits only once rank 0's checkpoint is on disk
-                    torch_dist.barrier()
-                raise SystemExit(stop.message(iter_num))
+            if stop.requested():  # before the next eval: a stop skips it
+                stop_now(iter_num)
 
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
@@ -669,14 +732,21 @@ def _maybe_meta(data_dir: str) -> dict | None:
 
 class StopRequest:
     """
-    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) ask the run to stop after the current optimizer step,
-    with a checkpoint. A second Ctrl-C exits at once. Under DDP every rank stops at the same step: the ranks
-    agree (all-reduce of the flag) before acting, so no rank waits forever in a collective.
+    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) ask the run to stop after the current micro-step (an
+    unfinished optimizer step is dropped) or eval, with a checkpoint: torchrun SIGKILLs its workers
+    --shutdown-timeout seconds (30 by default) after forwarding a SIGTERM, so the stop must be quick. A second
+    Ctrl-C exits at once. Under DDP every rank stops at the same micro-step: the ranks agree (all-reduce of the
+    flag) before acting, so no rank waits forever in a collective.
     """
 
     def __init__(self, dist: Dist):
         self.dist = dist
         self.signal: int | None = None
+        # The ranks agree over a gloo group on CPU tensors: asking between micro-steps never waits for the GPU
+        # (an NCCL all-reduce and .item() would sync with the queued kernels at every micro-step).
+        self._group = None
+        if dist.enabled:
+            self._group = torch_dist.new_group(backend="gloo") if torch_dist.get_backend() != "gloo" else None
         self._first = 0.0
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -697,8 +767,8 @@ class StopRequest:
     def requested(self) -> bool:
         flag = self.signal is not None
         if self.dist.enabled:
-            t = torch.tensor([1.0 if flag else 0.0], device=self.dist.device)
-            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+            t = torch.tensor([1.0 if flag else 0.0])
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self._group)
             flag = t.item() > 0
         return flag
 

@@ -476,3 +476,61 @@ def test_ctrl_c_twice_exits_at_once_and_a_forwarded_duplicate_does_not(data_dir,
     assert proc.returncode == 1, err[-2000:]
     stopped_at = load_checkpoint(str(tmp_path / "once" / "ckpt.pt"))["iter_num"]
     assert f"stopped by SIGINT after iter {stopped_at}; checkpoint saved" in err
+
+
+def test_a_stop_between_micro_steps_drops_the_step_and_resumes_bitwise(data_dir, tmp_path, monkeypatch):
+    # SIGTERM during micro-step 2 of 4 of iteration 5: the run stops before micro-step 3 (not after the whole step:
+    # under torchrun a big model's step may outlast the SIGKILL that follows), saving the state before iteration 5,
+    # dropout RNG included, so the resumed run is bitwise the uninterrupted one
+    run = dict(max_iters=10, lr_decay_iters=10, eval_interval=1000, gradient_accumulation_steps=4, dropout=0.1)
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
+    forward, calls = GPT.forward, {"n": 0}
+
+    def signalled(self, idx, targets=None, **kw):
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 4 * 5 + 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, idx, targets, **kw)
+
+    monkeypatch.setattr(GPT, "forward", signalled)
+    with pytest.raises(SystemExit, match="stopped by SIGTERM after iter 5; checkpoint saved"):
+        train(tiny_config(data_dir, tmp_path / "run", **run))
+    assert calls["n"] == 4 * 5 + 2  # no micro-step after the signal's
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"] == 5
+    monkeypatch.undo()
+    resumed = train(tiny_config(data_dir, tmp_path / "run", **run, init_from="resume"))
+    assert resumed["iter_num"] == 10 and resumed["last_loss"] == reference["last_loss"]
+
+
+SHARED_PROBE = """
+import os, sys
+sys.path.insert(0, {root!r})
+from common import UserError, cleanup_distributed, setup_distributed
+from train import check_shared_out_dir
+d = setup_distributed("cpu")
+for case in ("shared", "local"):
+    # "local": each rank gets its own folder, as nodes whose out_dir is on a local disk
+    out = os.path.join(sys.argv[1], case, "rank0" if case == "shared" or d.rank == 0 else f"rank{{d.rank}}")
+    os.makedirs(out, exist_ok=True)
+    try:
+        check_shared_out_dir(out, d)
+        print(f"{{case}} rank {{d.rank}}: ok", flush=True)
+    except UserError as e:
+        print(f"{{case}} rank {{d.rank}}: error: {{e}}", flush=True)
+cleanup_distributed(d)
+"""
+
+
+def test_an_out_dir_that_not_every_rank_sees_is_named_at_start(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(SHARED_PROBE.format(root=ROOT))
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                    str(tmp_path / "out")], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith(("shared", "local")))
+    assert lines[0].startswith("local rank 0: error: ") and lines[1].startswith("local rank 1: error: ")
+    assert lines[2:] == ["shared rank 0: ok", "shared rank 1: ok"]
+    for line in lines[:2]:  # every rank stops, with the same line naming the node and the rank that cannot see
+        assert "is not shared:" in line and "(node rank 0): ranks 1 cannot see the files rank 0 writes" in line
+    assert os.listdir(tmp_path / "out" / "shared" / "rank0") == []  # the marker is removed
