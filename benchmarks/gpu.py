@@ -233,7 +233,7 @@ def baby_gpt(results_dir: str, budget: Budget, max_minutes: float) -> dict:
     note = "" if meta.get("vocab_size") == 65 else (
         f"the data is not tiny shakespeare ({meta.get('source', '?')}, {meta.get('vocab_size')} characters): "
         f"the 1.47 target is tiny shakespeare's")
-    out_dir = os.path.join(results_dir, "baby_gpt")
+    out_dir = os.path.abspath(os.path.join(results_dir, "baby_gpt"))  # train.py runs in the repo root
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
