@@ -128,7 +128,7 @@ def test_kv_cache_logits_match_the_full_forward_in_float64(backend: str, dtype: 
     idx = torch.randint(0, CONFIG.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
     with torch.no_grad():
         ref_logits = reference.lm_head(reference._hidden(idx))  # (B, 64, padded V)
-        cache = KVCache(model.config, batch_size=2)
+        cache = KVCache(model.config, 2, DTYPES[dtype], "cuda")  # in the dtype the attention produces
         ctx = torch.autocast("cuda", dtype=DTYPES[dtype]) if dtype != "float32" else torch.autocast("cuda", enabled=False)
         try:
             with ctx:

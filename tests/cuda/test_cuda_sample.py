@@ -11,7 +11,7 @@ import torch
 from common import load_checkpoint
 from cuda_helpers import has_bf16, requires_cuda
 from helpers import run_script, tiny_config
-from model import KVCache
+from model import GPT, KVCache
 from sample import SampleConfig, load_model
 from train import train
 
@@ -30,11 +30,11 @@ def checkpoint(char_data, tmp_path):
 
 def _greedy_with_logits(model, idx, n: int, use_cache: bool):
     """Greedy tokens, and the logits each choice was made from (B, n, V)."""
-    cache = KVCache(model.config, idx.size(0)) if use_cache else None
+    cache = KVCache(model.config, idx.size(0), torch.float32, "cuda") if use_cache else None
     chosen = []
     with torch.no_grad():
         for _ in range(n):
-            logits = model._next_token_logits(idx, cache)  # (B, V)
+            logits = model._next_token_logits(idx, cache, GPT._decode_step)  # (B, V)
             chosen.append(logits)
             idx = torch.cat((idx, logits.argmax(-1, keepdim=True)), dim=1)
     return idx, torch.stack(chosen, dim=1)
