@@ -46,6 +46,8 @@ from common import (
     exit_on_user_error,
     keep_freed_memory,
     resolve_device,
+    dtype_reason,
+    resolve_attention,
     resolve_dtype,
     run_info,
     set_deterministic,
@@ -54,7 +56,7 @@ from common import (
 )
 from configurator import configure
 from model import GPT, GPTConfig, GPTError
-from train import MODEL_KEYS, TrainConfig, batch_generator, check_config, data_paths, get_batch, train_step
+from train import MODEL_KEYS, SCRATCH_GELU, TrainConfig, batch_generator, check_config, data_paths, get_batch, train_step
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CPU_CONFIG = os.path.join(ROOT, "config", "bench_cpu.py")
@@ -129,7 +131,7 @@ def check_bench_config(cfg: BenchConfig) -> None:
 def model_config(cfg: BenchConfig, **changes) -> GPTConfig:
     args = {k: getattr(cfg, k) for k in MODEL_KEYS}
     args.update(dropout=cfg.dropout, attention=cfg.attention, sdpa_backend=cfg.sdpa_backend,
-                gelu=cfg.gelu or GPTConfig.gelu)
+                gelu=cfg.gelu or SCRATCH_GELU, fused_loss=cfg.fused_loss)
     args.update(changes)
     return GPTConfig(**args)
 
@@ -467,7 +469,7 @@ def print_run_header(cfg: BenchConfig, run: dict) -> None:
           f"{mc.vocab_size} (padded to {mc.padded_vocab_size}), {model.get_num_params() / 1e6:.2f}M params")
     print(f"settings: dtype={dtype_label(run['dtype'])}, attention={mc.attention}"
           f"{'/' + mc.sdpa_backend if mc.attention == 'sdpa' else ''}, compile={cfg.compile}, tf32={tf32}, "
-          f"AdamW={adamw}")
+          f"AdamW={adamw}, fused_loss={mc.fused_loss}")
     data = f"{run['data_path']} (real data)" if run["data_path"] else f"random tokens (seed {cfg.seed})"
     print(f"run: {cfg.gradient_accumulation_steps} micro-steps x {cfg.batch_size} x {cfg.block_size} tokens = "
           f"{cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size:,} tokens/iter; "
@@ -580,7 +582,7 @@ STUDIES: dict[str, list[Row]] = {
     "cumulative": [
         Row("cumulative", "float32", "float32 (math, no TF32/compile/padding, unfused AdamW)",
             {"dtype": "float32", "tf32": False, "compile": False, "attention": "math", "vocab_padding_multiple": 1,
-             "fused_adamw": False, "keep_freed_memory": False}),
+             "fused_adamw": False, "keep_freed_memory": False, "fused_loss": False}),
         Row("cumulative", "tf32", "+ TF32 matmuls", {"tf32": True}, cuda_only="TF32 is CUDA-only"),
         Row("cumulative", "bf16", "+ bf16 autocast", {"dtype": "bfloat16"}),
         Row("cumulative", "compile", "+ torch.compile", {"compile": True}),
@@ -588,6 +590,7 @@ STUDIES: dict[str, list[Row]] = {
         Row("cumulative", "padded", "+ padded vocab (64)", {"vocab_padding_multiple": 64}),
         Row("cumulative", "fused", "+ fused AdamW", {"fused_adamw": True}),
         Row("cumulative", "malloc", "+ glibc malloc keeps freed memory", {"keep_freed_memory": True}),
+        Row("cumulative", "fused_loss", "+ fused chunked linear + cross-entropy", {"fused_loss": True}),
     ],
 }
 CUMULATIVE = {"cumulative"}
@@ -893,6 +896,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cfg, argv = load_config(argv)
     device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    attention, attention_why = resolve_attention(cfg.attention, device, dtype)
+    print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
+    cfg = dataclasses.replace(cfg, attention=attention)
     if cfg.ablation or cfg.numerics or cfg.memory:  # studies: any of them, in this order
         if cfg.ablation:
             report_ablation(cfg, argv, device, run_ablation(cfg, argv, device))

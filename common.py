@@ -68,11 +68,42 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512-BF16 or AMX tiles); oneDNN emulates it otherwise."""
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def resolve_attention(attention: str, device: str, dtype: str) -> tuple[str, str]:
+    """
+    attention='auto' -> the path measured fastest for the device and dtype, and the reason (for the settings line):
+    on a CPU under bf16 the explicit math attention (the CPU flash kernel's backward took ~47% of the step of
+    nanoGPT's CPU command, and the math path is plain bf16 matmuls); everywhere else SDPA (CUDA: its flash kernel;
+    CPU float32: ~10x faster than math for a 256-token block, fwd+bwd). An explicit "math"/"sdpa" is kept.
+    """
+    if attention != "auto":
+        return attention, "set explicitly"
+    if device.split(":")[0] == "cpu" and dtype == "bfloat16":
+        return "math", "auto: CPU under bf16, where SDPA's flash backward is slow"
+    return "sdpa", f"auto: {device.split(':')[0]} {dtype}, SDPA's fused kernels are fastest"
+
+
+def dtype_reason(dtype: str, device: str) -> str:
+    """Why dtype='auto' chose what it did, for the settings line."""
+    if dtype != "auto":
+        return "set explicitly"
+    if device.split(":")[0] == "cpu":
+        return "auto: this CPU has bf16 in hardware" if cpu_has_native_bf16() else (
+            "auto: this CPU has no bf16 in hardware (no AVX-512-BF16/AMX), bf16 would be emulated")
+    return "auto: the device's fastest exact dtype"
+
+
 def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
     """
     'auto' -> bfloat16 where it is fast and exact enough: CUDA GPUs with bf16 support (else float16 with a grad
-    scaler), and for training on the CPU, where autocast runs the matmuls in bf16 (on an AVX-512-BF16 CPU ~2.5x
-    faster than float32 at these sizes; the loss curve matches float32's; see README, "Performance"). Generation
+    scaler), and for training on a CPU with bf16 in hardware (AVX-512-BF16 or AMX), where autocast runs the matmuls
+    in bf16 (~2.5x faster than float32 at these sizes; the loss curve matches float32's; see README,
+    "Performance"). A CPU without them (AVX2 only) emulates bf16 matmuls, slower than float32: float32. Generation
     on the CPU stays float32: one token at a time is matrix-vector work, where autocast's casts cost more than
     bf16 saves (measured 3-5x slower).
     """
@@ -80,7 +111,7 @@ def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
     if dtype == "auto":
         if device_type == "cuda":
             return "bfloat16" if _cuda_bf16(device) else "float16"
-        if device_type == "cpu" and training:
+        if device_type == "cpu" and training and cpu_has_native_bf16():
             return "bfloat16"
         return "float32"
     if dtype not in DTYPES:

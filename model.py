@@ -57,6 +57,9 @@ class GPTConfig:
     attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
     sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
     gelu: str = "tanh"  # "tanh": GPT-2's approximation (its weights need it); "erf": the exact GELU
+    # Training and evaluation compute the head and the loss chunk by chunk (fused_linear_cross_entropy): no
+    # (tokens x vocab) logits, the same loss and gradients. False: the plain path (full logits, F.cross_entropy).
+    fused_loss: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -299,8 +302,15 @@ class GPT(nn.Module):
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
         kv_cache: optional KVCache; idx then holds only the positions after those already cached.
         Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets.
+        With targets and config.fused_loss the logits are never formed: (None, loss).
         """
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
+        if targets is not None and self.config.fused_loss:
+            n_targets = (targets != -1).sum().clamp(min=1)
+            loss_sum = fused_linear_cross_entropy(
+                x.view(-1, x.size(-1)), self.lm_head.weight, targets.view(-1), self.config.vocab_size
+            )
+            return None, loss_sum / n_targets
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
         loss = None
         if targets is not None:
@@ -379,10 +389,11 @@ class GPT(nn.Module):
     ) -> "GPT":
         """
         Load GPT-2 weights through HF transformers: "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a local
-        folder written by `save_pretrained`. Only `dropout`, `attention` and `sdpa_backend` may be overridden.
+        folder written by `save_pretrained`. Only `dropout`, `attention`, `sdpa_backend` and `fused_loss` may be
+        overridden.
         """
         override_args = dict(override_args or {})
-        allowed = {"dropout", "attention", "sdpa_backend"}
+        allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
         if set(override_args) - allowed:
             raise GPTError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
         if model_type not in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl") and not os.path.isdir(model_type):
@@ -577,6 +588,89 @@ def _compiled_decode_step():
     if _COMPILED_DECODE_STEP is None:
         _COMPILED_DECODE_STEP = torch.compile(GPT._decode_step, fullgraph=True, dynamic=False)
     return _COMPILED_DECODE_STEP
+
+
+# ---------------------------------------------------------------------------------- fused linear + cross-entropy
+
+# Rows (tokens) per chunk of the fused loss. Each chunk holds a (rows, padded vocab) logits block in the compute
+# dtype and one in float32; for GPT-2's 50304 rows, 256 tokens are ~50 + 50 MB (bf16) instead of the whole batch's
+# logits, log-softmax and their gradient (~2.5 GB per 12 x 1024 micro-batch in float32). Fewer, larger chunks
+# keep the weight-gradient matmul (K = rows) efficient and read/write the (vocab, C) gradient fewer times.
+LOSS_CHUNK_ROWS = 256
+
+
+def _loss_chunks(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, compute_dtype: torch.dtype,
+    chunk_rows: int, with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """
+    Sum over the rows of cross_entropy(x @ weight.T, targets) (targets -1 ignored, the weight rows from vocab_size
+    on masked out), chunk by chunk; with_grad also returns its gradients with respect to x and weight, computed
+    from each chunk's softmax while it is at hand. Matmuls run in compute_dtype, softmax statistics in float32
+    (float64 for a float64 model).
+    x (N, C), weight (Vp, C), targets (N,) -> loss_sum (), grad_x (N, C) like x, grad_w (Vp, C) float32.
+    """
+    N = x.size(0)
+    w = weight.to(compute_dtype)  # one cast per call, as autocast's F.linear would do
+    acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 for a float64 model
+    loss_sum = torch.zeros((), dtype=acc_dtype, device=x.device)
+    grad_x = torch.empty_like(x) if with_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if with_grad else None
+    for start in range(0, N, chunk_rows):
+        xc = x[start : start + chunk_rows].to(compute_dtype)  # (n, C)
+        tc = targets[start : start + chunk_rows]  # (n,)
+        valid = tc != -1
+        tc_safe = tc.clamp(min=0)  # any real row for the ignored ones; their terms are masked below
+        logits = (xc @ w.t()).to(acc_dtype)  # (n, Vp) float32 (no copy when compute_dtype is float32)
+        logits[:, vocab_size:] = float("-inf")  # padded rows: probability 0, hence gradient 0
+        lse = torch.logsumexp(logits, dim=1)  # (n,)
+        target_logit = logits.gather(1, tc_safe[:, None]).squeeze(1)  # (n,)
+        loss_sum += torch.where(valid, lse - target_logit, 0.0).sum()
+        if with_grad:
+            # d loss / d logits = softmax - onehot(target), zero on ignored rows: subtracting +inf there makes
+            # their softmax exp(-inf) = 0, so no separate masking pass over the (n, Vp) block is needed.
+            probs = logits.sub_(lse.masked_fill(~valid, float("inf"))[:, None]).exp_()  # in place: (n, Vp)
+            grad_logits = probs.scatter_add_(1, tc_safe[:, None], -valid[:, None].to(acc_dtype)).to(compute_dtype)
+            grad_x[start : start + chunk_rows] = grad_logits @ w  # (n, Vp) x (Vp, C) -> (n, C)
+            if compute_dtype == acc_dtype:
+                grad_w.addmm_(grad_logits.t(), xc)  # (Vp, n) x (n, C)
+            else:  # addmm_ cannot mix dtypes; the per-chunk products are summed in float32
+                grad_w += grad_logits.t() @ xc
+    return loss_sum, grad_x, grad_w
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The gradients are computed in the forward, chunk by chunk (as Liger-Kernel's and PyTorch's chunked
+    linear_cross_entropy do), so the backward only scales them: the head costs its three matmuls, as the plain
+    path, and no (tokens x vocab) tensor lives until the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, compute_dtype, chunk_rows):
+        loss_sum, grad_x, grad_w = _loss_chunks(x, weight, targets, vocab_size, compute_dtype, chunk_rows, True)
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_out.to(grad_x.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk_rows: int = LOSS_CHUNK_ROWS
+) -> torch.Tensor:
+    """
+    Sum over rows of F.cross_entropy(x @ weight.T, targets, ignore_index=-1, reduction="sum"), with the weight's
+    rows from vocab_size on (vocabulary padding) excluded, without forming the (N, Vp) logits.
+    x (N, C), weight (Vp, C), targets (N,). Under autocast the matmuls run in its dtype (bf16), as F.linear would.
+    """
+    device_type = x.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    # Our own casts decide each op's dtype: autocast must not recast the float32 softmax statistics.
+    with torch.autocast(device_type, enabled=False):
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _FusedLinearCrossEntropy.apply(x, weight, targets, vocab_size, compute_dtype, chunk_rows)
+        return _loss_chunks(x, weight, targets, vocab_size, compute_dtype, chunk_rows, with_grad=False)[0]
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

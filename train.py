@@ -28,7 +28,7 @@ import re
 import signal
 import socket
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, NoReturn
 
 import numpy as np
@@ -45,11 +45,14 @@ from common import (
     autocast_context,
     checkpoint_model_config,
     cleanup_distributed,
+    dtype_reason,
     exit_on_user_error,
     keep_as,
     keep_freed_memory,
     load_model_state,
     model_from_checkpoint,
+    resolve_attention,
+    resolve_device,
     resolve_dtype,
     run_info,
     save_checkpoint,
@@ -96,11 +99,12 @@ class TrainConfig:
     n_embd: int = 768
     dropout: float = 0.0  # 0 for pretraining, try 0.1+ for fine-tuning
     bias: bool = False  # biases in Linears and LayerNorms (GPT-2 has them; False is a bit better and faster)
-    attention: str = "sdpa"  # "math" or "sdpa"
+    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16, else sdpa (common.resolve_attention)
     sdpa_backend: str = "auto"  # "auto", "flash", "efficient", "cudnn", "math"
     vocab_padding_multiple: int = 64  # 50257 -> 50304 rows; 1 turns padding off
-    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, faster on the CPU); None: tanh from
-    # scratch, else what the checkpoint or GPT-2 weights were trained with
+    fused_loss: bool = True  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; False: plain path
+    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, ~2.5x faster CPU kernel); None: erf from
+    # scratch (SCRATCH_GELU), else what the checkpoint or GPT-2 weights were trained with
     # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
     optimizer: str = "adamw"
     muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
@@ -135,6 +139,8 @@ class TrainConfig:
     seed: int = 1337
 
 
+# From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
+SCRATCH_GELU = "erf"
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
 
 
@@ -429,7 +435,11 @@ class Logger:
 def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary, the checkpoint's,
     or GPT-2's weights (cropped to block_size)."""
-    settings = dict(dropout=cfg.dropout, attention=cfg.attention, sdpa_backend=cfg.sdpa_backend)
+    attention = cfg.attention
+    if attention == "auto":  # _train resolves it first; a direct call resolves it for the configured device
+        device = resolve_device(cfg.device)
+        attention = resolve_attention(attention, device, resolve_dtype(cfg.dtype, device))[0]
+    settings = dict(dropout=cfg.dropout, attention=attention, sdpa_backend=cfg.sdpa_backend, fused_loss=cfg.fused_loss)
     if cfg.init_from == "scratch":
         if meta is None:
             raise UserError(f"init_from=scratch needs the dataset's meta.json (vocab_size) in {data_paths(cfg)}")
@@ -441,7 +451,7 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
             bias=cfg.bias,
             vocab_size=meta["vocab_size"],
             vocab_padding_multiple=cfg.vocab_padding_multiple,
-            gelu=cfg.gelu or GPTConfig.gelu,
+            gelu=cfg.gelu or SCRATCH_GELU,
         )
         return GPT(GPTConfig(**args, **settings))
     if cfg.init_from == "resume":
@@ -561,6 +571,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     device = dist.device
     device_type = device.split(":")[0]
     dtype = resolve_dtype(cfg.dtype, device)
+    attention, attention_why = resolve_attention(cfg.attention, device, dtype)
+    cfg = replace(cfg, attention=attention)  # the checkpoint records the path that ran
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
     tokens_per_iter = accum_steps * dist.world_size * cfg.batch_size * cfg.block_size
     if dist.master:
@@ -568,6 +580,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     log = Logger(cfg, dist)
     log.print(config_summary(cfg))
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
+    log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     log.print(f"tokens per iteration: {tokens_per_iter:,} ({accum_steps} micro-steps x {dist.world_size} ranks x "
               f"{cfg.batch_size} x {cfg.block_size})")
 

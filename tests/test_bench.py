@@ -151,8 +151,8 @@ EXPECTED_ROWS = [(row.study, row.label) for rows in STUDIES.values() for row in 
 def test_ablation_prints_every_row_of_the_studies_in_order(ablation):
     assert [(c[0], c[1]) for c in ablation["printed"]] == EXPECTED_ROWS
     assert [(r["study"], r["label"]) for r in ablation["rows"]] == EXPECTED_ROWS
-    assert len(EXPECTED_ROWS) == 12  # 5 attention rows, 8 cumulative rows less compile
-    assert "ablation: 12 rows, each in a fresh process" in ablation["out"]
+    assert len(EXPECTED_ROWS) == 13  # 5 attention rows, 9 cumulative rows less compile
+    assert "ablation: 13 rows, each in a fresh process" in ablation["out"]
     assert all(r["threads"] == 1 for r in ablation["rows"] if r["status"] == "ok")  # the parent's environment
 
 
@@ -192,7 +192,7 @@ def test_techniques_change_the_speed_not_the_loss(ablation):
     float32 = [r for r in ran if r["dtype"] == "float32"]
     bf16 = [r for r in ran if r["dtype"] == "bfloat16 autocast"]
     # float32: the attention study (math, SDPA math, flash, flash + padding) and the cumulative baseline
-    assert len(float32) == 5 and len(bf16) == 5
+    assert len(float32) == 5 and len(bf16) == 6
     reference = float32[0]["loss"]
     assert float32[0]["initial_loss"] - reference > 0.5  # the steps did train
     for r in float32:
@@ -209,11 +209,12 @@ def test_techniques_change_the_speed_not_the_loss(ablation):
 
 def test_a_skipped_cumulative_row_leaves_its_change_out_of_the_rows_below(ablation):
     cumulative = [r for r in ablation["rows"] if r["study"] == "cumulative"]
-    assert [r["name"] for r in cumulative] == ["float32", "tf32", "bf16", "flash", "padded", "fused", "malloc"]
+    assert [r["name"] for r in cumulative] == [
+        "float32", "tf32", "bf16", "flash", "padded", "fused", "malloc", "fused_loss"]
     assert all(r["overrides"]["compile"] is False for r in cumulative)
     assert cumulative[-1]["overrides"] == {
         "dtype": "bfloat16", "tf32": True, "compile": False, "attention": "sdpa", "sdpa_backend": "flash",
-        "vocab_padding_multiple": 64, "fused_adamw": True, "keep_freed_memory": True,
+        "vocab_padding_multiple": 64, "fused_adamw": True, "keep_freed_memory": True, "fused_loss": True,
     }
     flash_pad = [r for r in ablation["rows"] if r["name"] == "flash+pad"][0]
     assert "--sdpa_backend='flash' --vocab_padding_multiple=64" in flash_pad["command"]
@@ -221,7 +222,7 @@ def test_a_skipped_cumulative_row_leaves_its_change_out_of_the_rows_below(ablati
 
 def test_study_and_row_selection_errors_list_the_choices():
     rows = selected_rows(BenchConfig(studies="cumulative", skip_rows="cumulative.compile,fused"))
-    assert [r.name for r in rows] == ["float32", "tf32", "bf16", "flash", "padded", "malloc"]
+    assert [r.name for r in rows] == ["float32", "tf32", "bf16", "flash", "padded", "malloc", "fused_loss"]
     assert rows[-1].overrides["compile"] is False and rows[1].cuda_only == "TF32 is CUDA-only"
     with pytest.raises(UserError) as e:
         load_config(["--device=cpu", "--studies=atention", "--skip_rows=compil", "--timed_steps=0"])

@@ -1,13 +1,15 @@
 """common.py: the malloc setting, dtype choice and the one-line error wrapper."""
 from __future__ import annotations
 
+import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from common import UserError, exit_on_user_error, resolve_dtype, synchronize
+import common
+from common import UserError, dtype_reason, exit_on_user_error, resolve_attention, resolve_dtype, synchronize
 from helpers import run_script
 
 # Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
@@ -44,8 +46,17 @@ def test_keep_freed_memory_stops_glibc_returning_buffers_to_the_os():
     assert results["on"][1] < 1_000  # kept for the next step's allocations
 
 
-def test_auto_dtype_is_bf16_for_cpu_training_and_float32_for_cpu_generation():
-    assert resolve_dtype("auto", "cpu") == "bfloat16"
+def test_auto_dtype_is_bf16_for_cpu_training_on_bf16_hardware_and_float32_for_cpu_generation(monkeypatch):
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(common, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_dtype("auto", "cpu") == want
+        assert dtype_reason("auto", "cpu").startswith("auto: this CPU has " + ("bf16" if native else "no bf16"))
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16" and dtype_reason("bfloat16", "cpu") == "set explicitly"
+    monkeypatch.undo()
+    # this machine's own answer comes from the CPU's feature flags (/proc/cpuinfo), not from PyTorch's build
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
+    if flags is not None:
+        assert common.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_tile" in flags)
     assert resolve_dtype("auto", "cpu", training=False) == "float32"
     assert resolve_dtype("float32", "cpu", training=False) == "float32"
     with pytest.raises(UserError, match="dtype='float16' is not supported on the CPU: use bfloat16 or float32"):
@@ -96,3 +107,12 @@ def test_bf16_check_asks_the_runs_gpu(monkeypatch):
     assert resolve_dtype("auto", "cuda:1") == "float16"
     with pytest.raises(UserError, match="does not support bfloat16"):
         resolve_dtype("bfloat16", "cuda:1")
+
+
+def test_auto_attention_is_math_on_a_cpu_under_bf16_and_sdpa_elsewhere_explicit_wins():
+    assert resolve_attention("auto", "cpu", "bfloat16")[0] == "math"
+    assert resolve_attention("auto", "cpu", "float32")[0] == "sdpa"
+    assert resolve_attention("auto", "cuda:0", "bfloat16")[0] == "sdpa"
+    for explicit in ("math", "sdpa"):
+        for device, dtype in (("cpu", "bfloat16"), ("cpu", "float32"), ("cuda", "float16")):
+            assert resolve_attention(explicit, device, dtype) == (explicit, "set explicitly")

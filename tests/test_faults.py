@@ -291,8 +291,8 @@ def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir,
     train(cfg)
     line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--n_embd=64"]))
     assert "cannot resume: the checkpoint's model differs (n_embd: 32 -> 64)" in line
-    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--gelu=erf"]))
-    assert "cannot resume: the checkpoint's model differs (gelu: 'tanh' -> 'erf')" in line
+    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--gelu=tanh"]))
+    assert "cannot resume: the checkpoint's model differs (gelu: 'erf' -> 'tanh')" in line
 
 
 def test_resume_compares_the_gelu_with_the_checkpoint_model_even_an_old_one(data_dir, tmp_path):

@@ -84,9 +84,9 @@ def test_gelu_follows_the_gpt2_weights_and_a_mismatch_is_refused(tmp_path, activ
     with pytest.raises(train_module.UserError, match=rf"gelu='{other}' does not match the weights of "
                        rf".*tiny-gpt2', which were trained with gelu='{gelu}': remove the gelu setting"):
         init_model(TrainConfig(init_from=folder, block_size=32, gelu=other), None, None)
-    scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)  # from scratch: tanh unless set
-    assert init_model(scratch, {"vocab_size": 300}, None).config.gelu == "tanh"
-    assert init_model(dataclasses.replace(scratch, gelu="erf"), {"vocab_size": 300}, None).config.gelu == "erf"
+    scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)  # from scratch: nanoGPT's exact GELU
+    assert init_model(scratch, {"vocab_size": 300}, None).config.gelu == "erf"
+    assert init_model(dataclasses.replace(scratch, gelu="tanh"), {"vocab_size": 300}, None).config.gelu == "tanh"
 
 
 def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkeypatch):

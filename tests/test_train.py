@@ -348,3 +348,18 @@ def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tm
     resumed = records()
     assert resumed[: len(second)] == second and [r["iter"] for r in resumed[len(second):]] == [4, 5, 6, 6]
     assert not (out / "metrics.2.jsonl").exists()
+
+
+def test_a_run_with_no_attention_or_dtype_key_takes_the_fast_path_for_this_cpu(data_dir, tmp_path, capsys):
+    """dtype and attention left at 'auto': bf16 + math attention on a CPU with bf16 in hardware, float32 + SDPA on
+    one without (this AMD EPYC: AVX2 only, where emulated bf16 is slower than float32); the line says why."""
+    flags = open("/proc/cpuinfo").read().split()
+    native_bf16 = "avx512_bf16" in flags or "amx_tile" in flags
+    out = train(tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2, dtype="auto"))
+    printed = capsys.readouterr().out
+    dtype, attention = ("bfloat16", "math") if native_bf16 else ("float32", "sdpa")
+    assert out["model"].config.attention == attention
+    assert f"defaults: dtype={dtype} (auto: this CPU has " in printed and f"attention={attention} (auto: " in printed
+    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["config"]["attention"] == attention
+    explicit = train(tiny_config(data_dir, tmp_path / "x", max_iters=0, dtype="auto", attention="math"))
+    assert explicit["model"].config.attention == "math" and "attention=math (set explicitly)" in capsys.readouterr().out
