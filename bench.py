@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dataio
 from common import (
@@ -50,6 +51,7 @@ from common import (
     resolve_attention,
     resolve_dtype,
     run_info,
+    run_peak_flops,
     set_deterministic,
     set_tf32,
     synchronize,
@@ -71,7 +73,6 @@ class BenchConfig(TrainConfig):
     real_data: bool = False  # batches of data/<dataset>/train.bin (train.get_batch) instead of random tokens
     warmup_steps: int = 10  # untimed steps first
     timed_steps: int = 20
-    peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: known GPUs (model.PEAK_FLOPS)
     profile: bool = False  # torch.profiler over the timed steps: a chrome trace in results_dir, the top ops
     results_dir: str = "bench_results"  # trace.json, ablation.json/.png, numerics.json, memory.json
     result_json: str = ""  # also write this run's figures to this file (each ablation row's process does)
@@ -432,8 +433,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     figures = spread(ms)
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     dt = figures["ms_median"] / 1000
-    mfu = raw_model.estimate_mfu(cfg.gradient_accumulation_steps * cfg.batch_size, dt, cfg.peak_flops, cfg.block_size)
+    peak_flops, peak_source = run_peak_flops(device, run["dtype"], cfg.peak_flops)
+    mfu = raw_model.estimate_mfu(cfg.gradient_accumulation_steps * cfg.batch_size, dt, peak_flops, cfg.block_size)
+    floor_ms, n_matmuls = matmul_floor(raw_model, step_batches(cfg, 0, run["data_path"]), run["ctx"], device)
     result = {
+        "matmul_floor_ms": floor_ms,
+        "matmuls": n_matmuls,
+        "floor_multiple": figures["ms_median"] / floor_ms,
+        "peak_flops": peak_flops,
+        "peak_source": peak_source,
         **figures,
         "ms": ms,
         "tokens_per_iter": tokens_per_iter,
@@ -450,6 +458,49 @@ def run_bench(cfg: BenchConfig) -> dict:
         "others_cpu": others.fraction,
     }
     return {"result": result, "profiler": prof, "cfg": cfg}
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records every matmul a forward and backward runs, below autocast (so in the dtype it really ran in)."""
+
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default)
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []  # (op, [(shape, stride-free dtype) of each tensor argument], kwargs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.calls.append((func, [(tuple(a.shape), a.dtype) for a in args], dict(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+def matmul_floor(model: GPT, batches, ctx, device: str, repeats: int = 3) -> tuple[float, int]:
+    """
+    The step's matmul floor: every matmul of its forwards and backwards (recorded on the uncompiled model, no
+    optimizer step), run alone back to back on fresh tensors of the same shapes and dtypes; the best of `repeats`,
+    in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms, GELU, casts,
+    AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
+    """
+    recorder = MatmulRecorder()
+    with recorder:
+        for x, y in batches:
+            with ctx:
+                _, loss = model(x.to(device), y.to(device))
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    calls = [(op, [torch.randn(shape, device=device).to(dtype) for shape, dtype in args], kw)
+             for op, args, kw in recorder.calls]
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        synchronize(device)
+        t0 = time.perf_counter()
+        for op, args, kw in calls:
+            op(*args, **kw)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000, len(calls)
 
 
 def dtype_label(dtype: str) -> str:
@@ -481,8 +532,10 @@ def print_result(r: dict, profiling: bool) -> None:
     print(f"ms/iter: median {r['ms_median']:.2f} (min {r['ms_min']:.2f}, IQR {r['ms_q1']:.2f}-{r['ms_q3']:.2f}, "
           f"max {r['ms_max']:.2f}) over {len(r['ms'])} timed steps{note}")
     print(f"tokens/s: {r['tokens_per_s']:,.0f} ({r['tokens_per_iter']:,} tokens/iter at the median)")
+    print(f"matmul floor: {r['matmul_floor_ms']:.2f} ms ({r['matmuls']} matmuls of the step, alone back to back "
+          f"in its dtypes); the step takes {r['floor_multiple']:.2f}x its floor")
     if r["mfu"] is not None:
-        print(f"MFU: {r['mfu'] * 100:.2f}%")
+        print(f"MFU: {r['mfu'] * 100:.2f}% (peak {r['peak_flops'] / 1e12:.3f} TFLOP/s: {r['peak_source']})")
     elif r["device"] == "cpu":
         print("MFU: n/a (give --peak_flops)")
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import json
 import os
 import pickle
 import platform
@@ -14,13 +15,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, GPTError
+from model import GPT, GPTConfig, GPTError, device_peak_flops
 
 
 class UserError(Exception):
@@ -96,6 +98,61 @@ def dtype_reason(dtype: str, device: str) -> str:
         return "auto: this CPU has bf16 in hardware" if cpu_has_native_bf16() else (
             "auto: this CPU has no bf16 in hardware (no AVX-512-BF16/AMX), bf16 would be emulated")
     return "auto: the device's fastest exact dtype"
+
+
+PEAK_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nanogpt", "cpu_peak_flops.json")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 1024, repeats: int = 5) -> float:
+    """
+    The CPU's matmul FLOP/s in `dtype` ("float32" or "bfloat16") with this process's threads: the best of `repeats`
+    n x n matmuls. Measured once per machine (CPU name, thread count) and dtype, then read from cache_path; a
+    machine that was busy while it measured gets too low a peak (MFU too high): delete the file to measure again.
+    """
+    cache_path = cache_path or PEAK_CACHE
+    key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype}"
+    cache = {}
+    if os.path.exists(cache_path):
+        with open(cache_path) as f:
+            cache = json.load(f)
+    if key in cache:
+        return float(cache[key])
+    a, b = (torch.randn(n, n, dtype=DTYPES[dtype]) for _ in range(2))
+    a @ b  # warm-up: one-off costs of the first call
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    cache[key] = 2 * n**3 / best
+    os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
+    with open(cache_path + ".tmp", "w") as f:
+        json.dump(cache, f, indent=1)
+    os.replace(cache_path + ".tmp", cache_path)
+    return cache[key]
+
+
+def run_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple[float | None, str]:
+    """The peak FLOP/s that MFU divides by, and where it comes from: `given` (--peak_flops) wins; a known GPU's from
+    model.PEAK_FLOPS; a CPU's measured in the run's dtype (measured_cpu_peak_flops); else None."""
+    if given is not None:
+        return given, "--peak_flops"
+    if device.split(":")[0] == "cpu":
+        return measured_cpu_peak_flops(dtype), f"measured {dtype} matmul peak of this CPU ({PEAK_CACHE})"
+    peak = device_peak_flops(device)
+    return peak, ("the GPU's bf16 table peak" if peak is not None else "unknown: give --peak_flops")
 
 
 def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:

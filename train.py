@@ -55,6 +55,7 @@ from common import (
     resolve_device,
     resolve_dtype,
     run_info,
+    run_peak_flops,
     save_checkpoint,
     set_deterministic,
     set_tf32,
@@ -136,6 +137,8 @@ class TrainConfig:
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
     parallelism: str = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters, grads, AdamW state sharded (FSDP2)
     activation_checkpointing: bool | int = False  # recompute blocks' activations in the backward: True, or N blocks
+    peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
+    # matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
     seed: int = 1337
 
 
@@ -581,6 +584,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     log.print(config_summary(cfg))
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
+    peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
+    log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
     log.print(f"tokens per iteration: {tokens_per_iter:,} ({accum_steps} micro-steps x {dist.world_size} ranks x "
               f"{cfg.batch_size} x {cfg.block_size})")
 
@@ -722,7 +727,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             t1 = time.time()
             dt, t0 = t1 - t0, t1
             if iter_num % cfg.log_interval == 0:
-                mfu = raw_model.estimate_mfu(cfg.batch_size * accum_steps, dt, seq_len=cfg.block_size)  # per rank
+                mfu = raw_model.estimate_mfu(cfg.batch_size * accum_steps, dt, peak_flops, cfg.block_size)  # per rank
                 if mfu is not None:
                     running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
                 mfu_text = f"{running_mfu * 100:.2f}%" if running_mfu >= 0 else "n/a"

@@ -10,6 +10,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from bench import (
     STUDIES,
@@ -21,7 +22,7 @@ from bench import (
     run_child,
     selected_rows,
 )
-from common import UserError
+from common import PEAK_CACHE, UserError
 from helpers import make_char_dataset, run_script
 from model import GPT, GPTConfig
 
@@ -93,7 +94,10 @@ def test_a_run_prints_consistent_figures_and_its_json(tmp_path):
     assert run["n"] == 3 and 0 < run["min"] <= run["q1"] <= run["median"] <= run["q3"] <= run["max"]
     assert run["tokens_per_iter"] == 2 * 64
     assert run["tokens_per_s"] == pytest.approx(run["tokens_per_iter"] / (run["median"] / 1000), rel=1e-2)
-    assert run["mfu"] == "n/a (give --peak_flops)"
+    assert run["mfu"].endswith("measured float32 matmul peak of this CPU (" + PEAK_CACHE + "))")
+    # the floor line, and the step's multiple of it as the JSON has it
+    floor = re.search(r"matmul floor: ([\d.]+) ms \((\d+) matmuls of the step.*takes ([\d.]+)x its floor", out)
+    assert float(floor.group(1)) > 0 and int(floor.group(2)) > 0
     assert run["peak"] > 0 and "VmHWM" in run["measure"] and "before the first step" in run["measure"]
     assert math.isfinite(run["loss"]) and abs(run["initial_loss"] - math.log(300)) < 0.5
 
@@ -101,7 +105,9 @@ def test_a_run_prints_consistent_figures_and_its_json(tmp_path):
     assert len(saved["ms"]) == 3 and sorted(saved["ms"])[1] == pytest.approx(saved["ms_median"])
     assert saved["ms_median"] == pytest.approx(run["median"], abs=0.01)
     assert saved["tokens_per_s"] == pytest.approx(128 / (saved["ms_median"] / 1000))
-    assert saved["loss"] == pytest.approx(run["loss"], abs=1e-4) and saved["mfu"] is None
+    assert saved["loss"] == pytest.approx(run["loss"], abs=1e-4) and saved["mfu"] > 0
+    assert saved["floor_multiple"] == pytest.approx(saved["ms_median"] / saved["matmul_floor_ms"])
+    assert float(floor.group(3)) == pytest.approx(saved["floor_multiple"], abs=0.006)
     assert saved["config"]["n_embd"] == 64 and saved["threads"] == 1
     # how much of the machine other processes took while this one measured: printed, since it explains noise
     assert 0 <= saved["others_cpu"] <= 1
@@ -118,7 +124,8 @@ def test_real_data_with_accumulation_and_mfu_from_peak_flops(tmp_path):
     # MFU = training FLOPs of the step (2 micro-batches of 2 x 64 tokens) / median time / peak
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=meta["vocab_size"], bias=False))
     expected = model.flops_per_token(64) * 64 * 4 / (run["median"] / 1000) / 1e12
-    assert float(run["mfu"].rstrip("%")) == pytest.approx(expected * 100, rel=2e-2, abs=0.006)
+    assert run["mfu"].endswith("(peak 1.000 TFLOP/s: --peak_flops)")
+    assert float(run["mfu"].split("%")[0]) == pytest.approx(expected * 100, rel=2e-2, abs=0.006)
     assert run["loss"] < run["initial_loss"] - 0.05  # real text is learnable, even in 4 steps
 
 
@@ -294,3 +301,20 @@ def test_ablation_bar_chart_when_matplotlib_is_installed(tmp_path, ablation):
     pytest.importorskip("matplotlib", reason="matplotlib is optional: without it bench.py skips the chart")
     path = plot_ablation(ablation["rows"], str(tmp_path / "ablation.png"))
     assert path and (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matmul_floor_replays_every_matmul_of_the_forward_and_backward():
+    """One layer, math attention, plain loss: the forward has 5 linears (q/k/v, attention output, MLP in and out,
+    head) and 2 attention products; the backward two matmuls for each of those 7 (gradient of input and of weight
+    or of the other operand): 21, counted by hand from the model's structure."""
+    from bench import matmul_floor
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math",
+                          fused_loss=False))
+    x = torch.randint(0, 50, (2, 16))
+    ms, n = matmul_floor(model, [(x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
+    assert n == 21 and ms > 0
+    assert all(p.grad is None for p in model.parameters())  # no gradient left behind for the timed steps
+    _, n_two = matmul_floor(model, [(x, x), (x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
+    assert n_two == 42  # every micro-batch of the step

@@ -1,6 +1,7 @@
 """common.py: the malloc setting, dtype choice and the one-line error wrapper."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -116,3 +117,16 @@ def test_auto_attention_is_math_on_a_cpu_under_bf16_and_sdpa_elsewhere_explicit_
     for explicit in ("math", "sdpa"):
         for device, dtype in (("cpu", "bfloat16"), ("cpu", "float32"), ("cuda", "float16")):
             assert resolve_attention(explicit, device, dtype) == (explicit, "set explicitly")
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_dtype_and_cached(tmp_path, monkeypatch):
+    cache = tmp_path / "peak.json"
+    key = f"{common.cpu_name()} | {torch.get_num_threads()} threads | "
+    cache.write_text(json.dumps({key + "float32": 123.0}))
+    assert common.measured_cpu_peak_flops("float32", str(cache)) == 123.0  # read, not measured
+    bf16 = common.measured_cpu_peak_flops("bfloat16", str(cache), n=64, repeats=1)  # measured, then kept
+    assert bf16 > 0 and json.loads(cache.read_text()) == {key + "float32": 123.0, key + "bfloat16": bf16}
+    monkeypatch.setattr(common, "PEAK_CACHE", str(cache))
+    assert common.run_peak_flops("cpu", "float32") == (123.0, f"measured float32 matmul peak of this CPU ({cache})")
+    assert common.run_peak_flops("cpu", "float32", given=5e12) == (5e12, "--peak_flops")
+    assert common.run_peak_flops("mps", "float32") == (None, "unknown: give --peak_flops")

@@ -363,3 +363,13 @@ def test_a_run_with_no_attention_or_dtype_key_takes_the_fast_path_for_this_cpu(d
     assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["config"]["attention"] == attention
     explicit = train(tiny_config(data_dir, tmp_path / "x", max_iters=0, dtype="auto", attention="math"))
     assert explicit["model"].config.attention == "math" and "attention=math (set explicitly)" in capsys.readouterr().out
+
+
+def test_cpu_run_logs_mfu_against_the_given_or_measured_peak(data_dir, tmp_path, capsys):
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=3, eval_interval=100, log_interval=1, peak_flops=1e12)
+    out = train(cfg)
+    assert "MFU peak: 1.000 TFLOP/s (--peak_flops)" in capsys.readouterr().out
+    flops_per_iter = out["model"].flops_per_token(32) * 32 * cfg.batch_size  # PaLM's 6N + attention, per token
+    for record in (json.loads(l) for l in open(tmp_path / "out" / "metrics.jsonl")):
+        if "mfu" in record:
+            assert record["mfu"] == pytest.approx(flops_per_iter / (record["ms"] / 1000) / 1e12, rel=1e-9)
