@@ -12,7 +12,7 @@ import torch
 
 import dataio
 import train as train_module
-from common import load_checkpoint
+from common import load_checkpoint, resolve_attention, resolve_device, resolve_dtype
 from configurator import configure
 from helpers import ROOT, run_script, tiny_config
 from sample import SampleConfig, load_model
@@ -104,7 +104,11 @@ def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkey
     monkeypatch.setattr(train_module.GPT, "from_pretrained", fake_from_pretrained)
     with pytest.raises(RuntimeError, match="stop here"):
         init_model(cfg, None, None)
-    assert calls == [("gpt2-xl", {"dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}, 64)]
+    # attention="auto": the path for this machine's device and dtype (common.resolve_attention, tested there)
+    device = resolve_device("auto")
+    attention = resolve_attention("auto", device, resolve_dtype("auto", device))[0]
+    assert calls == [("gpt2-xl", {"dropout": 0.0, "attention": attention, "sdpa_backend": "auto", "fused_loss": True},
+                      64)]
 
 
 def test_gpt2_name_offline_without_cache_is_a_one_line_error(tmp_path):
