@@ -62,16 +62,16 @@ def test_an_out_of_memory_error_after_unscale_does_not_break_the_next_trial(monk
     cfg, _ = bench.load_config([*TINY, "--block_size=16"])
     run = bench.setup_run(cfg)
     run["scaler"] = torch.amp.GradScaler("cpu", enabled=True)  # as float16 on a GPU
-    real_clip = torch.nn.utils.clip_grad_norm_
+    real_unscale = torch.amp.GradScaler.unscale_
     calls = []
 
-    def clip_out_of_memory_once(*args, **kwargs):  # runs right after scaler.unscale_ in train_step
+    def unscale_then_out_of_memory_once(self, optimizer):  # as if clipping then ran out of memory
+        real_unscale(self, optimizer)
         calls.append(1)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("injected")
-        return real_clip(*args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_out_of_memory_once)
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale_then_out_of_memory_once)
     assert memory.step_fits(run, cfg, 2) is False
     assert memory.step_fits(run, cfg, 2) is True
 
