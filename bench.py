@@ -241,7 +241,7 @@ def print_run_header(cfg: BenchConfig, run: dict) -> None:
     tf32 = cfg.tf32 if device.startswith("cuda") else "n/a (CUDA only)"
     # unfused AdamW is PyTorch's foreach implementation where it has one (CUDA), else a loop over the tensors
     adamw = "foreach" if device.startswith("cuda") else "for-loop"
-    adamw = "fused" if run["optimizer"].defaults.get("fused") else adamw
+    adamw = "fused" if run["optimizer"].optimizers["adamw"].defaults.get("fused") else adamw
     print(f"machine: {machine_line(device)}")
     print(allocator_line(device))
     print(f"model: {mc.n_layer} layers, {mc.n_head} heads, n_embd {mc.n_embd}, block {mc.block_size}, vocab "
