@@ -339,17 +339,6 @@ def git_commit() -> str:
 # ----------------------------------------------------------------------------------------------- checkpoints
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
 # nanoGPT before PyTorch 2.0 saved each layer's causal mask as a buffer named attn.bias: a constant, not a weight
 _OLD_MASK_KEY = re.compile(r"transformer\.h\.\d+\.attn\.bias")
 

@@ -13,6 +13,7 @@ Config: the SampleConfig defaults below, then config files and --key=value overr
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -34,7 +35,7 @@ from common import (
 )
 from configurator import configure
 from model import GPT
-from train import BEST_NAME, TrainConfig, data_paths
+from train import BEST_NAME, dataset_dir
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SEPARATOR = "---------------"
@@ -76,8 +77,9 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def check_config(cfg: SampleConfig) -> None:
-    """Every problem with the settings in one UserError, before anything slow (loading weights) happens."""
+def check_config(cfg: SampleConfig) -> SampleConfig:
+    """Every problem with the settings in one UserError, before anything slow (loading weights) happens. Returns
+    the config with its device and dtype resolved ('auto' becomes what runs), which the functions below take."""
     problems = []
     if cfg.init_from != "resume" and cfg.init_from not in GPT2_MODELS and not os.path.isdir(cfg.init_from):
         problems.append(
@@ -94,11 +96,13 @@ def check_config(cfg: SampleConfig) -> None:
     if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
         problems.append(f"top_p={cfg.top_p} must be in (0, 1] (or None)")
     try:
-        resolve_dtype(cfg.dtype, resolve_device(cfg.device), training=False)
+        device = resolve_device(cfg.device)
+        cfg = dataclasses.replace(cfg, device=device, dtype=resolve_dtype(cfg.dtype, device, training=False))
     except UserError as e:
         problems.append(str(e))
     if problems:
         raise UserError("; ".join(problems))
+    return cfg
 
 
 def read_prompt(start: str) -> str:
@@ -116,8 +120,8 @@ def read_prompt(start: str) -> str:
 
 
 def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
-    """The model for init_from, in eval mode on the device, and the tokenizer it was trained with."""
-    device = resolve_device(cfg.device)
+    """The model for init_from, in eval mode on cfg.device (resolved), and the tokenizer it was trained with."""
+    device = cfg.device
     overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend)) if v is not None}
     if cfg.init_from == "resume":
         path = os.path.join(cfg.out_dir, cfg.ckpt)
@@ -158,7 +162,7 @@ def checkpoint_tokenizer(run_config: dict) -> dataio.Tokenizer:
     if "dataset" not in run_config and not run_config.get("data_dir"):
         log("tokenizer: GPT-2 BPE (the checkpoint names no dataset)")
         return dataio.gpt2_tokenizer()
-    data_dir = data_paths(TrainConfig(dataset=run_config.get("dataset", ""), data_dir=run_config.get("data_dir")))
+    data_dir = dataset_dir(run_config.get("dataset", ""), run_config.get("data_dir"))
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         log(f"tokenizer: GPT-2 BPE (no meta.json in {data_dir})")
         return dataio.gpt2_tokenizer()
@@ -180,9 +184,9 @@ def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], 
 
 def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConfig) -> Generation:
     """num_samples continuations of `prompt`, generated together as one batch (each step reads the weights once
-    for all of them) from one seeded generator: the same seed and settings give the same text."""
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, training=False)
+    for all of them) from one seeded generator: the same seed and settings give the same text. cfg.device and
+    cfg.dtype: resolved (check_config)."""
+    device, dtype = cfg.device, cfg.dtype
     ids, hidden = encode_prompt(tokenizer, prompt)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -201,17 +205,16 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
 
 def main(argv: list[str] | None = None) -> None:
     cfg = configure(SampleConfig(), sys.argv[1:] if argv is None else argv)
-    check_config(cfg)
+    cfg = check_config(cfg)
     prompt = read_prompt(cfg.start)
     model, tokenizer = load_model(cfg)
     result = sample(model, tokenizer, prompt, cfg)
     for text in result.texts:
         print(text)
         print(SEPARATOR, flush=True)
-    device = resolve_device(cfg.device)
     log(
         f"tokens/s: {result.tokens_per_s:.1f} ({result.new_tokens} new tokens in {result.seconds:.3f} s, "
-        f"{cfg.num_samples} samples, {device}, {resolve_dtype(cfg.dtype, device, training=False)})"
+        f"{cfg.num_samples} samples, {cfg.device}, {cfg.dtype})"
     )
 
 

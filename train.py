@@ -28,6 +28,7 @@ import re
 import signal
 import socket
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, NoReturn
 
@@ -60,17 +61,66 @@ from common import (
     set_deterministic,
     set_tf32,
     setup_distributed,
-    unwrap_model,
 )
 from configurator import config_summary, configure
 from model import GPT, GPTConfig
-from optim import NS_DTYPES, OPTIMIZERS, build_optimizer
+from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
-class TrainConfig:
+class StepConfig:
+    """
+    What one training step needs (the batch, the model, AdamW, device and precision): train.py's TrainConfig and
+    bench.py's BenchConfig extend it. The model keys default to GPTConfig's (model.py), the one source, except
+    bias, which a model trained from scratch leaves out.
+    """
+    # data
+    dataset: str = "openwebtext"
+    data_dir: str | None = None  # default: data/<dataset> beside this file
+    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
+    batch_size: int = 12  # micro-batch size per rank
+    block_size: int = GPTConfig.block_size
+    # model
+    n_layer: int = GPTConfig.n_layer
+    n_head: int = GPTConfig.n_head
+    n_embd: int = GPTConfig.n_embd
+    dropout: float = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
+    bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
+    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16, else sdpa (common.resolve_attention)
+    sdpa_backend: str = GPTConfig.sdpa_backend  # "auto", "flash", "efficient", "cudnn", "math"
+    vocab_padding_multiple: int = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
+    fused_loss: bool = GPTConfig.fused_loss  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits
+    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, ~2.5x faster CPU kernel); None: erf from
+    # scratch (SCRATCH_GELU), else what the checkpoint or GPT-2 weights were trained with
+    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
+    optimizer: str = "adamw"
+    muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
+    muon_momentum: float = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
+    muon_ns_dtype: str = "auto"  # "bfloat16" (torch's), "float32"; auto: float32 on CPUs without bf16 kernels
+    # AdamW
+    learning_rate: float = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
+    weight_decay: float = 1e-1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # clip the gradient norm at this value; 0 disables clipping
+    fused_adamw: bool | None = None  # None: fused where the device has the kernel
+    # system
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
+    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
+    compile: bool = True  # torch.compile the model
+    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
+    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
+    peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
+    # matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
+    seed: int = 1337
+
+
+@dataclass
+class TrainConfig(StepConfig):
     # I/O
     out_dir: str = "out"
     eval_interval: int = 2000
@@ -88,39 +138,8 @@ class TrainConfig:
     hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
     hellaswag_interval: int = 0  # ... only every this many steps, a multiple of eval_interval (0: at every eval)
     hellaswag_path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded once
-    # data
-    dataset: str = "openwebtext"
-    data_dir: str | None = None  # default: data/<dataset> beside this file
-    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
-    batch_size: int = 12  # micro-batch size per rank
-    block_size: int = 1024
-    # model
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0  # 0 for pretraining, try 0.1+ for fine-tuning
-    bias: bool = False  # biases in Linears and LayerNorms (GPT-2 has them; False is a bit better and faster)
-    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16, else sdpa (common.resolve_attention)
-    sdpa_backend: str = "auto"  # "auto", "flash", "efficient", "cudnn", "math"
-    vocab_padding_multiple: int = 64  # 50257 -> 50304 rows; 1 turns padding off
-    fused_loss: bool = True  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; False: plain path
-    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, ~2.5x faster CPU kernel); None: erf from
-    # scratch (SCRATCH_GELU), else what the checkpoint or GPT-2 weights were trained with
-    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
-    optimizer: str = "adamw"
-    muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
-    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
-    muon_momentum: float = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
-    muon_ns_dtype: str = "auto"  # "bfloat16" (torch's), "float32"; auto: float32 on CPUs without bf16 kernels
-    # AdamW
-    learning_rate: float = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
-    max_iters: int = 600000  # optimizer steps
-    weight_decay: float = 1e-1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # clip the gradient norm at this value; 0 disables clipping
-    fused_adamw: bool | None = None  # None: fused where the device has the kernel
     # learning rate schedule: linear warmup, then cosine decay to min_lr
+    max_iters: int = 600000  # optimizer steps
     decay_lr: bool = True
     warmup_iters: int = 2000
     lr_decay_iters: int | None = None  # None: max_iters (~ Chinchilla: about max_iters)
@@ -129,29 +148,72 @@ class TrainConfig:
     max_nonfinite_skips: int = 0  # skip up to this many such steps per run; past that, stop with an error
     # system
     backend: str = "auto"  # DDP: "nccl" on CUDA, "gloo" on the CPU
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
-    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
-    compile: bool = True  # torch.compile the model
-    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
-    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
     parallelism: str = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters, grads, AdamW state sharded (FSDP2)
     activation_checkpointing: bool | int = False  # recompute blocks' activations in the backward: True, or N blocks
-    peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
-    # matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
-    seed: int = 1337
 
 
 # From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
 SCRATCH_GELU = "erf"
+# The config keys that shape the weights (with the dataset's vocab_size), and those that change only how the
+# model computes. model_config assembles them, the one place a config becomes a GPTConfig.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
+SETTING_KEYS = ("dropout", "attention", "sdpa_backend", "fused_loss")
+
+
+def model_settings(cfg: StepConfig) -> dict:
+    """The settings that do not touch the weights: they apply to a checkpoint's or GPT-2's model too. train.py and
+    bench.py resolve attention="auto" first (to log why); a direct call resolves it for the configured device."""
+    settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
+    if settings["attention"] == "auto":
+        device = resolve_device(cfg.device)
+        settings["attention"] = resolve_attention("auto", device, resolve_dtype(cfg.dtype, device))[0]
+    return settings
+
+
+def model_config(cfg: StepConfig, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of a new model: the config's model keys, the dataset's vocabulary, and SCRATCH_GELU unless a
+    GELU is set."""
+    args = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"}
+    return GPTConfig(**args, **model_settings(cfg), vocab_size=vocab_size, gelu=cfg.gelu or SCRATCH_GELU)
+
+
+def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, AbstractContextManager, bool]:
+    """
+    The process-wide setup of training steps, for train.py and bench.py alike. Returns the dtype ('auto'
+    resolved), its autocast context, and whether glibc's malloc now keeps freed memory (CPU). Seeds torch with
+    seed + rank (dropout differs between DDP ranks; the data has its own generators), sets deterministic
+    algorithms and TF32 (CUDA).
+    """
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed + rank)
+    set_deterministic(cfg.deterministic)
+    device_type = device.split(":")[0]
+    if device_type == "cuda":
+        set_tf32(cfg.tf32)
+    kept = device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory)
+    return dtype, autocast_context(device, dtype), kept
+
+
+def optimizer_and_scaler(
+    model: GPT, cfg: StepConfig, device: str, dtype: str, verbose: bool
+) -> tuple[Optimizers, torch.amp.GradScaler]:
+    """The optimizer cfg.optimizer names (optim.build_optimizer: AdamW, or Muon + AdamW), and the grad scaler
+    (enabled for float16 only)."""
+    device_type = device.split(":")[0]
+    optimizer = build_optimizer(model, cfg, device_type, verbose=verbose)
+    return optimizer, torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
 
 
 # ----------------------------------------------------------------------------------------------- data
 
 
-def data_paths(cfg: TrainConfig) -> str:
-    return cfg.data_dir or os.path.join(ROOT, "data", cfg.dataset)
+def dataset_dir(dataset: str, data_dir: str | None = None) -> str:
+    """The folder of a dataset's train.bin, val.bin and meta.json: data_dir, else data/<dataset> beside this file."""
+    return data_dir or os.path.join(ROOT, "data", dataset)
+
+
+def data_paths(cfg: StepConfig) -> str:
+    return dataset_dir(cfg.dataset, cfg.data_dir)
 
 
 STREAMS = {"train": 0, "eval_train": 1, "eval_val": 2}  # training batches, and the fixed batches of each eval
@@ -438,25 +500,11 @@ class Logger:
 def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary, the checkpoint's,
     or GPT-2's weights (cropped to block_size)."""
-    attention = cfg.attention
-    if attention == "auto":  # _train resolves it first; a direct call resolves it for the configured device
-        device = resolve_device(cfg.device)
-        attention = resolve_attention(attention, device, resolve_dtype(cfg.dtype, device))[0]
-    settings = dict(dropout=cfg.dropout, attention=attention, sdpa_backend=cfg.sdpa_backend, fused_loss=cfg.fused_loss)
+    settings = model_settings(cfg)
     if cfg.init_from == "scratch":
         if meta is None:
             raise UserError(f"init_from=scratch needs the dataset's meta.json (vocab_size) in {data_paths(cfg)}")
-        args = dict(
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-            block_size=cfg.block_size,
-            bias=cfg.bias,
-            vocab_size=meta["vocab_size"],
-            vocab_padding_multiple=cfg.vocab_padding_multiple,
-            gelu=cfg.gelu or SCRATCH_GELU,
-        )
-        return GPT(GPTConfig(**args, **settings))
+        return GPT(model_config(cfg, meta["vocab_size"]))
     if cfg.init_from == "resume":
         model = GPT(checkpoint_model_config(ckpt["model_args"], **settings))
         if "model" in ckpt:  # a sharded checkpoint's weights are loaded once the model is sharded
@@ -498,14 +546,29 @@ NO_BUFFER_SYNC = (
 DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> None:
+def step_config_problems(cfg: StepConfig, world_size: int) -> list[str]:
+    """What is wrong with the keys of one step (train.py and bench.py check them alike)."""
     problems = []
     if cfg.gradient_accumulation_steps % world_size:
         problems.append(
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
             f"{world_size} DDP processes: make it a multiple of {world_size}"
         )
-    for key in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters", "log_interval", "eval_interval"):
+    for key in ("batch_size", "block_size", "gradient_accumulation_steps"):
+        if getattr(cfg, key) < 1:
+            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.optimizer not in OPTIMIZERS:
+        problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
+        problems.append(f"muon_ns_dtype={cfg.muon_ns_dtype!r} is not one of auto, {', '.join(NS_DTYPES)}")
+    if cfg.optimizer == "muon" and cfg.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
+        problems.append(f"learning_rate={cfg.learning_rate} must be > 0 with optimizer='muon'")
+    return problems
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    problems = step_config_problems(cfg, world_size)
+    for key in ("eval_iters", "log_interval", "eval_interval"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
     if cfg.max_iters < 0:
@@ -514,12 +577,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
                         f"{cfg.eval_interval} (HellaSwag runs at evals)")
     problems += parallel.config_problems(cfg)
-    if cfg.optimizer not in OPTIMIZERS:
-        problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
-        problems.append(f"muon_ns_dtype={cfg.muon_ns_dtype!r} is not one of auto, {', '.join(NS_DTYPES)}")
-    if cfg.optimizer == "muon" and cfg.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
-        problems.append(f"learning_rate={cfg.learning_rate} must be > 0 with optimizer='muon'")
     if cfg.optimizer == "muon" and cfg.parallelism == "fsdp":  # a rank holds shards, Muon needs whole matrices
         problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
     if problems:
@@ -573,7 +630,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     check_config(cfg, dist.world_size)
     device = dist.device
     device_type = device.split(":")[0]
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype, ctx, kept_memory = setup_device(cfg, device, dist.rank)
     attention, attention_why = resolve_attention(cfg.attention, device, dtype)
     cfg = replace(cfg, attention=attention)  # the checkpoint records the path that ran
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
@@ -589,13 +646,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     log.print(f"tokens per iteration: {tokens_per_iter:,} ({accum_steps} micro-steps x {dist.world_size} ranks x "
               f"{cfg.batch_size} x {cfg.block_size})")
 
-    torch.manual_seed(cfg.seed + dist.rank)  # dropout differs per rank; the data stream has its own generators
-    set_deterministic(cfg.deterministic)
-    if device_type == "cuda":
-        set_tf32(cfg.tf32)
-    if device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory):
+    if kept_memory:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
-    ctx = autocast_context(device, dtype)
 
     # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training
     data_dir = data_paths(cfg)
@@ -636,8 +688,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
     log.print(parallel.memory_text(parallel.memory_per_rank(model), dist.world_size))
 
-    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-    optimizer = build_optimizer(raw_model, cfg, device_type, verbose=dist.master)
+    optimizer, scaler = optimizer_and_scaler(raw_model, cfg, device, dtype, verbose=dist.master)
     if ckpt is not None:
         parallel.load_optimizer_and_sharded_weights(raw_model, optimizer.as_torch(), ckpt)
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)

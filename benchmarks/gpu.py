@@ -13,7 +13,7 @@ Parts (in this order; --parts picks some):
              -> flash with the padded vocabulary, beside nanoGPT's published A100 ms/iter.
   cumulative float32 -> + TF32 -> + bf16 -> + compile -> + flash -> + padded vocabulary (the last row is the headline
              run's settings), tokens/s beside the published A100 figures.
-  largest    the largest micro-batch at block 1024 for math attention vs SDPA (bench.py --find_max_batch: batch
+  largest    the largest micro-batch at block 1024 for math attention vs SDPA (benchmarks/memory.py --find_max_batch: batch
              sizes double until the first out-of-memory, then a binary search; eager).
   baby       the baby GPT (config/train_shakespeare_char.py): wall time until its val loss reaches 1.47 (nanoGPT:
              ~3 minutes on an A100); the run is stopped (SIGTERM) at that eval.
@@ -128,11 +128,12 @@ def bench_args(overrides: dict) -> list[str]:
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
 
 
-def run_bench(args: list[str], tmp: str, timeout_s: float) -> dict:
-    """One `python bench.py ARGS --result_json=...` in a fresh process: its JSON, or status n/a (bench.py's one-line
-    error, exit 2) or failed (anything else), with the reason."""
+def run_bench(args: list[str], tmp: str, timeout_s: float, script: str = "bench.py") -> dict:
+    """One `python bench.py ARGS --result_json=...` (or the largest-batch search of benchmarks/memory.py, which takes
+    bench.py's keys) in a fresh process: its JSON, or status n/a (the one-line error, exit 2) or failed (anything
+    else), with the reason."""
     path = os.path.join(tmp, f"row{time.monotonic_ns()}.json")
-    cmd = [sys.executable, "bench.py", *args, f"--result_json={path}"]
+    cmd = [sys.executable, script, *args, f"--result_json={path}"]
     command = "python " + " ".join(cmd[1:-1])
     t0 = time.perf_counter()
     try:
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     progress(budget, f"largest batch, {path} attention ...")
                     entry.update(run_bench([*BENCH, "--compile=False", "--find_max_batch=True", *bench_args(overrides)],
-                                           tmp, timeout_s=max(60.0, budget.left_s())))
+                                           tmp, timeout_s=max(60.0, budget.left_s()), script="benchmarks/memory.py"))
                 rows.append(entry)
                 progress(budget, f"largest batch, {path}: {row_summary(entry)}")
                 report.write()

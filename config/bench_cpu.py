@@ -1,5 +1,5 @@
 # bench.py on a CPU with a few cores. Loaded automatically when the device is the CPU and no config file is given.
-# $ python bench.py                      $ python bench.py --ablation=True     $ python bench.py --memory=True
+# $ python bench.py                      $ python benchmarks/ablation.py       $ python benchmarks/memory.py
 #
 # The default (GPT-2 124M, 12 x 1024 tokens per step, as nanoGPT's bench on a GPU) takes minutes per step on two
 # cores. This is GPT-2's shape at half the depth and width and a quarter of the context, with GPT-2's real

@@ -275,7 +275,7 @@ def test_a_bare_boolean_flag_means_true() -> None:
 
     assert configure(TrainConfig(compile=False), ["--compile"]).compile is True
     assert configure(TrainConfig(compile=False), ["--compile", "--seed=1"]) == TrainConfig(compile=True, seed=1)
-    assert configure(BenchConfig(), ["--ablation"]).ablation is True
+    assert configure(BenchConfig(), ["--profile"]).profile is True  # bench.py --ablation: see test_ablation.py
     cfg = configure(train.TrainConfig(), ["--fused_adamw", "--eval_only", "--compile=False"])  # bool | None too
     assert (cfg.fused_adamw, cfg.eval_only, cfg.compile) == (True, True, False)
 

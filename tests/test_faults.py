@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import io
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import common
 import dataio
 from common import UserError, load_checkpoint, save_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
@@ -36,41 +37,45 @@ def start(args, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
+def signal_during_step(monkeypatch, sig: int, step: int) -> None:
+    """This process gets `sig` during its `step`-th training step (tests/signal_at_step.py's hook, undone after)."""
+    import signal_at_step
+    import train as train_module
+
+    monkeypatch.setattr(train_module, "train_step", train_module.train_step)  # restored by monkeypatch
+    signal_at_step.signal_during_step(sig, step)
+
+
 RUN = dict(max_iters=60, lr_decay_iters=60, eval_interval=1000, log_interval=1, dropout=0.1)
 
 
-def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(data_dir, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(data_dir, tmp_path, monkeypatch):
     reference = train(tiny_config(data_dir, tmp_path / "ref", **RUN))
-    cfg = tiny_config(data_dir, tmp_path / "run", **RUN)
-    proc = start(["train.py", *config_args(cfg)])
-    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 5, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    signal_during_step(monkeypatch, signal.SIGTERM, step=6)  # in this process, during iter 5 -> 6
+    with pytest.raises(SystemExit) as stop:
+        train(tiny_config(data_dir, tmp_path / "run", **RUN))
     stopped_at = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"]
-    assert 5 <= stopped_at < 60
-    assert f"stopped by SIGTERM after iter {stopped_at}; checkpoint saved: resume with --init_from=resume" in err
+    assert stopped_at == 6  # the step that was running when the signal came completes, then the run stops
+    assert str(stop.value.code) == f"stopped by SIGTERM after iter 6; checkpoint saved: resume with --init_from=resume"
+    monkeypatch.undo()
     resumed = train(tiny_config(data_dir, tmp_path / "run", **RUN, init_from="resume"))
     assert resumed["iter_num"] == 60
     assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=1e-5)
     assert resumed["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
 
 
-def test_a_stop_between_evals_keeps_the_best_checkpoint(data_dir, tmp_path):
+def test_a_stop_between_evals_keeps_the_best_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
     # always_save_checkpoint=False: ckpt.pt holds the best val loss's weights, until a stop must save the latest
-    cfg = tiny_config(data_dir, tmp_path / "run", **{**RUN, "eval_interval": 5}, always_save_checkpoint=False)
-    proc = start(["train.py", *config_args(cfg)])
-    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 7, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0, err[-2000:]
+    signal_during_step(monkeypatch, signal.SIGTERM, step=8)  # evals at 0 and 5, the stop at 8
+    with pytest.raises(SystemExit):
+        train(tiny_config(data_dir, tmp_path / "run", **{**RUN, "eval_interval": 5}, always_save_checkpoint=False))
     latest = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     best = load_checkpoint(str(tmp_path / "run" / "ckpt_best.pt"))
     evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "val_loss" in r]
-    best_eval = min(evals[1:], key=lambda r: r["val_loss"])  # iter 0's eval is never saved
-    assert best["iter_num"] == best_eval["iter"] and best["best_val_loss"] == pytest.approx(best_eval["val_loss"])
-    assert latest["iter_num"] > best["iter_num"] and latest["best_val_loss"] == best["best_val_loss"]
-    assert "the best val loss's weights stay in ckpt_best.pt" in out
+    assert [r["iter"] for r in evals] == [0, 5]
+    assert best["iter_num"] == 5 and best["best_val_loss"] == pytest.approx(evals[1]["val_loss"])  # 0's: not saved
+    assert latest["iter_num"] == 8 and latest["best_val_loss"] == best["best_val_loss"]
+    assert "the best val loss's weights stay in ckpt_best.pt" in capsys.readouterr().out
     # sample.py can use either
     from sample import SampleConfig, load_model
 
@@ -144,64 +149,73 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(data_dir, tmp_
     run = {**RUN, "gradient_accumulation_steps": 2, "dropout": 0.0}
     reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
     cfg = tiny_config(data_dir, tmp_path / "run", **run)
-    # torchrun's own process group; the signal goes to one worker only, as when one node is preempted first
-    proc = start(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                  *config_args(cfg)], start_new_session=True)
-    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 5, proc)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
-    os.kill(int(workers[-1]), signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    stopped_at = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"]
-    assert 5 <= stopped_at < 60, err[-2000:]
-    assert "checkpoint saved: resume with --init_from=resume" in err
+    # the signal reaches rank 1 only, during its 6th step, as when one node is preempted first
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/signal_at_step.py",
+                    "SIGTERM", "6", "1", *config_args(cfg)], timeout=300)
+    assert r.returncode != 0
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"] == 6, r.stderr[-2000:]
+    assert "stopped by SIGTERM after iter 6; checkpoint saved" in r.stderr  # rank 1's own message
+    assert "stopped by a signal on another rank after iter 6; checkpoint saved" in r.stderr  # rank 0's
     # resume in one process with 2 micro-steps: the same data stream, so the same end
     resumed = train(tiny_config(data_dir, tmp_path / "run", **run, init_from="resume"))
     assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=1e-5)
 
 
-def _save_forever(path: str, ready_w: int) -> None:
-    """Child: write checkpoints of changing content as fast as possible until killed. Tensors come from numpy:
-    a torch op would start OpenMP threads, which deadlock in a forked child of a process that used them."""
-    os.write(ready_w, b"1")
-    i = 0
-    while True:
-        i += 1
-        w = torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + np.float32(i))
-        save_checkpoint(path, {"model": {"w": w}, "model_args": {}, "iter_num": i})
+def _save_and_stop_at(path: str, point: str, ready_w: int) -> None:
+    """Child: save a checkpoint (iteration 2) and stop at `point` of the write, telling the parent through ready_w,
+    so that the parent's SIGKILL lands exactly there. Tensors come from numpy: a torch op would start OpenMP
+    threads, which deadlock in a forked child of a process that used them."""
+
+    def stop(*args, **kwargs):
+        os.write(ready_w, b"1")
+        time.sleep(3600)  # until killed
+
+    real_save = torch.save
+    if point == "half written":
+
+        def half_save(obj, f):  # the temporary file holds the first half of the checkpoint's bytes
+            buffer = io.BytesIO()
+            real_save(obj, buffer)
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            f.flush()
+            stop()
+
+        torch.save = half_save
+    elif point == "written, not synced":
+        os.fsync = stop
+    elif point == "synced, not renamed":
+        os.replace = stop
+    elif point == "renamed, folder not synced":
+        common._fsync_folder = stop
+    save_checkpoint(path, {"model": {"w": torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + 2)},
+                           "model_args": {}, "iter_num": 2})
 
 
-def test_sigkill_at_random_moments_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+@pytest.mark.parametrize("point, survivor", [("half written", 1), ("written, not synced", 1),
+                                             ("synced, not renamed", 1), ("renamed, folder not synced", 2)])
+def test_sigkill_during_a_checkpoint_write_leaves_a_whole_checkpoint(tmp_path, point, survivor):
     path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32)}, "model_args": {},
-                           "iter_num": 0})
-    rng = random.Random(0)
-    trials = 40
-    killed_mid_write = 0
-    for _ in range(trials):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child never returns into pytest
-            try:
-                os.close(r)
-                _save_forever(path, w)
-            finally:
-                os._exit(1)
-        os.close(w)
-        os.read(r, 1)
-        os.close(r)
-        time.sleep(rng.uniform(0.0, 0.15))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        killed_mid_write += any(".tmp." in f for f in os.listdir(tmp_path))
-        ckpt = load_checkpoint(path)  # loads every time
-        i = ckpt["iter_num"]
-        assert torch.equal(ckpt["model"]["w"], torch.arange(2_000_000, dtype=torch.float32) + i)  # not torn
-    print(f"{trials} kills, {killed_mid_write} in the middle of a write: the checkpoint loaded every time")
-    assert killed_mid_write >= trials // 4  # the kills did land inside writes
+    save_checkpoint(path, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32) + 1}, "model_args": {},
+                           "iter_num": 1})
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(r)
+            _save_and_stop_at(path, point, w)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.read(r, 1) == b"1"  # the child is at `point`
+    os.close(r)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert any(".tmp." in f for f in os.listdir(tmp_path)) == (survivor == 1)  # killed inside the write
+    ckpt = load_checkpoint(path)  # whole: the old checkpoint or the new one, never a torn file
+    assert ckpt["iter_num"] == survivor
+    assert torch.equal(ckpt["model"]["w"], torch.arange(2_000_000, dtype=torch.float32) + survivor)
     # temporary files of killed writers are cleaned at the next save
-    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": -1})
+    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 3})
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
 
 

@@ -225,14 +225,24 @@ def test_checkpoint_loads_on_the_cpu_and_only_the_weights_move(char_run, monkeyp
     """Bug: the whole checkpoint (optimizer state: twice the weights) was loaded onto the sampling device. The
     meta device stands in for an accelerator: a tensor put there keeps no data, so a checkpoint loaded there could
     not fill the model, while a model moved there after loading is fine. (tests/cuda/test_cuda_sample.py measures the memory.)"""
-    import sample as sample_module
-
     out_dir, _ = char_run
     placed = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **kw: placed.append(kw.get("map_location")) or real_load(*a, **kw))
-    monkeypatch.setattr(sample_module, "resolve_device", lambda device: "meta")
-    model, _ = load_model(SampleConfig(out_dir=out_dir, device="cpu", dtype="float32"))
+    model, _ = load_model(SampleConfig(out_dir=out_dir, device="meta", dtype="float32"))  # as check_config resolved
     assert placed == ["cpu"]
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
+
+def test_the_device_is_resolved_once_and_the_data_folder_found_without_a_train_config(char_run, monkeypatch, capsys):
+    import sample as sample_module
+
+    out_dir, meta = char_run
+    calls = []
+    real = sample_module.resolve_device
+    monkeypatch.setattr(sample_module, "resolve_device", lambda device: calls.append(device) or real(device))
+    monkeypatch.setattr(sample_module, "TrainConfig", None, raising=False)  # building one would fail now
+    sample_module.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=5", "--device=auto"])
+    assert calls == ["auto"]  # once, in check_config; everything after takes the resolved device
+    err = capsys.readouterr().err
+    assert f"tokenizer: char ({meta['vocab_size']} tokens" in err and ", cpu, float32)" in err  # the resolved ones

@@ -1,0 +1,283 @@
+"""
+What bench.py and the studies beside it share: the machine's description (versions, allocator, load), the peak
+memory of a run, the CPU share other processes took while it ran, and bench.py runs in fresh processes, read
+back through their result JSON (the studies' only interface to bench.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from typing import TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import run_info, synchronize
+from configurator import configure
+
+T = TypeVar("T")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ----------------------------------------------------------------------------------------------- the machine
+
+
+def detect_allocator(maps: str | None = None, ld_preload: str | None = None) -> str:
+    """
+    The malloc this process uses: jemalloc, tcmalloc or mimalloc when one is mapped into it (LD_PRELOAD, or
+    linked), else the C library's. On the CPU this matters: an allocator change alone can be worth ~20%.
+    """
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:  # not Linux: trust LD_PRELOAD
+            maps = ""
+    if ld_preload is None:
+        ld_preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        libs = sorted({p for p in (maps + " " + ld_preload.replace(":", " ")).split() if f"lib{name}" in p})
+        if libs:
+            return f"{name} ({libs[0]})"
+    return "glibc malloc" if platform.system() == "Linux" else "the system malloc"
+
+
+def machine_info(device: str) -> dict[str, str]:
+    """Versions, hardware, and how busy the machine is: other processes make CPU timings noisy."""
+    info = run_info(device)
+    if hasattr(os, "getloadavg"):
+        info["load_1min"] = f"{os.getloadavg()[0]:.2f}/{os.cpu_count()}cpus"
+    return info
+
+
+def machine_line(device: str) -> str:
+    return " ".join(f"{k}={v}" for k, v in machine_info(device).items())
+
+
+def allocator_line(device: str) -> str:
+    allocator = detect_allocator()
+    if device == "cpu" and not allocator.startswith(("jemalloc", "tcmalloc", "mimalloc")):
+        allocator += " (keep_freed_memory=True stops it returning freed buffers to the OS, worth ~1.2x here)"
+    return f"allocator: {allocator}"
+
+
+class OtherLoad:
+    """
+    The share of the machine's CPU time that other processes took while we measured (Linux, /proc/stat): the
+    machine's busy time minus this process's. A busy machine makes CPU timings slower and noisier, so the figure
+    goes next to them. None where /proc/stat is missing.
+    """
+
+    def __init__(self):
+        self.fraction: float | None = None
+
+    def _sample(self) -> tuple[float | None, float, float]:
+        return _machine_busy_s(), time.process_time(), time.perf_counter()
+
+    def __enter__(self) -> "OtherLoad":
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        (busy0, own0, t0), (busy1, own1, t1) = self._start, self._sample()
+        if busy0 is not None and busy1 is not None and t1 > t0:
+            others = (busy1 - busy0) - (own1 - own0)
+            self.fraction = min(1.0, max(0.0, others / ((t1 - t0) * (os.cpu_count() or 1))))
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds all cores spent busy since boot (everything in /proc/stat's cpu line but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def load_note(fraction: float | None) -> str:
+    """A warning when other processes took a noticeable share of the CPUs during a measurement."""
+    if fraction is None or fraction < 0.1:
+        return ""
+    return f"busy machine: other processes took {fraction:.0%} of the CPUs"
+
+
+# ----------------------------------------------------------------------------------------------- peak memory
+
+
+def _max_rss_kb() -> int:
+    """The process's peak RSS from getrusage (KiB; macOS reports bytes), where there is no /proc."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak
+
+
+def _proc_status_kb(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in KiB; None where there is no /proc (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """
+    Peak memory of the timed steps.
+    CUDA: torch.cuda.max_memory_allocated (tensors; the caching allocator reserves a little more).
+    CPU: how far the process's resident set grows: its peak during the timed steps (VmHWM, reset before them
+    through /proc/self/clear_refs) minus its size before the first step. So it counts what training adds to the
+    built model (activations, gradients, optimizer state, what the allocator keeps), and only peak RSS can be
+    read on the CPU, which never goes down within a process: compare runs in fresh processes.
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.base_kb = 0
+        self.reset_ok = False
+        self.measure = "n/a"
+
+    def before_first_step(self) -> None:
+        if self.device == "cpu":
+            rss = _proc_status_kb("VmRSS")
+            self.base_kb = rss if rss is not None else _max_rss_kb()  # no /proc: the peak so far stands in
+
+    def before_timed_steps(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device == "cpu":
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS (Linux 4.0+)
+                self.reset_ok = True
+            except OSError:
+                self.reset_ok = False
+
+    def peak_mib(self) -> float | None:
+        if self.device.startswith("cuda"):
+            self.measure = "CUDA: torch.cuda.max_memory_allocated during the timed steps"
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.device != "cpu":
+            self.measure = f"n/a: no peak-memory counter on {self.device}"
+            return None
+        hwm = _proc_status_kb("VmHWM")
+        if hwm is None:
+            hwm = _max_rss_kb()
+            self.measure = "CPU: growth of peak RSS (getrusage ru_maxrss) from before the first step"
+        elif self.reset_ok:
+            self.measure = "CPU: peak RSS (VmHWM) during the timed steps minus RSS before the first step"
+        else:
+            self.measure = "CPU: peak RSS (VmHWM) of the process minus RSS before the first step"
+        return max(0, hwm - self.base_kb) / 1024
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def markdown_table(header: list[str], rows: list[list[str]], align: str) -> str:
+    """A Markdown table (pastes into the README as it is); align: one 'l' or 'r' per column."""
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if a == "r" else ":" + "-" * (w + 1) for w, a in zip(widths, align)) + "|"
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def override_args(overrides: dict) -> list[str]:
+    """--key=value arguments that set `overrides` (strings quoted, so '--dtype=float32' stays a string)."""
+    return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
+
+
+def run_child(argv: list[str], overrides: dict, result_path: str, script: str = "bench.py") -> dict:
+    """
+    One bench run in a fresh process, with the same interpreter and environment (so the same allocator and
+    threads): the user's argv, then `overrides`. Its result JSON, or status "n/a" with the reason when the run
+    stops with a user error (a kernel the device lacks: the model's GPTError), or "failed" for a crash.
+    """
+    cmd = [sys.executable, os.path.join(ROOT, script), *argv, *override_args(overrides), f"--result_json={result_path}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall_s = round(time.perf_counter() - t0, 1)  # the whole process: start-up, model, compile, steps
+    command = " ".join([f"python {script}", *argv, *override_args(overrides)])
+    if proc.returncode == 0:
+        with open(result_path) as f:
+            result = json.load(f)
+        result.pop("config", None)  # the command rebuilds it
+        return {"status": "ok", "command": command, "wall_s": wall_s, **result}
+    lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+    errors = [line for line in lines if line.startswith("error: ")]
+    if proc.returncode == 2 and errors:
+        return {"status": "n/a", "reason": errors[-1][len("error: "):], "command": command}
+    print(f"  {command} failed:\n    " + "\n    ".join(lines[-8:]), file=sys.stderr)
+    return {"status": "failed", "reason": f"failed (exit {proc.returncode}): {lines[-1]}", "command": command}
+
+
+def study_config(defaults: T, argv: list[str]) -> tuple[T, list[str]]:
+    """A study's own keys (the fields of `defaults`) from argv, and the rest: bench.py's config and overrides,
+    which the study hands to bench.load_config and to its child runs."""
+    own = {f.name for f in fields(defaults)}
+    mine = [a for a in argv if a.startswith("--") and a[2:].split("=")[0] in own]
+    return configure(defaults, mine), [a for a in argv if a not in mine]
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records every matmul a forward and backward runs, below autocast (so in the dtype it really ran in)."""
+
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default)
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []  # (op, [(shape, dtype) of each tensor argument], kwargs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.calls.append((func, [(tuple(a.shape), a.dtype) for a in args], dict(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[float, int]:
+    """
+    The step's matmul floor: every matmul of its forwards and backwards (recorded on the uncompiled model, no
+    optimizer step), run alone back to back on fresh tensors of the same shapes and dtypes; the best of `repeats`,
+    in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms, GELU, casts,
+    AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
+    """
+    recorder = MatmulRecorder()
+    with recorder:
+        for x, y in batches:
+            with ctx:
+                _, loss = model(x.to(device), y.to(device))
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    calls = [(op, [torch.randn(shape, device=device).to(dtype) for shape, dtype in args], kw)
+             for op, args, kw in recorder.calls]
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        synchronize(device)
+        t0 = time.perf_counter()
+        for op, args, kw in calls:
+            op(*args, **kw)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000, len(calls)

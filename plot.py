@@ -1,0 +1,73 @@
+"""
+Loss curves of training runs: train and val loss against steps and against wall time, one colour per run, from
+each run's metrics.jsonl (train.py writes it into out_dir).
+
+$ python plot.py out-shakespeare-char-cpu                    # -> loss.png
+$ python plot.py out-a out-b --out=compare.png               # two runs, one picture
+
+The thin line is the training loss logged every log_interval steps (one micro-batch's, so noisy); the thick line
+with dots is the val loss of each eval. Wall time is train.py's elapsed_s: seconds since the run started, evals
+included, so runs of different speed compare on the right panel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no window
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common import UserError, exit_on_user_error  # noqa: E402
+
+
+def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
+    """The run's logged training steps (iter, loss, elapsed_s) and its evals (iter, val_loss, elapsed_s)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"no {path}: give the out_dir of a train.py run")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    if not steps and not evals:
+        raise UserError(f"{path} has no losses yet: plot after the first logged step")
+    return steps, evals
+
+
+def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
+    """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for i, out_dir in enumerate(out_dirs):
+        steps, evals = read_metrics(out_dir)
+        color, name = f"C{i}", os.path.basename(os.path.normpath(out_dir))
+        for ax, x in zip(axes, ("iter", "elapsed_s")):
+            ax.plot([r[x] for r in steps], [r["loss"] for r in steps], color=color, lw=0.8, alpha=0.5,
+                    label=f"{name} train")
+            ax.plot([r[x] for r in evals], [r["val_loss"] for r in evals], color=color, lw=2, marker="o", ms=4,
+                    label=f"{name} val")
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall time (s)")
+    axes[0].set_ylabel("loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Plot train and val loss of train.py runs from metrics.jsonl.")
+    parser.add_argument("out_dirs", nargs="+", metavar="OUT_DIR", help="a train.py run's out_dir")
+    parser.add_argument("--out", default="loss.png", help="the PNG to write (default: loss.png)")
+    args = parser.parse_args(argv)
+    print(f"plot: written to {plot_runs(args.out_dirs, args.out)}")
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

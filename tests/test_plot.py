@@ -1,0 +1,47 @@
+"""plot.py: two real runs' metrics.jsonl into one PNG, looked at pixel by pixel."""
+from __future__ import annotations
+
+import matplotlib.colors
+import matplotlib.image
+import numpy as np
+import pytest
+
+from helpers import make_char_dataset, run_script, tiny_config
+from plot import plot_runs
+from train import train
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs")
+    make_char_dataset(tmp / "data")
+    runs = [tmp / "run-a", tmp / "run-b"]
+    for run, lr in zip(runs, (3e-3, 1e-2)):
+        train(tiny_config(tmp / "data", run, max_iters=20, eval_interval=10, log_interval=2, learning_rate=lr))
+    return runs
+
+
+def pixels_of(image: np.ndarray, color: str) -> int:
+    """How many pixels have (about) this colour."""
+    rgb = np.array(matplotlib.colors.to_rgb(color))
+    return int((np.abs(image[..., :3] - rgb).max(axis=-1) < 0.08).sum())
+
+
+def test_two_runs_draw_two_coloured_curves_into_the_png(two_runs, tmp_path):
+    out = plot_runs([str(r) for r in two_runs], str(tmp_path / "loss.png"))
+    image = matplotlib.image.imread(out)  # (H, W, RGBA) floats in [0, 1]
+    assert image.shape[:2] == (400, 1000)  # 10 x 4 inches at 100 dpi
+    assert image[..., :3].std() > 0.05  # not blank
+    # each run has its own colour (matplotlib's C0, C1), drawn as curves: hundreds of pixels each
+    assert pixels_of(image, "C0") > 300 and pixels_of(image, "C1") > 300
+    assert pixels_of(image, "C2") == 0  # and no third run
+
+
+def test_the_command_line_writes_the_png_and_names_a_missing_run(two_runs, tmp_path):
+    r = run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'one.png'}"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"plot: written to {tmp_path / 'one.png'}"
+    assert pixels_of(matplotlib.image.imread(tmp_path / "one.png"), "C0") > 300
+    r = run_script(["plot.py", str(tmp_path / "nope")], timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: no {tmp_path / 'nope' / 'metrics.jsonl'}: give the out_dir of a train.py run"
