@@ -110,12 +110,14 @@ def test_figures_follow_the_step_times_and_the_counted_flops(tmp_path, monkeypat
     real_step = bench.train_step
     monkeypatch.setattr(bench.time, "perf_counter", clock)
     monkeypatch.setattr(bench, "train_step", lambda *a: (clock.advance(), real_step(*a))[1])
+    monkeypatch.setattr(bench, "matmul_floor", lambda *a, **k: (7.5, 21))  # the fake clock cannot time it
     r = bench.run_bench(cfg)["result"]
     assert r["ms"] == pytest.approx([30, 10, 50, 20, 40])
     assert (r["ms_min"], r["ms_q1"], r["ms_median"], r["ms_q3"], r["ms_max"]) == pytest.approx((10, 20, 30, 40, 50))
     assert r["tokens_per_iter"] == 2 * 2 * 64 and r["tokens_per_s"] == pytest.approx(256 / 0.030)
     # the model's 6N + 12·L·C·T per token estimate against the counted matmuls (LayerNorm weights aside)
     assert r["mfu"] == pytest.approx(flops_per_step / 0.030 / 1e12, rel=0.02)
+    assert r["floor_multiple"] == pytest.approx(30 / 7.5) and r["peak_source"] == "--peak_flops"
     assert r["loss"] < r["initial_loss"] - 0.05  # real text is learnable, even in 5 steps
     assert f"vocab {meta['vocab_size']} (padded to 64)" in capsys.readouterr().out
 
