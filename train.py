@@ -50,6 +50,7 @@ from common import (
     exit_on_user_error,
     keep_as,
     keep_freed_memory,
+    load_checkpoint,
     load_model_state,
     model_from_checkpoint,
     resolve_attention,
