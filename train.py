@@ -278,14 +278,22 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def estimate_loss(model, cfg: TrainConfig, splits: dict[str, dataio.TokenSplit], dist: Dist, ctx) -> dict[str, float]:
+def estimate_loss(
+    model, cfg: TrainConfig, splits: dict[str, dataio.TokenSplit], dist: Dist, ctx,
+    stopping: Callable[[], bool] = lambda: False,
+) -> dict[str, float]:
     """Mean loss over eval_iters fixed batches per split (the same batches at every eval, so evals compare);
-    under DDP the ranks share the batches and average them."""
+    under DDP the ranks share the batches and average them. Once `stopping()` (this rank's signal flag, no
+    collective) is true the eval is cut short, since the run is about to stop and its figures will not be used;
+    not under FSDP, whose forward passes are collectives that every rank must run alike."""
     model.eval()
     out = {}
+    may_cut = cfg.parallelism != "fsdp"
     for split in ("train", "val"):
         total = torch.zeros(2, device=dist.device)  # loss sum, batches
         for k, counted in parallel.eval_batch_indices(cfg.eval_iters, dist, cfg.parallelism == "fsdp"):
+            if may_cut and stopping():
+                break
             gen = batch_generator(cfg.seed, f"eval_{split}", 0, k)
             x, y = get_batch(splits[split], cfg.batch_size, cfg.block_size, gen)
             with ctx:
@@ -732,7 +740,11 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         while True:
             # evaluate, and save the checkpoint
             if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or eval_only:
-                losses = estimate_loss(eval_model, cfg, splits, dist, ctx)
+                last_eval = iter_num >= cfg.max_iters or eval_only  # runs whole: the run ends after it anyway
+                stopping = (lambda: False) if last_eval else stop.signalled
+                losses = estimate_loss(eval_model, cfg, splits, dist, ctx, stopping)
+                if not last_eval and stop.requested():  # a signal during the eval: skip it (it may be cut short)
+                    stop_now(iter_num)
                 record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]}
                 if cfg.hellaswag and (iter_num % (cfg.hellaswag_interval or cfg.eval_interval) == 0
                                       or iter_num == cfg.max_iters or cfg.eval_only):
@@ -746,8 +758,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
                     save(iter_num, best_val_loss, improved)
                 t0 = time.time()  # the eval is not part of the next step's time
-                if stop.requested() and iter_num < cfg.max_iters and not eval_only:  # a signal during the eval
-                    stop_now(iter_num)
             if iter_num >= cfg.max_iters or eval_only:
                 break
 
@@ -833,6 +843,10 @@ class StopRequest:
             raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
         if self.signal is None:
             self.signal, self._first = signum, now
+
+    def signalled(self) -> bool:
+        """This rank's own flag (no collective)."""
+        return self.signal is not None
 
     def requested(self) -> bool:
         flag = self.signal is not None

@@ -22,6 +22,7 @@ import dataio
 from common import UserError, load_checkpoint, save_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
 from model import GPT
+import train as train_module
 from train import NonFiniteError, batch_generator, get_batch, save_run_checkpoint, train
 
 
@@ -464,32 +465,59 @@ def test_a_nan_loss_is_never_applied_with_or_without_the_scaler(optimizer):
         assert np.isnan(loss) and not applied and unchanged
 
 
-def _sigint_twice(data_dir, out_dir, gap_s: float) -> tuple[subprocess.Popen, str, float]:
-    """Start a run whose eval is long (3,000 batches per split), and send it two SIGINTs `gap_s` apart while it
-    evaluates, where a graceful stop has to wait. Returns the finished process, its stderr, and the seconds from
-    the second signal to the exit."""
-    cfg = tiny_config(data_dir, out_dir, max_iters=50, eval_interval=5, eval_iters=3000, log_interval=1)
-    proc = start(["train.py", *config_args(cfg)])
-    wait_for_iter(out_dir / "metrics.jsonl", 5, proc)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(gap_s)
-    proc.send_signal(signal.SIGINT)
-    t = time.time()
-    _, err = proc.communicate(timeout=120)
-    return proc, err, time.time() - t
+def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkeypatch):
+    """StopRequest's rule, on a clock the test sets: a SIGINT within 1 s of the first is the same Ctrl-C (torchrun
+    forwards the terminal's to workers that already got it); a later one exits at once; SIGTERMs never do."""
+    now = {"t": 100.0}
+    monkeypatch.setattr(train_module.time, "monotonic", lambda: now["t"])
+    with train_module.StopRequest(common.Dist()) as stop:
+        assert not stop.requested()
+        stop._handle(signal.SIGINT, None)
+        now["t"] += 0.1
+        stop._handle(signal.SIGINT, None)  # the forwarded duplicate: still one graceful stop
+        assert stop.requested() and stop.signal == signal.SIGINT
+        now["t"] += 1.4
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C: exiting without a checkpoint"):
+            stop._handle(signal.SIGINT, None)
+    with train_module.StopRequest(common.Dist()) as stop:
+        stop._handle(signal.SIGTERM, None)
+        now["t"] += 5
+        stop._handle(signal.SIGTERM, None)  # a scheduler repeating itself: never an exit without a checkpoint
+        assert stop.signal == signal.SIGTERM
 
 
-def test_ctrl_c_twice_exits_at_once_and_a_forwarded_duplicate_does_not(data_dir, tmp_path):
-    # Ctrl-C, then Ctrl-C again 1.5 s later: exit now, status 130, no checkpoint
-    proc, err, exit_s = _sigint_twice(data_dir, tmp_path / "twice", gap_s=1.5)
-    assert proc.returncode == 130 and exit_s < 5
-    assert err.strip().splitlines()[-1] == "interrupted: second Ctrl-C: exiting without a checkpoint"
-    assert not os.path.exists(tmp_path / "twice" / "ckpt.pt")
-    # two SIGINTs 0.1 s apart (the terminal's, then torchrun forwarding it): one graceful stop with a checkpoint
-    proc, err, _ = _sigint_twice(data_dir, tmp_path / "once", gap_s=0.1)
-    assert proc.returncode == 1, err[-2000:]
-    stopped_at = load_checkpoint(str(tmp_path / "once" / "ckpt.pt"))["iter_num"]
-    assert f"stopped by SIGINT after iter {stopped_at}; checkpoint saved" in err
+def test_train_py_exits_130_on_a_second_ctrl_c(monkeypatch, capsys):
+    def interrupted(cfg):
+        raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
+
+    monkeypatch.setattr(train_module, "train", interrupted)
+    with pytest.raises(SystemExit) as e:
+        train_module.main(["--device=cpu"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted: second Ctrl-C: exiting without a checkpoint"
+
+
+def test_a_stop_during_an_eval_cuts_it_short_and_skips_it(data_dir, tmp_path, monkeypatch):
+    """SIGINT during the first batch of the eval at iter 5 (50 batches per split): the run stops with a checkpoint
+    at iter 5 after at most one more batch per split, and logs no eval for iter 5 (its figures would be partial).
+    torchrun SIGKILLs a worker --shutdown-timeout seconds after the signal, so a stop must not wait for an eval."""
+    forward, evals = GPT.forward, {"n": 0}
+
+    def signalled(self, idx, targets=None, **kw):
+        if not self.training:
+            evals["n"] += 1
+            if evals["n"] == 2 * 50 + 1:  # the first batch of the second eval (iter 5)
+                os.kill(os.getpid(), signal.SIGINT)
+        return forward(self, idx, targets, **kw)
+
+    monkeypatch.setattr(GPT, "forward", signalled)
+    cfg = tiny_config(data_dir, tmp_path / "run", max_iters=50, eval_interval=5, eval_iters=50, log_interval=1)
+    with pytest.raises(SystemExit, match="stopped by SIGINT after iter 5; checkpoint saved"):
+        train(cfg)
+    assert evals["n"] == 2 * 50 + 1  # the signal's batch; the val split then stops before its first
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"] == 5
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in records if "val_loss" in r] == [0]
 
 
 def test_a_stop_between_micro_steps_drops_the_step_and_resumes_bitwise(data_dir, tmp_path, monkeypatch):
