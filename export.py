@@ -34,7 +34,7 @@ HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}
 # model_args keys with a GPT-2 equivalent. The attention path and kernel change nothing that the weights compute;
 # dropout is a training setting (HF's *_pdrop); anything else (a setting added later) must be mapped here first.
 EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd", "dropout", "bias",
-               "attention", "sdpa_backend", "gelu"}
+               "attention", "sdpa_backend", "gelu", "fused_loss"}  # fused_loss: how the loss is computed
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 

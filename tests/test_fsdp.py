@@ -138,7 +138,8 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
 
     sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=parallel.SHARDED_NAME, device="cpu"))
     models = (model_from_checkpoint(converted), sharded, sampled, reference["model"].eval())
-    logits = [m.eval()(idx, idx)[0] for m in models]
+    # the last position's logits and the loss over all positions (training's fused path)
+    logits = [torch.cat([m.eval()(idx)[0].flatten(), m(idx, idx)[1].view(1)]) for m in models]
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
     logits = logits[:2] + logits[3:]
     assert (logits[0] - logits[2]).abs().max() < 1e-4
