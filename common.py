@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import json
 import os
@@ -115,20 +116,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 1024, repeats: int = 5) -> float:
-    """
-    The CPU's matmul FLOP/s in `dtype` ("float32" or "bfloat16") with this process's threads: the best of `repeats`
-    n x n matmuls. Measured once per machine (CPU name, thread count) and dtype, then read from cache_path; a
-    machine that was busy while it measured gets too low a peak (MFU too high): delete the file to measure again.
-    """
-    cache_path = cache_path or PEAK_CACHE
-    key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype}"
-    cache = {}
-    if os.path.exists(cache_path):
-        with open(cache_path) as f:
-            cache = json.load(f)
-    if key in cache:
-        return float(cache[key])
+@functools.lru_cache(maxsize=None)
+def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
+    """FLOP/s of the best of `repeats` n x n matmuls in `dtype` (once per process: `threads` keys the cache)."""
     a, b = (torch.randn(n, n, dtype=DTYPES[dtype]) for _ in range(2))
     a @ b  # warm-up: one-off costs of the first call
     best = float("inf")
@@ -136,12 +126,30 @@ def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    cache[key] = 2 * n**3 / best
-    os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
-    with open(cache_path + ".tmp", "w") as f:
-        json.dump(cache, f, indent=1)
-    os.replace(cache_path + ".tmp", cache_path)
-    return cache[key]
+    return 2 * n**3 / best
+
+
+def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 1024, repeats: int = 5) -> float:
+    """
+    The CPU's matmul FLOP/s in `dtype` ("float32" or "bfloat16") with this process's threads: the best of `repeats`
+    n x n matmuls, measured once per process, and the best such figure ever measured on this machine (CPU name,
+    thread count) and dtype, kept in cache_path. A machine busy with other work measures too low a peak (an MFU
+    too high): keeping the maximum means such a measurement never lowers the figure, and a quiet run raises it.
+    """
+    cache_path = cache_path or PEAK_CACHE
+    key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype}"
+    cache = {}
+    if os.path.exists(cache_path):
+        with open(cache_path) as f:
+            cache = json.load(f)
+    best = max(float(cache.get(key, 0.0)), _matmul_flops(dtype, torch.get_num_threads(), n, repeats))
+    if best != cache.get(key):
+        cache[key] = best
+        os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
+        with open(cache_path + f".{os.getpid()}.tmp", "w") as f:  # per process: runs may start together
+            json.dump(cache, f, indent=1)
+        os.replace(cache_path + f".{os.getpid()}.tmp", cache_path)
+    return best
 
 
 def run_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple[float | None, str]:

@@ -5,8 +5,10 @@
 # nanoGPT's CPU recipe (4 layers x 128 wide, block 64, batch 12, 2000 iterations, float32, no compile) reaches a
 # val loss of ~1.88-1.90; `python benchmarks/time_to_loss.py` runs it and this config side by side. Measured on a
 # 2-core AVX-512-BF16 CPU (see README, "Performance"), what gets there faster:
-# - bf16 autocast: its matmuls run ~2.5x faster than float32's here.
-# - the plain math attention: PyTorch's CPU flash kernel is ~5x slower in bf16 backward than in float32.
+# - bf16 autocast (dtype="auto" picks it on a CPU with bf16 in hardware): its matmuls run ~2.5x faster than
+#   float32's there. A CPU without it (AVX2 only) emulates bf16 ~30x slower, so "auto" runs float32 there.
+# - the plain math attention under bf16 (attention="auto" picks it): PyTorch's CPU flash kernel is ~5x slower in
+#   bf16 backward than in float32; in float32, "auto" takes SDPA.
 # - gelu="erf", the exact GELU (nanoGPT's too): PyTorch's CPU kernels for it are ~2.5x faster than the tanh form's
 #   (~6% of a step).
 # - 2 layers x 192 wide instead of 4 x 128: about the same time per step, a lower loss after the same steps
@@ -31,7 +33,7 @@ n_head = 3
 n_embd = 192
 dropout = 0.0
 gelu = "erf"
-attention = "math"
+attention = "auto"
 
 learning_rate = 8e-3
 max_iters = 450
@@ -41,5 +43,5 @@ beta2 = 0.99
 warmup_iters = 50
 
 device = "cpu"
-dtype = "bfloat16"
+dtype = "auto"
 compile = False
