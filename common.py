@@ -119,7 +119,8 @@ def cpu_name() -> str:
 @functools.lru_cache(maxsize=None)
 def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
     """FLOP/s of the best of `repeats` n x n matmuls in `dtype` (once per process: `threads` keys the cache)."""
-    a, b = (torch.randn(n, n, dtype=DTYPES[dtype]) for _ in range(2))
+    gen = torch.Generator().manual_seed(0)  # its own: drawing from torch's global RNG would change the run's init
+    a, b = (torch.randn(n, n, generator=gen).to(DTYPES[dtype]) for _ in range(2))
     a @ b  # warm-up: one-off costs of the first call
     best = float("inf")
     for _ in range(repeats):

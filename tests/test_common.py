@@ -132,3 +132,12 @@ def test_cpu_peak_keeps_the_best_measured_and_a_busy_measurement_never_lowers_it
     assert common.run_peak_flops("cpu", "float32") == (1e18, f"measured float32 matmul peak of this CPU ({cache})")
     assert common.run_peak_flops("cpu", "float32", given=5e12) == (5e12, "--peak_flops")
     assert common.run_peak_flops("mps", "float32") == (None, "unknown: give --peak_flops")
+
+
+def test_measuring_the_cpu_peak_leaves_torchs_global_rng_alone(tmp_path):
+    """A run measures the peak after seeding: a draw from the global RNG would change its initial weights (a
+    torchrun worker measures, an in-process run may read the process's figure: DDP vs one process differed)."""
+    common._matmul_flops.cache_clear()
+    state = torch.get_rng_state()
+    assert common.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json"), n=32, repeats=1) > 0
+    assert torch.equal(state, torch.get_rng_state())
