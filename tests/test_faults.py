@@ -557,9 +557,10 @@ for case in ("shared", "local"):
     os.makedirs(out, exist_ok=True)
     try:
         check_shared_out_dir(out, d)
-        print(f"{{case}} rank {{d.rank}}: ok", flush=True)
+        line = f"{{case}} rank {{d.rank}}: ok"
     except UserError as e:
-        print(f"{{case}} rank {{d.rank}}: error: {{e}}", flush=True)
+        line = f"{{case}} rank {{d.rank}}: error: {{e}}"
+    os.write(1, (line + "\\n").encode())  # one write per line: both ranks share the pipe, print() may interleave
 cleanup_distributed(d)
 """
 
