@@ -615,26 +615,45 @@ def _loss_chunks(
     acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 for a float64 model
     loss_sum = torch.zeros((), dtype=acc_dtype, device=x.device)
     grad_x = torch.empty_like(x) if with_grad else None
-    grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if with_grad else None
+    grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=x.device) if with_grad and N else None  # 1st chunk sets it
+    if with_grad and not N:
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)
+    # One (rows, Vp) block for every chunk: a fresh ~50 MB tensor per chunk would be new memory each time (on the
+    # CPU, glibc maps blocks this large afresh, and the page faults cost ~30% of the head matmul).
+    block = torch.empty(min(chunk_rows, N), weight.size(0), dtype=acc_dtype, device=x.device)
     for start in range(0, N, chunk_rows):
         xc = x[start : start + chunk_rows].to(compute_dtype)  # (n, C)
         tc = targets[start : start + chunk_rows]  # (n,)
+        n = xc.size(0)
+        logits = block[:n]  # (n, Vp) in acc_dtype
+        if compute_dtype == acc_dtype:
+            torch.mm(xc, w.t(), out=logits)
+        else:
+            logits.copy_(xc @ w.t())
+        logits[:, vocab_size:] = float("-inf")  # padded rows: probability 0, hence gradient 0
         valid = tc != -1
         tc_safe = tc.clamp(min=0)  # any real row for the ignored ones; their terms are masked below
-        logits = (xc @ w.t()).to(acc_dtype)  # (n, Vp) float32 (no copy when compute_dtype is float32)
-        logits[:, vocab_size:] = float("-inf")  # padded rows: probability 0, hence gradient 0
-        lse = torch.logsumexp(logits, dim=1)  # (n,)
         target_logit = logits.gather(1, tc_safe[:, None]).squeeze(1)  # (n,)
+        # log-sum-exp in place (torch.logsumexp would write a second (n, Vp) block and exponentiate it again below)
+        row_max = logits.amax(dim=1, keepdim=True)  # (n, 1)
+        exps = logits.sub_(row_max).exp_()  # (n, Vp), block reused
+        sum_exp = exps.sum(dim=1)  # (n,)
+        lse = row_max.squeeze(1) + sum_exp.log()  # (n,)
         loss_sum += torch.where(valid, lse - target_logit, 0.0).sum()
         if with_grad:
-            # d loss / d logits = softmax - onehot(target), zero on ignored rows: subtracting +inf there makes
-            # their softmax exp(-inf) = 0, so no separate masking pass over the (n, Vp) block is needed.
-            probs = logits.sub_(lse.masked_fill(~valid, float("inf"))[:, None]).exp_()  # in place: (n, Vp)
+            # d loss / d logits = softmax - onehot(target); ignored rows get 0 (their scale is 0)
+            probs = exps.mul_((valid / sum_exp)[:, None])
             grad_logits = probs.scatter_add_(1, tc_safe[:, None], -valid[:, None].to(acc_dtype)).to(compute_dtype)
-            grad_x[start : start + chunk_rows] = grad_logits @ w  # (n, Vp) x (Vp, C) -> (n, C)
-            if compute_dtype == acc_dtype:
-                grad_w.addmm_(grad_logits.t(), xc)  # (Vp, n) x (n, C)
-            else:  # addmm_ cannot mix dtypes; the per-chunk products are summed in float32
+            grad_x[start : start + n] = grad_logits @ w  # (n, Vp) x (Vp, C) -> (n, C)
+            # (Vp, n) x (n, C): the first chunk writes grad_w, the others add to it (addmm_ cannot mix dtypes, so
+            # under autocast each chunk's product is made in compute_dtype and summed in float32)
+            if compute_dtype == acc_dtype and start == 0:
+                torch.mm(grad_logits.t(), xc, out=grad_w)
+            elif compute_dtype == acc_dtype:
+                grad_w.addmm_(grad_logits.t(), xc)
+            elif start == 0:
+                grad_w.copy_(grad_logits.t() @ xc)
+            else:
                 grad_w += grad_logits.t() @ xc
     return loss_sum, grad_x, grad_w
 

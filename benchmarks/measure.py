@@ -241,27 +241,44 @@ def study_config(defaults: T, argv: list[str]) -> tuple[T, list[str]]:
 
 
 class MatmulRecorder(TorchDispatchMode):
-    """Records every matmul a forward and backward runs, below autocast (so in the dtype it really ran in)."""
+    """Records every matmul a forward and backward runs, below autocast (so in the dtype it really ran in): the
+    functional, in-place (addmm_, as the fused loss accumulates its weight gradient) and out= forms, each tensor
+    operand as (shape, stride, dtype), so that the replay reads memory in the same layout (a transposed operand)."""
 
-    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.baddbmm.default)
+    OPS = {getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")}
+    OPS |= {getattr(torch.ops.aten, name).out for name in ("mm", "addmm", "bmm", "baddbmm")}
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple] = []  # (op, [(shape, dtype) of each tensor argument], kwargs)
+        self.calls: list[tuple] = []  # (op, args, kwargs), every tensor as ("tensor", shape, stride, dtype)
+
+    @staticmethod
+    def _spec(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+        return value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in self.OPS:
-            self.calls.append((func, [(tuple(a.shape), a.dtype) for a in args], dict(kwargs or {})))
-        return func(*args, **(kwargs or {}))
+            self.calls.append((func, [self._spec(a) for a in args], {k: self._spec(v) for k, v in kwargs.items()}))
+        return func(*args, **kwargs)
+
+
+def _fresh(spec, device: str):
+    """A random tensor laid out as a recorded operand (its shape, strides and dtype), or the recorded value."""
+    if isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "tensor":
+        _, shape, stride, dtype = spec
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_()
+    return spec
 
 
 def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[float, int]:
     """
     The step's matmul floor: every matmul of its forwards and backwards (recorded on the uncompiled model, no
-    optimizer step), run alone back to back on fresh tensors of the same shapes and dtypes; the best of `repeats`,
-    in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms, GELU, casts,
-    AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
+    optimizer step), run alone back to back on fresh tensors of the same shapes, strides and dtypes; the best of
+    `repeats`, in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms,
+    GELU, casts, AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
     """
     recorder = MatmulRecorder()
     with recorder:
@@ -270,7 +287,7 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
                 _, loss = model(x.to(device), y.to(device))
             loss.backward()
     model.zero_grad(set_to_none=True)
-    calls = [(op, [torch.randn(shape, device=device).to(dtype) for shape, dtype in args], kw)
+    calls = [(op, [_fresh(a, device) for a in args], {k: _fresh(v, device) for k, v in kw.items()})
              for op, args, kw in recorder.calls]
     best = float("inf")
     for _ in range(repeats + 1):  # the first is a warm-up

@@ -200,3 +200,18 @@ def test_matmul_floor_replays_every_matmul_of_the_forward_and_backward():
     assert all(p.grad is None for p in model.parameters())  # no gradient left behind for the timed steps
     _, n_two = matmul_floor(model, [(x, x), (x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
     assert n_two == 42  # every micro-batch of the step
+
+
+def test_matmul_floor_counts_the_fused_losss_in_place_and_out_matmuls(monkeypatch):
+    """The fused loss writes its head products with mm(out=) and accumulates the head's weight gradient with
+    addmm_: 3 matmuls per chunk, in place of the plain head's 3. 32 tokens in chunks of 8 rows: 4 chunks, so
+    18 matmuls for the layer (as above, less the head) + 12 for the head; the floor's replay keeps their layouts."""
+    import model as model_module
+
+    monkeypatch.setattr(model_module.fused_linear_cross_entropy, "__defaults__", (8,))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math",
+                          fused_loss=True))
+    x = torch.randint(0, 50, (2, 16))
+    _, n = matmul_floor(model, [(x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
+    assert n == 18 + 4 * 3

@@ -31,16 +31,16 @@ def test_time_to_target_interpolates_between_the_evals_around_it():
 def test_summarize_gives_the_ratio_of_the_median_times():
     slow = [(0, 1.0, 4.0), (2000, 101.0, 1.9)]
     runs = [
-        {"name": BASELINE, "evals": slow},
-        {"name": OURS_NAME, "evals": [(0, 1.0, 4.0), (450, 31.0, 1.8)]},  # 1.9 at 1 + 30 * 2.1 / 2.2 s
-        {"name": BASELINE, "evals": [(0, 1.0, 4.0), (2000, 121.0, 1.9)]},
-        {"name": OURS_NAME, "evals": [(0, 1.0, 4.0), (450, 41.0, 1.8)]},
+        {"name": BASELINE, "evals": slow, "wall_s": 104.5},
+        {"name": OURS_NAME, "evals": [(0, 1.0, 4.0), (450, 31.0, 1.8)], "wall_s": 33.0},  # 1.9 at 1 + 30 * 2.1 / 2.2 s
+        {"name": BASELINE, "evals": [(0, 1.0, 4.0), (2000, 121.0, 1.9)], "wall_s": 124.0},
+        {"name": OURS_NAME, "evals": [(0, 1.0, 4.0), (450, 41.0, 1.8)], "wall_s": 43.0},
     ]
-    runs.append({"name": "ours --gelu=tanh", "evals": [(0, 1.0, 4.0), (450, 41.0, 2.0)]})  # never gets there
+    runs.append({"name": "ours --gelu=tanh", "evals": [(0, 1.0, 4.0), (450, 41.0, 2.0)], "wall_s": 43.0})  # never gets there
     lines, speedups = summarize(runs, 1.9)
     ours_median = ((1 + 30 * 2.1 / 2.2) + (1 + 40 * 2.1 / 2.2)) / 2
     assert speedups == {OURS_NAME: pytest.approx(111.0 / ours_median), "ours --gelu=tanh": None}
-    assert lines[2] == f"| {BASELINE} | 2000 | 101.0 s | 1.9000 | 101.0 s |"
+    assert lines[2] == f"| {BASELINE} | 2000 | 104.5 s | 101.0 s | 1.9000 | 101.0 s |"
     assert lines[-2] == f"ours: {111.0 / ours_median:.2f}x faster to val loss 1.9000 (median 111.0 s vs " \
                         f"{ours_median:.1f} s, 2 run(s))"
     assert lines[-1] == "ours --gelu=tanh: speed-up n/a (it never reached the target)"
@@ -64,6 +64,22 @@ def test_exit_status_is_1_when_ours_or_the_baseline_never_reach_the_target(monke
     assert "ours: speed-up n/a (it never reached the target)" in capsys.readouterr().out
 
 
+def test_ours_defaults_is_nanogpts_command_with_nothing_added(monkeypatch):
+    """--ours=defaults runs nanoGPT's README command as it is (this repo's defaults decide dtype, attention, the
+    fused loss and AdamW), against the baseline that spells out what nanoGPT does."""
+    import time_to_loss
+
+    recipes = []
+    monkeypatch.setattr(time_to_loss, "run_recipe", lambda recipe: recipes.append(recipe) or {
+        "evals": [(0, 1.0, 4.0), (100, 10.0, 1.9)], "wall_s": 11.0})
+    time_to_loss.main(["--ours=defaults"])
+    baseline, ours = recipes
+    assert ours == ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                    "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                    "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+    assert baseline[: len(ours)] == ours and "--dtype=float32" in baseline[len(ours):]
+
+
 def test_script_runs_both_recipes_and_reports_their_evals(tmp_path):
     data_dir = tmp_path / "tinychar"
     make_char_dataset(data_dir, n_chars=20_000)
@@ -75,13 +91,14 @@ def test_script_runs_both_recipes_and_reports_their_evals(tmp_path):
     out = r.stdout
     assert "nanoGPT CPU recipe: python train.py config/train_shakespeare_char.py --device=cpu" in out
     assert "ours: python train.py config/train_shakespeare_char_cpu.py" in out
-    rows = re.findall(r"^\| (.+?) \| (\d+) \| ([\d.]+) s \| ([\d.]+) \| ([\d.]+) s \|$", out, re.M)
+    rows = re.findall(r"^\| (.+?) \| (\d+) \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+) \| ([\d.]+) s \|$", out, re.M)
     variant = f"{OURS_NAME} --max_iters=4 --lr_decay_iters=4"
     assert [(name, int(iters)) for name, iters, *_ in rows] == [(BASELINE, 6), (OURS_NAME, 6), (variant, 4)]
     finals = re.findall(r"val loss ([\d.]+) at iter (\d+), ([\d.]+) s of training", out)
-    assert [(f"{float(loss):.4f}", it) for loss, it, _ in finals] == [(row[3], row[1]) for row in rows]
+    assert [(f"{float(loss):.4f}", it) for loss, it, _ in finals] == [(row[4], row[1]) for row in rows]
+    assert all(float(row[2]) >= float(row[3]) for row in rows)  # the process's wall time holds its training time
     # target 100 is above any loss: each run reached it at its first eval, and the ratio is of those times
-    base_t, ours_t, variant_t = (float(row[4]) for row in rows)
+    base_t, ours_t, variant_t = (float(row[5]) for row in rows)
     for name, t in ((OURS_NAME, ours_t), (variant, variant_t)):
         ratio = float(re.search(rf"^{name}: ([\d.]+)x faster to val loss 100.0000", out, re.M).group(1))
         # the table's times are rounded to 0.1 s and the ratio to 0.01
