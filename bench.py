@@ -57,6 +57,7 @@ from common import (
 )
 from configurator import configure
 from model import GPT
+from optim import Optimizers
 from train import (
     StepConfig,
     batch_generator,
@@ -196,6 +197,29 @@ def setup_run(cfg: BenchConfig) -> dict:
 # ----------------------------------------------------------------------------------------------- the timed steps
 
 
+class OptimizerTimer:
+    """The time of each optimizer's step (AdamW, Muon) during the timed steps, in ms per step: their step methods
+    are wrapped, with the device synchronized around each call so that a GPU's kernels are counted, not their
+    launch."""
+
+    def __init__(self, optimizers: Optimizers, device: str):
+        self.device, self.timing, self.ms = device, False, {name: 0.0 for name in optimizers.optimizers}
+        for name, opt in optimizers.optimizers.items():
+            opt.step = self._timed(name, opt.step)
+
+    def _timed(self, name: str, step):
+        def timed_step(*args, **kwargs):
+            if not self.timing:
+                return step(*args, **kwargs)
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            out = step(*args, **kwargs)
+            synchronize(self.device)
+            self.ms[name] += (time.perf_counter() - t0) * 1000
+            return out
+        return timed_step
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Warm-up steps, then timed steps of train_step; returns the figures (and the profiler, if any)."""
     run = setup_run(cfg)
@@ -207,6 +231,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                           run["ctx"], cfg, Dist(device=device))[0]
 
     memory = PeakMemory(device)
+    optimizer_timer = OptimizerTimer(run["optimizer"], device)
     memory.before_first_step()
     initial_loss = held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"])  # after: its memory counts
     for i in range(cfg.warmup_steps):
@@ -216,6 +241,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     profiler = torch.profiler.profile(activities=[
         torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     ]) if cfg.profile else contextlib.nullcontext()
+    optimizer_timer.timing = True
     with OtherLoad() as others, profiler as prof:
         for i in range(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps):
             synchronize(device)
@@ -224,6 +250,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             synchronize(device)
             ms.append((time.perf_counter() - t0) * 1000)
     peak = memory.peak_mib()
+    optimizer_timer.timing = False
+    optimizer_ms = {name: total / cfg.timed_steps for name, total in optimizer_timer.ms.items()}
 
     q1, median, q3 = (float(q) for q in np.percentile(ms, [25, 50, 75]))
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
@@ -234,6 +262,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     result = {
         "matmul_floor_ms": floor_ms, "matmuls": n_matmuls, "floor_multiple": median / floor_ms,
         "peak_flops": peak_flops, "peak_source": peak_source,
+        "optimizer_ms": optimizer_ms, "optimizer_share": sum(optimizer_ms.values()) / (sum(ms) / len(ms)),
         "ms_median": median, "ms_min": min(ms), "ms_max": max(ms), "ms_q1": q1, "ms_q3": q3, "ms": ms,
         "tokens_per_iter": tokens_per_iter,
         "tokens_per_s": tokens_per_iter / (median / 1000),
@@ -286,6 +315,9 @@ def print_result(r: dict, profiling: bool) -> None:
     print(f"tokens/s: {r['tokens_per_s']:,.0f} ({r['tokens_per_iter']:,} tokens/iter at the median)")
     print(f"matmul floor: {r['matmul_floor_ms']:.2f} ms ({r['matmuls']} matmuls of the step, alone back to back "
           f"in its dtypes); the step takes {r['floor_multiple']:.2f}x its floor")
+    parts = ", ".join(f"{name} {t:.2f} ms" for name, t in r["optimizer_ms"].items())
+    print(f"optimizer: {sum(r['optimizer_ms'].values()):.2f} ms per step ({parts}), {r['optimizer_share']:.1%} of "
+          f"the mean step")
     if r["mfu"] is not None:
         print(f"MFU: {r['mfu'] * 100:.2f}% (peak {r['peak_flops'] / 1e12:.3f} TFLOP/s: {r['peak_source']})")
     elif r["device"] == "cpu":

@@ -114,11 +114,11 @@ class KVCache:
         self.pos = 0
 
 
-def causal_mask(T: int, past: int, device: torch.device | str) -> torch.Tensor:
-    """The (T, past + T) boolean "may attend" mask of T new queries after `past` stored positions: query i sees
-    keys 0..past+i. Built where needed (math attention, padding; the KV cache masks by position) instead of
-    a (block_size, block_size) buffer per layer; plain causal SDPA needs none (is_causal)."""
-    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
+def causal_mask(T: int, device: torch.device | str) -> torch.Tensor:
+    """The (T, T) boolean "may attend" mask: query i sees keys 0..i. Built where needed (math attention, padding;
+    the KV cache masks by position) instead of a (block_size, block_size) buffer per layer; plain causal SDPA
+    needs none (is_causal)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
 class CausalSelfAttention(nn.Module):
@@ -174,17 +174,17 @@ class CausalSelfAttention(nn.Module):
         use it: its batch rows share one prompt length, and the cache path builds its own mask from positions."""
         if key_padding_mask is None:
             return None
-        causal = causal_mask(T, 0, device)  # (T, T)
+        causal = causal_mask(T, device)  # (T, T)
         mask = causal & key_padding_mask.bool()[:, None, None, :]  # (B, 1, T, T)
         # A padding query with no real key before it would see nothing, and softmax over nothing is NaN;
         # letting every query see itself keeps it finite and changes no real token (they see themselves anyway).
         return mask | torch.eye(T, dtype=torch.bool, device=mask.device)
 
     def _math_attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        T, S = q.size(-2), k.size(-2)
+        T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
         if mask is None:
-            mask = causal_mask(T, 0, q.device)  # (T, T)
+            mask = causal_mask(T, q.device)  # (T, T)
         att = att.masked_fill(~mask, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)

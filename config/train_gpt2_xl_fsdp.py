@@ -23,19 +23,10 @@ n_layer = 48
 n_head = 25
 n_embd = 1600
 
-# 12 batch size * 1024 block size * 40 grad accum (5 per GPU on 8 GPUs) = 491,520 tokens per step (~0.5M)
-dataset = "openwebtext"
-batch_size = 12
-block_size = 1024
-gradient_accumulation_steps = 5 * 8
-
+# The data, batch and schedule are config/train_gpt2.py's, which are TrainConfig's defaults: openwebtext, 12 x 1024
+# tokens per micro-batch x 40 micro-steps (5 per GPU on 8 GPUs) = 491,520 tokens per step, 600,000 steps, weight
+# decay 0.1; only the learning rate and the logging differ.
 learning_rate = 2e-4  # GPT-3 XL's (1.3B): larger models take smaller steps
 min_lr = 2e-5
-max_iters = 600000
-lr_decay_iters = 600000
-
 eval_interval = 1000
-eval_iters = 200
 log_interval = 10
-
-weight_decay = 1e-1

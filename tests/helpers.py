@@ -72,3 +72,30 @@ def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: 
                 return
         time.sleep(0.05)
     raise TimeoutError(f"no iter {at_least} in {metrics_path}")
+
+
+def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[float]) -> list[tuple]:
+    """train.train_step on the batch (x, x) once per loss scale, the model's loss multiplied by it (inf or nan
+    make an overflow or a non-finite step). Returns (loss, grad norm, applied, parameters unchanged) per step."""
+    import torch
+
+    from train import train_step
+
+    scale = {"now": 1.0}
+
+    class Scaled(torch.nn.Module):  # the model, with its loss multiplied
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, idx, targets):
+            logits, loss = self.m(idx, targets)
+            return logits, loss * scale["now"]
+
+    steps = []
+    for loss_scale in loss_scales:
+        scale["now"] = loss_scale
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss, norm, applied = train_step(Scaled(), opt, scaler, [(x, x)], ctx, TrainConfig(), dist)
+        steps.append((loss, norm, applied, all(torch.equal(before[k], v) for k, v in model.state_dict().items())))
+    return steps

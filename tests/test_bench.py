@@ -122,6 +122,36 @@ def test_figures_follow_the_step_times_and_the_counted_flops(tmp_path, monkeypat
     assert f"vocab {meta['vocab_size']} (padded to 64)" in capsys.readouterr().out
 
 
+def test_the_optimizers_share_of_the_step_is_each_optimizers_own_time(monkeypatch, capsys):
+    """With Muon, AdamW's step takes 2 ms and Muon's 5 ms on the test's clock, inside steps of 30 + 7 and 10 + 7 ms:
+    bench reports each optimizer's time per step and their share of the mean step, 7 / 27."""
+    cfg, _ = bench.load_config([*TINY, "--optimizer=muon", "--warmup_steps=0", "--timed_steps=2", "--peak_flops=1e12"])
+    clock = FakeClock([30, 10])
+    real_step = bench.train_step
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    monkeypatch.setattr(bench, "train_step", lambda *a: (clock.advance(), real_step(*a))[1])
+    monkeypatch.setattr(bench, "matmul_floor", lambda *a, **k: (7.5, 21))
+    real_setup = bench.setup_run
+
+    def setup_with_slow_optimizers(cfg):
+        run = real_setup(cfg)
+        for name, opt in run["optimizer"].optimizers.items():
+            def slow_step(*a, _step=opt.step, _ms={"adamw": 2, "muon": 5}[name], **k):
+                clock.now += _ms / 1000
+                return _step(*a, **k)
+            opt.step = slow_step
+        return run
+
+    monkeypatch.setattr(bench, "setup_run", setup_with_slow_optimizers)
+    r = bench.run_bench(cfg)["result"]
+    assert r["ms"] == pytest.approx([37, 17])
+    assert r["optimizer_ms"] == pytest.approx({"adamw": 2.0, "muon": 5.0})
+    assert r["optimizer_share"] == pytest.approx(7 / 27)
+    bench.print_result(r, profiling=False)
+    out = capsys.readouterr().out
+    assert "optimizer: 7.00 ms per step (muon 5.00 ms, adamw 2.00 ms), 25.9% of the mean step" in out
+
+
 def test_profile_writes_a_chrome_trace_and_prints_the_top_ops(tmp_path):
     out = bench_script("--profile=True", f"--results_dir={tmp_path}")
     trace = json.loads((tmp_path / "trace.json").read_text())

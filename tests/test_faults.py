@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import common
-import dataio
 from common import UserError, load_checkpoint, save_checkpoint
-from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
+from helpers import ROOT, config_args, make_char_dataset, run_script, steps_with_loss_scales, tiny_config
 from model import GPT
 import train as train_module
 from train import NonFiniteError, batch_generator, get_batch, save_run_checkpoint, train
@@ -57,7 +56,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(da
         train(tiny_config(data_dir, tmp_path / "run", **RUN))
     stopped_at = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"]
     assert stopped_at == 6  # the step that was running when the signal came completes, then the run stops
-    assert str(stop.value.code) == f"stopped by SIGTERM after iter 6; checkpoint saved: resume with --init_from=resume"
+    assert str(stop.value.code) == "stopped by SIGTERM after iter 6; checkpoint saved: resume with --init_from=resume"
     monkeypatch.undo()
     resumed = train(tiny_config(data_dir, tmp_path / "run", **RUN, init_from="resume"))
     assert resumed["iter_num"] == 60
@@ -410,31 +409,14 @@ def _steps_with(loss_scales: list[float], scaler_enabled: bool, optimizer: str =
     from common import Dist
     from model import GPTConfig
     from optim import build_optimizer
-    from train import TrainConfig, train_step
+    from train import TrainConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16))
     opt = build_optimizer(model, TrainConfig(optimizer=optimizer, learning_rate=1e-2), "cpu", verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=scaler_enabled, init_scale=1024.0)
     x = torch.randint(0, 20, (2, 8))
-    scale = {"now": 1.0}
-
-    class Scaled(torch.nn.Module):  # the model, with its loss multiplied
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, idx, targets):
-            logits, loss = self.m(idx, targets)
-            return logits, loss * scale["now"]
-
-    steps = []
-    for loss_scale in loss_scales:
-        scale["now"] = loss_scale
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        loss, norm, applied = train_step(Scaled(), opt, scaler, [(x, x)], torch.autocast("cpu", enabled=False),
-                                         TrainConfig(), Dist())
-        steps.append((loss, norm, applied, all(torch.equal(before[k], v) for k, v in model.state_dict().items())))
+    steps = steps_with_loss_scales(model, opt, scaler, x, torch.autocast("cpu", enabled=False), Dist(), loss_scales)
     return steps, scaler
 
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-import dataio
 from common import UserError, load_checkpoint, save_checkpoint
 from helpers import make_char_dataset, run_script, tiny_config
 from sample import SEPARATOR, SampleConfig, check_config, load_model, sample

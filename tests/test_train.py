@@ -6,7 +6,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 
 import pytest
 import torch

@@ -9,36 +9,20 @@ data/shakespeare_text.py. Offline, point TIKTOKEN_CACHE_DIR at a tiktoken cache 
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
 from common import exit_on_user_error  # noqa: E402
-from data.shakespeare_text import prepare_main  # noqa: E402
-from dataio import gpt2_tokenizer, write_meta, write_tokens  # noqa: E402
+from data.shakespeare_text import prepare_main, write_split  # noqa: E402
+from dataio import gpt2_tokenizer  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
-TRAIN_FRACTION = 0.9
 
 
 def prepare(text: str, source: str, out_dir: Path) -> dict:
     """Split `text` 90/10 by characters, encode each part with GPT-2 BPE, write the dataset; return meta."""
     tok = gpt2_tokenizer()
-    n = int(len(text) * TRAIN_FRACTION)
     # encode_ordinary: a literal "<|endoftext|>" in the corpus is text, not the special token
-    train_ids = np.array(tok.encode_ordinary(text[:n]), dtype=np.uint16)
-    val_ids = np.array(tok.encode_ordinary(text[n:]), dtype=np.uint16)
-    write_tokens(out_dir / "train.bin", train_ids)
-    write_tokens(out_dir / "val.bin", val_ids)
-    meta = {
-        "vocab_size": tok.vocab_size,
-        "tokenizer": "gpt2",
-        "train_tokens": len(train_ids),
-        "val_tokens": len(val_ids),
-        "dtype": "uint16",
-        "source": source,
-    }
-    write_meta(out_dir, meta)
-    return meta
+    return write_split(out_dir, text, tok.encode_ordinary, {"vocab_size": tok.vocab_size, "tokenizer": "gpt2",
+                                                             "source": source})
 
 
 def main(argv: list[str] | None = None) -> dict:

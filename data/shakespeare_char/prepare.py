@@ -8,30 +8,19 @@ Where the text comes from: see data/shakespeare_text.py.
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
 from common import exit_on_user_error  # noqa: E402
-from data.shakespeare_text import prepare_main  # noqa: E402
-from dataio import get_tokenizer, write_meta, write_tokens  # noqa: E402
+from data.shakespeare_text import prepare_main, write_split  # noqa: E402
+from dataio import get_tokenizer  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
-TRAIN_FRACTION = 0.9
 
 
 def prepare(text: str, source: str, out_dir: Path) -> dict:
     """Encode `text` one token per character, split 90/10, write the dataset to `out_dir`; return meta."""
     chars = sorted(set(text))  # the vocabulary, ordered as nanoGPT orders it
-    meta: dict = {"vocab_size": len(chars), "tokenizer": "char", "itos": chars}
-    tok = get_tokenizer(meta)
-    n = int(len(text) * TRAIN_FRACTION)
-    train_ids = np.array(tok.encode(text[:n]), dtype=np.uint16)
-    val_ids = np.array(tok.encode(text[n:]), dtype=np.uint16)
-    write_tokens(out_dir / "train.bin", train_ids)
-    write_tokens(out_dir / "val.bin", val_ids)
-    meta.update(train_tokens=len(train_ids), val_tokens=len(val_ids), dtype="uint16", source=source)
-    write_meta(out_dir, meta)
-    return meta
+    meta = {"vocab_size": len(chars), "tokenizer": "char", "itos": chars}
+    return write_split(out_dir, text, get_tokenizer(meta).encode, {**meta, "source": source})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -6,18 +6,16 @@ item 10): less CUDA memory than without it, the same result.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from common import load_checkpoint
 from cuda_helpers import requires_cuda, requires_gpus, torchrun
-from helpers import config_args, tiny_config
+from helpers import config_args, tiny_config, wait_for_iter
 from model import GPT, GPTConfig
 from train import train
 
@@ -55,24 +53,12 @@ def test_every_gpu_equals_one_process_with_accumulation(char_data, tmp_path) -> 
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
 
 
-def _wait_for_iter(metrics, at_least: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if os.path.exists(metrics):
-            iters = [json.loads(line).get("iter", 0) for line in open(metrics) if line.strip()]
-            if iters and max(iters) >= at_least:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"no iter {at_least} in {metrics}")
-
-
 def test_sigterm_under_torchrun_saves_after_the_barrier_and_resumes(char_data, tmp_path) -> None:
     data_dir, _ = char_data
     run = {**RUN, "max_iters": 400, "lr_decay_iters": 400, "eval_interval": 1000}
     cfg = tiny_config(data_dir, tmp_path / "run", **run)
     proc = torchrun(["train.py", *config_args(cfg)], nproc=1, popen=True)
-    _wait_for_iter(tmp_path / "run" / "metrics.jsonl", 5, proc)
+    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 5, proc, timeout=300)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 1, workers
     os.kill(int(workers[0]), signal.SIGTERM)

@@ -10,9 +10,9 @@ import torch
 
 from common import Dist, autocast_context, resolve_dtype, set_tf32
 from cuda_helpers import capability, has_bf16, relative_error, requires_bf16, requires_cuda
-from helpers import tiny_config
+from helpers import steps_with_loss_scales, tiny_config
 from model import GPT, GPTConfig
-from train import TrainConfig, train, train_step
+from train import train
 
 pytestmark = requires_cuda
 
@@ -62,24 +62,8 @@ def _fp16_steps(loss_scales: list[float]):
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", verbose=False)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-    scale = {"now": 1.0}
-
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, idx, targets):
-            logits, loss = self.m(idx, targets)
-            return logits, loss * scale["now"]
-
-    steps = []
-    for s in loss_scales:
-        scale["now"] = s
-        before = [p.detach().clone() for p in model.parameters()]
-        loss, norm, applied = train_step(Scaled(), opt, scaler, [(x, x)], autocast_context("cuda", "float16"),
-                                         TrainConfig(), Dist(device="cuda"))
-        steps.append((loss, norm, applied, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))))
+    steps = steps_with_loss_scales(model, opt, scaler, x, autocast_context("cuda", "float16"), Dist(device="cuda"),
+                                   loss_scales)
     return steps, scaler
 
 
