@@ -88,27 +88,35 @@ class GPTConfig:
 class KVCache:
     """
     Keys and values of the positions seen so far, for every layer, so that generating one more token costs one
-    position of compute instead of the whole context. Static: every buffer is allocated up front at its full
-    (B, nh, block_size, hs) size and written in place at the positions given as a tensor, so a decoding step has
-    the same shapes at every position and compiles once (slots not yet written are masked out, never read).
+    position of compute instead of the whole context. Every buffer is allocated up front at its full
+    (B, nh, block_size, hs) size and written in place at the positions given as a tensor.
+    static=True (the compiled decoding step): attention reads the whole buffers, the slots not yet written masked
+    out, so a step has the same shapes at every position and compiles once. static=False (eager): attention reads
+    only the slots written so far (`length`), which is less memory to read per token early in a long block.
     dtype: what the attention produces (bfloat16 under bf16 autocast or for a bf16 model).
     """
 
-    def __init__(self, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(
+        self, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device="cpu", static=False
+    ):
         shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.static = static
         self.pos = 0  # number of positions stored (host-side bookkeeping; the compiled step never reads it)
+        self.length = 0  # slots written once the running forward has stored its positions (eager reads these)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's k, v (B, nh, T, hs) at positions pos (T,); return its whole buffers
-        (B, nh, block_size, hs), of which the caller's mask keeps the slots written so far."""
+        """Store one layer's k, v (B, nh, T, hs) at positions pos (T,); return its buffers (B, nh, S, hs): all
+        block_size slots if static (the caller's mask keeps those written so far), else the first `length`."""
         ck, cv = self.k[layer], self.v[layer]
         ck.index_copy_(2, pos, k.to(ck.dtype))
         cv.index_copy_(2, pos, v.to(cv.dtype))
-        return ck, cv
+        if self.static:
+            return ck, cv
+        return ck[:, :, : self.length], cv[:, :, : self.length]
 
     def reset(self) -> None:
         self.pos = 0
@@ -152,10 +160,10 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
 
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v, pos)  # (B, nh, block_size, hs)
+            k, v = kv_cache.update(self.layer_idx, k, v, pos)  # (B, nh, S, hs): S = block_size, or slots written
             # the query at position p sees slots 0..p: those written so far, never the unwritten rest
-            slots = torch.arange(k.size(2), device=x.device)  # (block_size,)
-            mask = (slots <= pos[:, None]).view(1, 1, T, -1)  # (1, 1, T, block_size)
+            slots = torch.arange(k.size(2), device=x.device)  # (S,)
+            mask = (slots <= pos[:, None]).view(1, 1, T, -1)  # (1, 1, T, S)
         else:
             mask = self._mask(T, key_padding_mask, x.device)  # None (plain causal), or (B, 1, T, T) bool
 
@@ -335,6 +343,8 @@ class GPT(nn.Module):
         if attention_mask is not None and kv_cache is not None:
             raise GPTError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
+        if kv_cache is not None:
+            kv_cache.length = past + T
         x = self._blocks(idx, pos, attention_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
@@ -545,7 +555,7 @@ class GPT(nn.Module):
                 device_type = idx.device.type
                 autocast = torch.is_autocast_enabled(device_type)
                 dtype = torch.get_autocast_dtype(device_type) if autocast else self.lm_head.weight.dtype
-                cache = KVCache(self.config, idx.size(0), dtype, idx.device)
+                cache = KVCache(self.config, idx.size(0), dtype, idx.device, static=compile)
             step = _compiled_decode_step() if compile and use_cache else GPT._decode_step
             for _ in range(max_new_tokens):
                 logits = self._next_token_logits(idx, cache, step)[:, :vocab_size]  # (B, vocab_size)
@@ -562,6 +572,7 @@ class GPT(nn.Module):
         elif cache.pos == idx.size(1) - 1 and cache.pos < block_size:  # one new position
             pos = torch.full((1,), cache.pos, dtype=torch.long, device=idx.device)  # (1,)
             cache.pos += 1
+            cache.length = cache.pos
             last = idx[:, -1:].clone(memory_format=torch.contiguous_format)  # (B, 1): the same strides every step
             return step(self, last, pos, cache)
         else:  # prefill, or past block_size re-prefill: the last block_size tokens in one forward pass

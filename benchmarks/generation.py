@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -79,7 +80,10 @@ def build_modes(model: GPT, args: argparse.Namespace) -> dict:
     modes = {}
     if args.before:
         old_module = model_at_revision(args.before)
-        old = old_module.GPT(old_module.GPTConfig(**vars(model.config))).to(args.device).eval()
+        # the settings that revision knows (later ones, e.g. fused_loss, only change how training computes)
+        known = {f.name for f in dataclasses.fields(old_module.GPTConfig)}
+        old_config = old_module.GPTConfig(**{k: v for k, v in vars(model.config).items() if k in known})
+        old = old_module.GPT(old_config).to(args.device).eval()
         old.load_state_dict(model.state_dict())
         # as sample.py ran before batching: the samples one after another
         def before(p: torch.Tensor, n: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 token is named. The expected choices come from a brute-force float64 forward pass in the test, not the script."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from helpers import ROOT
 
 sys.path.insert(0, f"{ROOT}/benchmarks")
-from generation import first_divergence  # noqa: E402
+from generation import build_modes, first_divergence  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -31,3 +32,29 @@ def test_near_ties_pass_and_a_clearly_worse_token_is_named() -> None:
     assert first_divergence(model, flipped, 3, tol=gap * 1.01) is None, "a flip within the tolerance is a near-tie"
     why = first_divergence(model, flipped, 3, tol=gap * 0.99)
     assert why is not None and why.startswith("new token 6 of sample 1:"), why
+
+
+def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch) -> None:
+    """--before=REV builds the model of model.py at REV (read with git show) with this model's weights, passing only
+    the settings REV knows: a revision whose GPTConfig has no `fused_loss` (today's model.py without that field
+    stands in for it) still loads, and its greedy tokens equal today's."""
+    import subprocess
+
+    import generation
+
+    source = "".join(line for line in open(f"{ROOT}/model.py") if not line.startswith("    fused_loss: bool"))
+    shown = []
+
+    def git_show(cmd, **kw):
+        shown.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=source, stderr="")
+
+    monkeypatch.setattr(generation.subprocess, "run", git_show)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
+    modes = build_modes(model, argparse.Namespace(before="abc123", uncached=False, device="cpu"))
+    assert shown == [["git", "show", "abc123:model.py"]]
+    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
+    before, dtype, compiled = modes["before (abc123), fp32"]
+    assert (dtype, compiled) == (torch.float32, False)
+    assert torch.equal(before(prompt, 20), model.generate(prompt, 20, temperature=0.0))

@@ -757,3 +757,32 @@ def test_forced_kernel_compiles_into_one_graph_or_is_refused(monkeypatch) -> Non
     with pytest.raises(GPTError, match="needs torch 2.5 or later"):
         model.check_attention_kernel(compile=True)
     model.check_attention_kernel(compile=False)  # eager: fine on any torch
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_eager_cache_reads_only_the_slots_written_and_equals_the_static_one(attention: str) -> None:
+    """Eager decoding attends over the positions stored so far; the static cache (the compiled step's) over all
+    block_size slots, masked. Both give the full forward's logits; the eager one never reads past its length."""
+    model = make_model(seed=36, attention=attention)
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(37))
+    with torch.no_grad():
+        full, _ = model(idx)
+        out, widths = {}, {}
+        for static in (False, True):
+            cache = KVCache(model.config, batch_size=2, static=static)
+            widths[static] = []
+
+            def update(*args, _update=cache.update, _widths=widths[static]):
+                k, v = _update(*args)
+                _widths.append(k.size(2))  # the slots this layer's attention reads
+                return k, v
+
+            cache.update = update
+            pieces = [model(idx[:, :5], kv_cache=cache)[0]] + [model(idx[:, t : t + 1], kv_cache=cache)[0]
+                                                              for t in range(5, 12)]
+            out[static] = torch.cat(pieces, dim=1)
+    for static in (False, True):
+        torch.testing.assert_close(out[static], full, atol=1e-5, rtol=0)
+    layers = model.config.n_layer
+    assert widths[False] == [n for n in [5, *range(6, 13)] for _ in range(layers)]
+    assert set(widths[True]) == {model.config.block_size}
