@@ -161,9 +161,12 @@ class CausalSelfAttention(nn.Module):
 
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, pos)  # (B, nh, S, hs): S = block_size, or slots written
-            # the query at position p sees slots 0..p: those written so far, never the unwritten rest
-            slots = torch.arange(k.size(2), device=x.device)  # (S,)
-            mask = (slots <= pos[:, None]).view(1, 1, T, -1)  # (1, 1, T, S)
+            if kv_cache.static or T not in (1, k.size(2)):
+                # the query at position p sees slots 0..p: those written so far, never the unwritten rest
+                slots = torch.arange(k.size(2), device=x.device)  # (S,)
+                mask = (slots <= pos[:, None]).view(1, 1, T, -1)  # (1, 1, T, S)
+            else:  # eager: one new query sees every slot read, or a prefill from 0 is plain causal attention
+                mask = None
         else:
             mask = self._mask(T, key_padding_mask, x.device)  # None (plain causal), or (B, 1, T, T) bool
 
