@@ -1,12 +1,17 @@
 """Shared test setup: the repo root on sys.path, offline data from ../shared/data when present."""
 import os
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Each pytest-xdist worker compiles into its own inductor cache (with the processes it starts): processes that
+# shared one cache folder have hit sporadic inductor C++ compile errors.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"nanogpt_tests_inductor_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if os.path.isdir(os.path.join(SHARED_DATA, "tiktoken_cache")):
