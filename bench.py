@@ -320,10 +320,8 @@ def print_result(r: dict, profiling: bool) -> None:
           f"the mean step")
     if r["mfu"] is not None:
         print(f"MFU: {r['mfu'] * 100:.2f}% (peak {r['peak_flops'] / 1e12:.3f} TFLOP/s: {r['peak_source']})")
-    elif r["device"] == "cpu":
-        print("MFU: n/a (give --peak_flops)")
     else:
-        print("MFU: n/a (unknown device peak: give --peak_flops)")
+        print(f"MFU: n/a ({r['peak_source']})")
     peak = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB"
     print(f"peak memory: {peak} ({r['memory_measure']})")
     print(f"loss: {r['loss']:.4f} after the timed steps, {r['initial_loss']:.4f} before the first step "

@@ -116,12 +116,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# One measuring matmul should take at most this long: a CPU that emulates bf16 (AVX2 only) runs a 1024^3 bf16
+# matmul in ~2.5 s on one core, and measuring 6 of them cost every bf16 run 15 s before its first step.
+MATMUL_BUDGET_S = 0.05
+
+
 @functools.lru_cache(maxsize=None)
 def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
-    """FLOP/s of the best of `repeats` n x n matmuls in `dtype` (once per process: `threads` keys the cache)."""
+    """FLOP/s of the best of `repeats` square matmuls in `dtype` (once per process: `threads` keys the cache): of
+    size n, or smaller where one of size n would take longer than MATMUL_BUDGET_S (sizes from 256 up, doubling)."""
     gen = torch.Generator().manual_seed(0)  # its own: drawing from torch's global RNG would change the run's init
-    a, b = (torch.randn(n, n, generator=gen).to(DTYPES[dtype]) for _ in range(2))
-    a @ b  # warm-up: one-off costs of the first call
+    size = min(n, 256)
+    while True:
+        a, b = (torch.randn(size, size, generator=gen).to(DTYPES[dtype]) for _ in range(2))
+        t0 = time.perf_counter()
+        a @ b  # warm-up (one-off costs of the first call), and the time that decides the size
+        if size >= n or 8 * (time.perf_counter() - t0) > MATMUL_BUDGET_S:  # doubling n takes ~8x as long
+            break
+        size *= 2
+    n = size
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -133,7 +146,7 @@ def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
 def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 1024, repeats: int = 5) -> float:
     """
     The CPU's matmul FLOP/s in `dtype` ("float32" or "bfloat16") with this process's threads: the best of `repeats`
-    n x n matmuls, measured once per process, and the best such figure ever measured on this machine (CPU name,
+    square matmuls of size n (smaller where the CPU is too slow for that in `dtype`), measured once per process, and the best such figure ever measured on this machine (CPU name,
     thread count) and dtype, kept in cache_path. A machine busy with other work measures too low a peak (an MFU
     too high): keeping the maximum means such a measurement never lowers the figure, and a quiet run raises it.
     """
@@ -159,6 +172,9 @@ def run_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple
     if given is not None:
         return given, "--peak_flops"
     if device.split(":")[0] == "cpu":
+        if dtype in ("bfloat16", "float16") and not cpu_has_native_bf16():
+            # emulated half matmuls have no peak worth dividing by (and measuring one took seconds)
+            return None, f"this CPU emulates {dtype} (no AVX-512-BF16/AMX): give --peak_flops"
         return measured_cpu_peak_flops(dtype), f"measured {dtype} matmul peak of this CPU ({PEAK_CACHE})"
     peak = device_peak_flops(device)
     return peak, ("the GPU's bf16 table peak" if peak is not None else "unknown: give --peak_flops")

@@ -132,6 +132,14 @@ def test_cpu_peak_keeps_the_best_measured_and_a_busy_measurement_never_lowers_it
     assert common.run_peak_flops("cpu", "float32") == (1e18, f"measured float32 matmul peak of this CPU ({cache})")
     assert common.run_peak_flops("cpu", "float32", given=5e12) == (5e12, "--peak_flops")
     assert common.run_peak_flops("mps", "float32") == (None, "unknown: give --peak_flops")
+    # a CPU that emulates bf16 has no peak to divide by: none is measured (it took seconds), MFU says n/a
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(common, "measured_cpu_peak_flops", lambda dtype: pytest.fail("measured an emulated peak"))
+    assert common.run_peak_flops("cpu", "bfloat16") == (
+        None, "this CPU emulates bfloat16 (no AVX-512-BF16/AMX): give --peak_flops")
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(common, "measured_cpu_peak_flops", lambda dtype: 7e11)
+    assert common.run_peak_flops("cpu", "bfloat16")[0] == 7e11
 
 
 def test_measuring_the_cpu_peak_leaves_torchs_global_rng_alone(tmp_path):
@@ -141,3 +149,20 @@ def test_measuring_the_cpu_peak_leaves_torchs_global_rng_alone(tmp_path):
     state = torch.get_rng_state()
     assert common.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json"), n=32, repeats=1) > 0
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("budget, sizes", [(0.0, [256]), (1e9, [256, 512, 1024])])
+def test_the_cpu_peak_matmul_shrinks_to_its_time_budget(monkeypatch, budget, sizes):
+    """A CPU that emulates bf16 took 2.5 s per 1024^3 matmul: the measurement stops doubling the size once the next
+    one would take longer than MATMUL_BUDGET_S (here none may: it stays at 256), else goes up to n."""
+    drawn = []
+    real_randn = torch.randn
+
+    def randn(*shape, **kwargs):
+        drawn.append(shape[0])
+        return real_randn(*shape, **kwargs)
+
+    monkeypatch.setattr(common, "MATMUL_BUDGET_S", budget)
+    monkeypatch.setattr(torch, "randn", randn)
+    assert common._matmul_flops.__wrapped__("float32", torch.get_num_threads(), 1024, 1) > 0
+    assert drawn == [s for s in sizes for _ in range(2)]  # two operands of each size tried
