@@ -230,9 +230,9 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_dominate(use_cache:
     assert F.softmax(full, -1)[..., VOCAB:].sum(-1).min() > 0.999
 
     g = torch.Generator().manual_seed(7)
-    out = model.generate(prompt, 250, temperature=1.0, generator=g, use_cache=use_cache)  # 8 x 250 = 2,000 tokens
+    out = model.generate(prompt, 125, temperature=1.0, generator=g, use_cache=use_cache)  # 8 x 125 = 1,000 tokens
     new = out[:, 4:]
-    assert new.numel() == 2000
+    assert new.numel() == 1000
     assert new.max().item() < VOCAB, f"sampled padded id {new.max().item()}"
     assert new.unique().numel() > 50, "temperature-1 sampling should spread over many real ids"
 
