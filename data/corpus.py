@@ -2,6 +2,8 @@
 tokenizer worker that their process pools run (a module of its own, so that workers can import it)."""
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
 
 import numpy as np
@@ -38,3 +40,14 @@ def eot_then_tokens(texts: list[str]) -> list[np.ndarray]:
     uint16, which the caller has checked the vocabulary fits (dataio.MAX_TOKEN_ID)."""
     enc = gpt2_tokenizer()  # cached per worker process
     return [np.array([GPT2_EOT, *enc.encode_ordinary(text)], dtype=np.uint16) for text in texts]
+
+
+def corpus_parser(description: str, default_source: str, out_dir: Path, writes: str) -> argparse.ArgumentParser:
+    """The command line both corpus prepare scripts share (--source, --text_field, --num_proc, --out_dir); each adds
+    its own keys."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default=default_source, help="hub dataset id, or a local file or folder")
+    parser.add_argument("--text_field", default="text", help="the field that holds each document's text")
+    parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="worker processes")
+    parser.add_argument("--out_dir", default=str(out_dir), help=f"where to write {writes}")
+    return parser

@@ -18,7 +18,6 @@ Loading: HF `datasets` (written against 5.2; any version with Dataset.skip), by 
 files and reading them as a Dataset (tens of GB of parquet plus datasets' cache; a restart skips documents at once);
 `--streaming` reads them over the network instead (no disk, but a restart re-reads the documents it skips).
 """
-import argparse
 import multiprocessing
 import os
 import sys
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
 from common import UserError, exit_on_user_error  # noqa: E402
-from data.corpus import eot_then_tokens, local_data_files  # noqa: E402
+from data.corpus import corpus_parser, eot_then_tokens, local_data_files  # noqa: E402
 from dataio import (  # noqa: E402
     GPT2_EOT, MAX_TOKEN_ID, gpt2_tokenizer, load_meta, shard_info, sidecar_path, write_meta, write_shard,
 )
@@ -205,14 +204,10 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=DEFAULT_SOURCE, help="hub dataset id, or a local file or folder")
+    parser = corpus_parser(__doc__, DEFAULT_SOURCE, SCRIPT_DIR, "the shards and meta.json")
     parser.add_argument("--name", default=DEFAULT_NAME, help="the hub dataset's config (ignored for local files)")
-    parser.add_argument("--text_field", default="text", help="the field that holds each document's text")
     parser.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help="tokens per shard")
-    parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="worker processes")
     parser.add_argument("--streaming", action="store_true", help="stream the hub dataset instead of downloading it")
-    parser.add_argument("--out_dir", default=str(SCRIPT_DIR), help="where to write the shards and meta.json")
     args = parser.parse_args(argv)
     meta = prepare(args.source, args.out_dir, args.num_proc, args.shard_tokens, args.name, args.text_field,
                    args.streaming)

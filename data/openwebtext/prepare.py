@@ -13,7 +13,6 @@ converts it to, branch `refs/convert/parquet`. `--source` may instead name a loc
 .json/.jsonl (one object per line, the text under `--text_field`), .txt (one document per line) or
 .parquet files. Written against datasets 5.2; any datasets >= 2.19 that loads Parquet should do.
 """
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common and dataio
 from common import UserError, exit_on_user_error  # noqa: E402
-from data.corpus import local_data_files  # noqa: E402
+from data.corpus import corpus_parser, local_data_files  # noqa: E402
 from dataio import GPT2_EOT, TokenWriter, gpt2_tokenizer, write_meta  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
@@ -135,14 +134,10 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=DEFAULT_SOURCE, help="hub dataset id, or a local file or folder")
+    parser = corpus_parser(__doc__, DEFAULT_SOURCE, SCRIPT_DIR, "train.bin, val.bin, meta.json")
     parser.add_argument("--revision", default=DEFAULT_REVISION, help="hub revision (ignored for local files)")
-    parser.add_argument("--text_field", default="text", help="the field that holds each document's text")
-    parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="worker processes")
     parser.add_argument("--val_fraction", type=float, default=0.0005, help="share of documents held out as val")
     parser.add_argument("--seed", type=int, default=2357, help="seed of the train/val shuffle")
-    parser.add_argument("--out_dir", default=str(SCRIPT_DIR), help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)
     meta = prepare(
         args.source, args.out_dir, args.num_proc, args.val_fraction, args.seed, args.text_field, args.revision
