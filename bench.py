@@ -1,5 +1,6 @@
 """
-What a training step costs on this machine: ms/iter, tokens/s, MFU, peak memory.
+What a training step costs on this machine: ms/iter, tokens/s, MFU, its matmul floor, the optimizer's share of it,
+peak memory.
 
 $ python bench.py                       # GPT-2 124M, batch 12 x 1024 on a GPU; on the CPU, config/bench_cpu.py
 $ python bench.py config/bench_cpu.py --dtype=float32 --attention=math
@@ -37,6 +38,7 @@ import torch
 
 import dataio
 from benchmarks.measure import (
+    OptimizerTimer,
     OtherLoad,
     PeakMemory,
     allocator_line,
@@ -57,7 +59,6 @@ from common import (
 )
 from configurator import configure
 from model import GPT
-from optim import Optimizers
 from train import (
     StepConfig,
     batch_generator,
@@ -195,29 +196,6 @@ def setup_run(cfg: BenchConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- the timed steps
-
-
-class OptimizerTimer:
-    """The time of each optimizer's step (AdamW, Muon) during the timed steps, in ms per step: their step methods
-    are wrapped, with the device synchronized around each call so that a GPU's kernels are counted, not their
-    launch."""
-
-    def __init__(self, optimizers: Optimizers, device: str):
-        self.device, self.timing, self.ms = device, False, {name: 0.0 for name in optimizers.optimizers}
-        for name, opt in optimizers.optimizers.items():
-            opt.step = self._timed(name, opt.step)
-
-    def _timed(self, name: str, step):
-        def timed_step(*args, **kwargs):
-            if not self.timing:
-                return step(*args, **kwargs)
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            out = step(*args, **kwargs)
-            synchronize(self.device)
-            self.ms[name] += (time.perf_counter() - t0) * 1000
-            return out
-        return timed_step
 
 
 def run_bench(cfg: BenchConfig) -> dict:

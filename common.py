@@ -129,8 +129,9 @@ def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
     size = min(n, 256)
     while True:
         a, b = (torch.randn(size, size, generator=gen).to(DTYPES[dtype]) for _ in range(2))
+        a @ b  # warm-up: one-off costs of the first call at this size (thread pool, kernel choice)
         t0 = time.perf_counter()
-        a @ b  # warm-up (one-off costs of the first call), and the time that decides the size
+        a @ b  # the time that decides the size
         if size >= n or 8 * (time.perf_counter() - t0) > MATMUL_BUDGET_S:  # doubling n takes ~8x as long
             break
         size *= 2

@@ -119,7 +119,7 @@ class KVCache:
         return ck[:, :, : self.length], cv[:, :, : self.length]
 
     def reset(self) -> None:
-        self.pos = 0
+        self.pos = self.length = 0
 
 
 def causal_mask(T: int, device: torch.device | str) -> torch.Tensor:

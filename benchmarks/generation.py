@@ -82,6 +82,9 @@ def build_modes(model: GPT, args: argparse.Namespace) -> dict:
         old_module = model_at_revision(args.before)
         # the settings that revision knows (later ones, e.g. fused_loss, only change how training computes)
         known = {f.name for f in dataclasses.fields(old_module.GPTConfig)}
+        dropped = sorted(set(vars(model.config)) - known)
+        if dropped:
+            print(f"--before={args.before}: its GPTConfig has no {', '.join(dropped)}: built without")
         old_config = old_module.GPTConfig(**{k: v for k, v in vars(model.config).items() if k in known})
         old = old_module.GPT(old_config).to(args.device).eval()
         old.load_state_dict(model.state_dict())

@@ -240,6 +240,29 @@ def study_config(defaults: T, argv: list[str]) -> tuple[T, list[str]]:
     return configure(defaults, mine), [a for a in argv if a not in mine]
 
 
+class OptimizerTimer:
+    """The time of each optimizer's step (the AdamW and Muon of an optim.Optimizers) during the timed steps, in ms
+    per step: their step methods are wrapped, with the device synchronized around each call so that a GPU's kernels
+    are counted, not their launch."""
+
+    def __init__(self, optimizers, device: str):
+        self.device, self.timing, self.ms = device, False, {name: 0.0 for name in optimizers.optimizers}
+        for name, opt in optimizers.optimizers.items():
+            opt.step = self._timed(name, opt.step)
+
+    def _timed(self, name: str, step):
+        def timed_step(*args, **kwargs):
+            if not self.timing:
+                return step(*args, **kwargs)
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            out = step(*args, **kwargs)
+            synchronize(self.device)
+            self.ms[name] += (time.perf_counter() - t0) * 1000
+            return out
+        return timed_step
+
+
 class MatmulRecorder(TorchDispatchMode):
     """Records every matmul a forward and backward runs, below autocast (so in the dtype it really ran in): the
     functional, in-place (addmm_, as the fused loss accumulates its weight gradient) and out= forms, each tensor
@@ -265,12 +288,25 @@ class MatmulRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _fresh(spec, device: str):
-    """A random tensor laid out as a recorded operand (its shape, strides and dtype), or the recorded value."""
-    if isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "tensor":
-        _, shape, stride, dtype = spec
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_()
-    return spec
+SHARED_OPERAND_BYTES = 32 << 20  # larger than a CPU's or GPU's last-level cache: read from memory either way
+
+
+def _fresh(spec, device: str, made: dict):
+    """A random tensor laid out as a recorded operand (its shape, strides and dtype), or the recorded value. Each
+    call gets its own, so that no call finds another's operands in cache, except operands over
+    SHARED_OPERAND_BYTES, one per layout: a tensor per call would hold every chunk's (vocab x C) head weight and
+    gradient at once, gigabytes for GPT-2's 48 loss chunks, and a tensor that large is not cached anyway."""
+    if not (isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "tensor"):
+        return spec
+    if spec in made:
+        return made[spec]
+    _, shape, stride, dtype = spec
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    # fill the whole storage: an operand with a zero stride (an expanded bias) overlaps itself
+    t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,)).normal_()
+    if t.untyped_storage().nbytes() > SHARED_OPERAND_BYTES:
+        made[spec] = t
+    return t
 
 
 def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[float, int]:
@@ -287,7 +323,8 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
                 _, loss = model(x.to(device), y.to(device))
             loss.backward()
     model.zero_grad(set_to_none=True)
-    calls = [(op, [_fresh(a, device) for a in args], {k: _fresh(v, device) for k, v in kw.items()})
+    made: dict = {}
+    calls = [(op, [_fresh(a, device, made) for a in args], {k: _fresh(v, device, made) for k, v in kw.items()})
              for op, args, kw in recorder.calls]
     best = float("inf")
     for _ in range(repeats + 1):  # the first is a warm-up

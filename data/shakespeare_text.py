@@ -177,7 +177,7 @@ def prepare_main(prepare, script_dir: Path, description: str, argv: list[str] | 
     import argparse
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", default=os.environ.get("NANOGPT_SHAKESPEARE_TXT"),
+    parser.add_argument("--input", default=os.environ.get("NANOGPT_SHAKESPEARE_TXT") or None,
                         help="text file to use (default: $NANOGPT_SHAKESPEARE_TXT, else input.txt here, else download)")
     parser.add_argument("--out_dir", default=str(script_dir), help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)

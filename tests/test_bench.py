@@ -245,3 +245,20 @@ def test_matmul_floor_counts_the_fused_losss_in_place_and_out_matmuls(monkeypatc
     x = torch.randint(0, 50, (2, 16))
     _, n = matmul_floor(model, [(x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
     assert n == 18 + 4 * 3
+
+
+def test_floor_operands_are_fresh_per_call_except_large_ones_and_fill_overlapping_layouts(monkeypatch):
+    """Small operands are new tensors per replayed call (no call finds another's in cache); those over
+    SHARED_OPERAND_BYTES are one per layout (GPT-2's 48 loss chunks would otherwise hold gigabytes); a zero-stride
+    layout (an expanded bias) is filled without an overlapping in-place write."""
+    from benchmarks import measure
+
+    spec = ("tensor", (4, 8), (8, 1), torch.float32)
+    made = {}
+    assert measure._fresh(spec, "cpu", made) is not measure._fresh(spec, "cpu", made)
+    monkeypatch.setattr(measure, "SHARED_OPERAND_BYTES", 64)  # 4 x 8 float32 = 128 bytes: shared now
+    first = measure._fresh(spec, "cpu", made)
+    assert measure._fresh(spec, "cpu", made) is first and first.std() > 0.5
+    bias = measure._fresh(("tensor", (3, 8), (0, 1), torch.float32), "cpu", {})
+    assert bias.shape == (3, 8) and torch.equal(bias[0], bias[2]) and bias[0].std() > 0.5
+    assert measure._fresh(7, "cpu", made) == 7  # not a tensor: the recorded value

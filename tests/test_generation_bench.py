@@ -34,7 +34,7 @@ def test_near_ties_pass_and_a_clearly_worse_token_is_named() -> None:
     assert why is not None and why.startswith("new token 6 of sample 1:"), why
 
 
-def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch) -> None:
+def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch, capsys) -> None:
     """--before=REV builds the model of model.py at REV (read with git show) with this model's weights, passing only
     the settings REV knows: a revision whose GPTConfig has no `fused_loss` (today's model.py without that field
     stands in for it) still loads, and its greedy tokens equal today's."""
@@ -54,6 +54,7 @@ def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch) -
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
     modes = build_modes(model, argparse.Namespace(before="abc123", uncached=False, device="cpu"))
     assert shown == [["git", "show", "abc123:model.py"]]
+    assert "--before=abc123: its GPTConfig has no fused_loss: built without" in capsys.readouterr().out
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
     before, dtype, compiled = modes["before (abc123), fp32"]
     assert (dtype, compiled) == (torch.float32, False)

@@ -290,7 +290,7 @@ def test_kv_cache_forward_matches_full_forward(attention: str) -> None:
         # prefill 6, then a chunk of 3 (cached past, several queries), then one token at a time
         steps = [(0, 6), (6, 9)] + [(t, t + 1) for t in range(9, 16)]
         pieces = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in steps]
-    assert cache.pos == 16
+    assert (cache.pos, cache.length) == (16, 16)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
     with pytest.raises(GPTError, match="longer than block_size=16"):
         model(idx[:, :1], kv_cache=cache)
