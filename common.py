@@ -147,9 +147,10 @@ def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
 def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 1024, repeats: int = 5) -> float:
     """
     The CPU's matmul FLOP/s in `dtype` ("float32" or "bfloat16") with this process's threads: the best of `repeats`
-    square matmuls of size n (smaller where the CPU is too slow for that in `dtype`), measured once per process, and the best such figure ever measured on this machine (CPU name,
-    thread count) and dtype, kept in cache_path. A machine busy with other work measures too low a peak (an MFU
-    too high): keeping the maximum means such a measurement never lowers the figure, and a quiet run raises it.
+    square matmuls of size n (smaller where the CPU is too slow for that in `dtype`), measured once per process, and
+    the best such figure ever measured on this machine (CPU name, thread count) and dtype, kept in cache_path. A
+    machine busy with other work measures too low a peak (an MFU too high): keeping the maximum means such a
+    measurement never lowers the figure, and a quiet run raises it.
     """
     cache_path = cache_path or PEAK_CACHE
     key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype}"

@@ -629,9 +629,8 @@ def _loss_chunks(
     acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 for a float64 model
     loss_sum = torch.zeros((), dtype=acc_dtype, device=x.device)
     grad_x = torch.empty_like(x) if with_grad else None
-    grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=x.device) if with_grad and N else None  # 1st chunk sets it
-    if with_grad and not N:
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)
+    # the first chunk writes grad_w (no zero fill first); with no rows there is no chunk, and the gradient is zero
+    grad_w = (torch.empty if N else torch.zeros)(weight.shape, dtype=acc_dtype, device=x.device) if with_grad else None
     # One (rows, Vp) block for every chunk: a fresh ~50 MB tensor per chunk would be new memory each time (on the
     # CPU, glibc maps blocks this large afresh, and the page faults cost ~30% of the head matmul).
     block = torch.empty(min(chunk_rows, N), weight.size(0), dtype=acc_dtype, device=x.device)

