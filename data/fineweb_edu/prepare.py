@@ -127,12 +127,12 @@ def prepare(
         raise UserError(f"--num_proc {num_proc} must be >= 1")
     if shard_tokens < 1:
         raise UserError(f"--shard_tokens {shard_tokens} must be >= 1 (build-nanogpt uses 100,000,000)")
+    local = local_data_files(source)  # a missing local path fails here, before the tokenizer or any file
     tok = gpt2_tokenizer()
     if tok.vocab_size > MAX_TOKEN_ID + 1:  # uint16 shards: refuse, never truncate
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens, more than uint16 shards hold ({MAX_TOKEN_ID + 1})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    local = local_data_files(source)  # a missing local path fails here, before anything is written
     settings = dict(
         source=source if local is None else str(Path(source).expanduser().resolve()),
         name=name if local is None else None,
