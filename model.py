@@ -230,12 +230,22 @@ class CausalSelfAttention(nn.Module):
                     F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             except RuntimeError:
                 pass
-        reasons = "; ".join(str(w.message).strip().replace("\n", " ") for w in caught) or "no reason given by PyTorch"
+        reasons = sdpa_refusal_reasons([str(w.message) for w in caught])
         return (
             f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type} with dtype {q.dtype}, "
             f"head size {q.size(-1)}, {'a' if mask is not None else 'no'} mask: {reasons} "
             f"(choose another sdpa_backend, or 'auto')"
         )
+
+
+def sdpa_refusal_reasons(messages: list[str]) -> str:
+    """The reasons in PyTorch's warnings for a refused SDPA kernel, in one line. On CUDA it warns per kernel:
+    "<kernel> not used because:", then that kernel's reasons, or "<kernel> has been runtime disabled" for the
+    kernels sdpa_kernel turned off; each ends with "(Triggered internally at <file>:<line>.)". Only the reasons
+    explain the refusal: the headers, the turned-off kernels and the source locations are dropped."""
+    lines = [re.sub(r"\s*\(Triggered internally at [^)]*\)", "", m).strip().replace("\n", " ") for m in messages]
+    reasons = [m for m in lines if m and not m.endswith("not used because:") and "runtime disabled" not in m]
+    return "; ".join(reasons or [m for m in lines if m]) or "no reason given by PyTorch"
 
 
 class MLP(nn.Module):
@@ -319,7 +329,7 @@ class GPT(nn.Module):
         if targets is not None and self.config.fused_loss:
             n_targets = (targets != -1).sum().clamp(min=1)
             loss_sum = fused_linear_cross_entropy(
-                x.view(-1, x.size(-1)), self.lm_head.weight, targets.view(-1), self.config.vocab_size
+                x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
             )
             return None, loss_sum / n_targets
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
@@ -331,7 +341,8 @@ class GPT(nn.Module):
                 logits[..., self.config.vocab_size :] = float("-inf")
             # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
             n_targets = (targets != -1).sum().clamp(min=1)
-            loss_sum = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction="sum")
+            flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)  # targets: any strides
+            loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")
             loss = loss_sum / n_targets
         return logits[..., : self.config.vocab_size], loss
 
@@ -652,7 +663,9 @@ def _loss_chunks(
         exps = logits.sub_(row_max).exp_()  # (n, Vp), block reused
         sum_exp = exps.sum(dim=1)  # (n,)
         lse = row_max.squeeze(1) + sum_exp.log()  # (n,)
-        loss_sum += torch.where(valid, lse - target_logit, 0.0).sum()
+        # not `+=`: an in-place add to the output of the autograd.Function's forward made torch.compile (2.11, CUDA,
+        # even with aot_eager) return zero gradients for x and weight; found by the CUDA suite on an H100
+        loss_sum = loss_sum + torch.where(valid, lse - target_logit, 0.0).sum()
         if with_grad:
             # d loss / d logits = softmax - onehot(target); ignored rows get 0 (their scale is 0)
             probs = exps.mul_((valid / sum_exp)[:, None])

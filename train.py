@@ -54,6 +54,7 @@ from common import (
     load_model_state,
     model_from_checkpoint,
     resolve_attention,
+    resolve_fused_loss,
     resolve_device,
     resolve_dtype,
     run_info,
@@ -92,7 +93,8 @@ class StepConfig:
     attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16, else sdpa (common.resolve_attention)
     sdpa_backend: str = GPTConfig.sdpa_backend  # "auto", "flash", "efficient", "cudnn", "math"
     vocab_padding_multiple: int = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
-    fused_loss: bool = GPTConfig.fused_loss  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits
+    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
+    # the CPU, plain on a GPU (common.resolve_fused_loss)
     gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, ~2.5x faster CPU kernel); None: erf from
     # scratch (SCRATCH_GELU), else what the checkpoint or GPT-2 weights were trained with
     # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
@@ -168,6 +170,8 @@ def model_settings(cfg: StepConfig) -> dict:
     if settings["attention"] == "auto":
         device = resolve_device(cfg.device)
         settings["attention"] = resolve_attention("auto", device, resolve_dtype(cfg.dtype, device))[0]
+    if settings["fused_loss"] is None:
+        settings["fused_loss"] = resolve_fused_loss(None, resolve_device(cfg.device))
     return settings
 
 

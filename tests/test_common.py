@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import common
-from common import UserError, dtype_reason, exit_on_user_error, resolve_attention, resolve_dtype, synchronize
+from common import (
+    UserError,
+    dtype_reason,
+    exit_on_user_error,
+    resolve_attention,
+    resolve_dtype,
+    resolve_fused_loss,
+    synchronize,
+)
 from helpers import run_script
 
 # Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
@@ -117,6 +125,19 @@ def test_auto_attention_is_math_on_a_cpu_under_bf16_and_sdpa_elsewhere_explicit_
     for explicit in ("math", "sdpa"):
         for device, dtype in (("cpu", "bfloat16"), ("cpu", "float32"), ("cuda", "float16")):
             assert resolve_attention(explicit, device, dtype) == (explicit, "set explicitly")
+
+
+def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_wins():
+    from train import TrainConfig, model_settings
+
+    assert resolve_fused_loss(None, "cpu") is True
+    assert resolve_fused_loss(None, "cuda:1") is False  # compiled, the plain loss was 1.22x faster on an H100
+    for explicit in (True, False):
+        for device in ("cpu", "cuda", "mps"):
+            assert resolve_fused_loss(explicit, device) is explicit
+    assert TrainConfig().fused_loss is None
+    assert model_settings(TrainConfig(device="cpu"))["fused_loss"] is True
+    assert model_settings(TrainConfig(device="cpu", fused_loss=False))["fused_loss"] is False
 
 
 def test_cpu_peak_keeps_the_best_measured_and_a_busy_measurement_never_lowers_it(tmp_path, monkeypatch):

@@ -191,3 +191,17 @@ def test_ddp_with_fused_loss_equals_one_plain_process(tmp_path):
         for key in ("loss", "val_loss", "train_loss"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], abs=1e-5), (key, x, y)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_targets_with_any_strides_give_the_loss_of_contiguous_ones(fused):
+    """y = x[:, 1:] of one (B, T + 1) block is not contiguous: targets.view(-1) raised "view size is not compatible"
+    (found writing the CUDA suite's repro); both loss paths take such targets."""
+    model = tiny_model(fused)
+    tokens = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(5))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    assert not y.is_contiguous()
+    with torch.no_grad():
+        _, loss = model(x, y)
+        _, expected = model(x.contiguous(), y.contiguous())
+    assert torch.equal(loss, expected)

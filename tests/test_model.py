@@ -729,6 +729,32 @@ def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
         model(torch.zeros(1, 8, dtype=torch.long))
 
 
+def test_a_cuda_refusal_names_the_chosen_kernels_reasons_only():
+    """The warnings an H100 gave (torch 2.11) when flash refused float32 with a mask: the refusal keeps the two
+    reasons and drops the per-kernel headers, the kernels sdpa_kernel turned off and the source locations (the
+    first version of the message began with "Memory efficient kernel not used because: (Triggered internally")."""
+    from model import sdpa_refusal_reasons
+
+    at = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)"
+    warned = [
+        "Memory efficient kernel not used because:" + at,
+        "Memory Efficient attention has been runtime disabled." + at,
+        "Flash attention kernel not used because:" + at,
+        "Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float, Key dtype: "
+        "float, and Value dtype: float instead." + at,
+        "Flash Attention does not support non-null attn_mask." + at,
+        "cuDNN attention kernel not used because:" + at,
+        "cuDNN attention has been runtime disabled." + at,
+    ]
+    assert sdpa_refusal_reasons(warned) == (
+        "Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float, Key dtype: "
+        "float, and Value dtype: float instead.; Flash Attention does not support non-null attn_mask."
+    )
+    assert sdpa_refusal_reasons(["Flash attention kernel not used because:" + at]) == (
+        "Flash attention kernel not used because:")  # nothing more specific: what there is
+    assert sdpa_refusal_reasons([]) == "no reason given by PyTorch"
+
+
 def test_a_refused_forced_kernel_is_the_one_line_error_even_compiled(tmp_path) -> None:
     # flash refuses dropout on the CPU: eager and compiled runs both stop with the GPTError before any step (the
     # compiled one raised torch._dynamo's TorchRuntimeError from inside the compiler)

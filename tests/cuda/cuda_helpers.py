@@ -56,8 +56,9 @@ MODEL_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64."""
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
+    """||out - ref|| / ||ref|| in float64, on out's device (a float64 reference is often computed on the CPU)."""
+    out, ref = out.double(), ref.to(out.device, torch.float64)
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
 def torchrun(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600,

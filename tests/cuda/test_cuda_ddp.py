@@ -73,7 +73,8 @@ def test_sigterm_under_torchrun_saves_after_the_barrier_and_resumes(char_data, t
 
 
 PROBE_CONFIG = dict(block_size=256, vocab_size=4096, n_layer=4, n_head=4, n_embd=512)
-# DDP training steps on CUDA with and without gradient_as_bucket_view; prints peak memory and a checksum.
+# DDP training steps on CUDA with and without gradient_as_bucket_view; prints, after the last backward, how many
+# storages the gradients live in, then the peak memory of the steps and a checksum of the weights.
 BUCKET_VIEW_PROBE = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, ".")
@@ -86,29 +87,37 @@ model = GPT(GPTConfig(**{config})).cuda()
 opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", verbose=False)
 ddp = DDP(model, device_ids=[d.local_rank], gradient_as_bucket_view=sys.argv[1] == "1")
 x = torch.randint(0, 4096, (4, 256), device="cuda")
+torch.cuda.reset_peak_memory_stats()
 for step in range(3):
-    torch.cuda.reset_peak_memory_stats()
     _, loss = ddp(x, x)
     loss.backward()
+    storages = len({p.grad.untyped_storage().data_ptr() for p in model.parameters()})
     opt.step()
     opt.zero_grad(set_to_none=True)
-print("peak", torch.cuda.max_memory_allocated(), "sum", sum(p.double().sum().item() for p in model.parameters()))
+print("storages", storages, "peak", torch.cuda.max_memory_allocated(),
+      "sum", sum(p.double().sum().item() for p in model.parameters()))
 dist.destroy_process_group()
 """
 
 
-def test_gradient_as_bucket_view_saves_a_gradient_copy(tmp_path) -> None:
+def test_gradient_as_bucket_view_keeps_gradients_in_the_buckets(tmp_path) -> None:
+    """With gradient_as_bucket_view=True the gradients are views of DDP's all-reduce buckets (a few storages), not
+    one tensor per parameter copied into the buckets; the steps are the same and the peak is not higher. (On one
+    H100 at world size 1 the peak of these steps was the same both ways, 506 MiB: the saving is the gradient copy
+    that lives from the backward to zero_grad, not the activations' peak.)"""
     script = tmp_path / "probe.py"
     script.write_text(BUCKET_VIEW_PROBE.replace("{config}", repr(PROBE_CONFIG)))
     out = {}
     for view in ("0", "1"):
         r = torchrun([str(script), view], nproc=1)
         assert r.returncode == 0, r.stderr[-3000:]
-        _, peak, _, checksum = r.stdout.split()[-4:]
-        out[view] = int(peak), float(checksum)
-    grads_mib = sum(p.numel() for p in GPT(GPTConfig(**PROBE_CONFIG)).parameters()) * 4 / 2**20  # float32
-    saved_mib = (out["0"][0] - out["1"][0]) / 2**20
-    print(f"gradient_as_bucket_view: peak {out['0'][0] / 2**20:.0f} -> {out['1'][0] / 2**20:.0f} MiB "
-          f"(gradients {grads_mib:.0f} MiB)")
-    assert saved_mib > 0.5 * grads_mib  # about one gradient's size less
-    assert out["0"][1] == pytest.approx(out["1"][1], rel=1e-9)  # the same training step
+        _, storages, _, peak, _, checksum = r.stdout.split()[-6:]
+        out[view] = int(storages), int(peak), float(checksum)
+    n_params = len(list(GPT(GPTConfig(**PROBE_CONFIG)).parameters()))
+    print(f"gradient_as_bucket_view: {out['0'][0]} -> {out['1'][0]} gradient storages ({n_params} parameters), "
+          f"peak {out['0'][1] / 2**20:.0f} -> {out['1'][1] / 2**20:.0f} MiB")
+    assert out["0"][0] == n_params and out["1"][0] <= 8  # 57 MiB of gradients in 25 MiB buckets
+    assert out["1"][1] <= out["0"][1] + 2**20
+    # the same training steps, up to CUDA's embedding backward, which adds with atomics in no fixed order (two
+    # runs differed by 1.5e-7 relative on an H100)
+    assert out["0"][2] == pytest.approx(out["1"][2], rel=1e-5)

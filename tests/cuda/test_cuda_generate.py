@@ -22,7 +22,8 @@ def tiny(n_layer: int = 2, **changes) -> tuple[GPT, GPT]:
     """A tiny model on the GPU and its float64 copy on the CPU (the reference)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=101, n_layer=n_layer, n_head=2, n_embd=32, **changes)).eval()
-    return model.cuda(), copy.deepcopy(model).double()
+    reference = copy.deepcopy(model).double()  # first: .cuda() moves the model itself
+    return model.cuda(), reference
 
 
 def check(reference: GPT, out: torch.Tensor, prompt_len: int, dtype: torch.dtype) -> None:

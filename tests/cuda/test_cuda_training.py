@@ -44,18 +44,22 @@ def _loss_and_grads(model, x, y, dtype: str = "float32"):
     return loss.item(), grads
 
 
+@pytest.mark.parametrize("fused_loss", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_loss_and_gradients_match_eager(dtype: str) -> None:
+def test_compiled_loss_and_gradients_match_eager(dtype: str, fused_loss: bool) -> None:
+    """Both loss paths. The fused loss once came back from torch.compile (2.11, CUDA) with zero gradients for every
+    parameter while its loss was right: an in-place add to the autograd.Function's output."""
     if dtype == "bfloat16" and torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("no native bfloat16")
     x, y = _batch()
-    eager = _model()
+    eager = _model(dataclasses.replace(CONFIG, fused_loss=fused_loss))
     compiled = torch.compile(copy.deepcopy(eager))
     loss_e, grads_e = _loss_and_grads(eager, x, y, dtype)
     loss_c, grads_c = _loss_and_grads(compiled, x, y, dtype)
     tol = MODEL_TOL[{"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]]
     assert loss_c == pytest.approx(loss_e, rel=tol)
     for name in grads_e:
+        assert grads_e[name].abs().max() > 0, name
         assert relative_error(grads_c[name], grads_e[name]) < tol, name
 
 
@@ -76,7 +80,9 @@ def test_fused_adamw_matches_unfused() -> None:
     fused, unfused = _adamw_steps(True), _adamw_steps(False)
     start = _model()
     for (name, a), b, s in zip(fused.named_parameters(), unfused.parameters(), start.parameters()):
-        assert relative_error(a - s, b - s) < 1e-4, name  # the updates agree (float32 kernels, different order)
+        # the updates agree: float32 kernels in a different order, and AdamW's m / sqrt(v) amplifies the rounding
+        # of a tiny v (an H100 gave 1.4e-4 for a bias)
+        assert relative_error(a - s, b - s) < 1e-3, name
 
 
 def test_padded_vocabulary_gives_the_unpadded_loss_and_gradients() -> None:
