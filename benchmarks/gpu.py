@@ -1,5 +1,6 @@
 """
-The GPU benchmarks in one run (about 20-25 minutes on one A100/H100), each measurement a fresh process:
+The GPU benchmarks in one run, each measurement a fresh process (on one H100: about 11 minutes, the parts took
+0.7 + 4.8 + 2.6 + 0.6 + 2.5 minutes with torch.compile's cache cold; --budget_minutes caps it at 25):
 
     python data/shakespeare_char/prepare.py     # once, for the baby GPT's time to loss
     python benchmarks/gpu.py                    # everything; results in gpu_results/ (gpu.json, gpu.md)
