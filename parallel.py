@@ -23,9 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from common import Dist, UserError, _fsync_folder, exit_on_user_error, load_checkpoint, save_checkpoint
@@ -34,6 +31,15 @@ from model import GPT
 PARALLELISMS = ("ddp", "fsdp")
 SHARDED_NAME = "ckpt_sharded"  # out_dir/ckpt_sharded: a link to the folder of the latest complete checkpoint
 STATE_FILE = "train_state.pt"  # in that folder: everything but the tensors (iteration, config, RNG), written last
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: importing it and FSDP
+    made every sample.py start 1.2 s slower on 2 cores (3.9 -> 2.7 s for a tiny checkpoint). train.py and bench.py
+    import them anyway (a torch.optim optimizer imports torch._dynamo, which imports FSDP). No DTensor exists until
+    FSDP (or the DCP reader) has imported that module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def config_problems(cfg) -> list[str]:
@@ -105,6 +111,9 @@ def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool) -> GPT:
     the whole model.
     """
     device_type = dist.device.split(":")[0]
+    from torch.distributed.device_mesh import init_device_mesh  # FSDP's modules: imported where used (below)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device_type, (dist.world_size,))
     if dtype == "float16":  # resolved from dtype="auto" on a GPU without bf16
         raise UserError("parallelism='fsdp' needs bfloat16 or float32 (no sharded grad scaler here): set --dtype")
@@ -147,7 +156,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     Returns the total norm as a plain tensor."""
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -175,7 +184,7 @@ def memory_per_rank(model: nn.Module, optimizer: str = "adamw") -> dict[str, int
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def memory_text(mem: dict[str, int], world_size: int) -> str:
@@ -217,7 +226,7 @@ def load_optimizer_and_sharded_weights(model: nn.Module, optimizer: torch.optim.
     checkpoint the weights too (ckpt.pt's are loaded before sharding)."""
     if "sharded" in ckpt:
         load_sharded(ckpt["sharded"], model, optimizer)
-    elif any(isinstance(p, DTensor) for p in model.parameters()):
+    elif any(is_dtensor(p) for p in model.parameters()):
         load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
     else:
         optimizer.load_state_dict(ckpt["optimizer"])

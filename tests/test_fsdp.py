@@ -301,3 +301,16 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tm
     assert r.returncode != 0
     # the loss is averaged over ranks before the check, so both ranks see it and stop with the same error
     assert r.stderr.count("error: non-finite loss at iter 3 ") == 2, r.stderr[-3000:]
+
+
+def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_imported():
+    """FSDP and DTensor took 1.2 s of every sample.py start on 2 cores: the scripts' modules import them only where
+    a run shards (train.py and bench.py still get them through torch.optim, which imports torch._dynamo);
+    parallel.is_dtensor then still tells a shard from a tensor."""
+    probe = ("import sys, bench, sample, train, parallel, torch; "
+             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') if m in sys.modules)); "
+             "from torch.distributed.tensor import DTensor; "
+             "print(parallel.is_dtensor(torch.zeros(1)), issubclass(DTensor, torch.Tensor))")
+    r = run_script(["-c", probe])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["[]", "False True"]
