@@ -138,6 +138,12 @@ def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_win
     assert TrainConfig().fused_loss is None
     assert model_settings(TrainConfig(device="cpu"))["fused_loss"] is True
     assert model_settings(TrainConfig(device="cpu", fused_loss=False))["fused_loss"] is False
+    from configurator import ConfigError, configure
+
+    assert configure(TrainConfig(), ["--fused_loss=False"]).fused_loss is False
+    assert configure(TrainConfig(fused_loss=True), ["--fused_loss=None"]).fused_loss is None
+    with pytest.raises(ConfigError, match=r"fused_loss: expected bool \| None, got int 1"):
+        configure(TrainConfig(), ["--fused_loss=1"])
 
 
 def test_cpu_peak_keeps_the_best_measured_and_a_busy_measurement_never_lowers_it(tmp_path, monkeypatch):
