@@ -6,22 +6,14 @@ $ python bench.py                       # GPT-2 124M, batch 12 x 1024 on a GPU; 
 $ python bench.py config/bench_cpu.py --dtype=float32 --attention=math
 $ python bench.py --profile=True        # also a chrome trace in results_dir and the table of the top ops
 
-The studies live beside it in benchmarks/ and run bench.py in fresh processes, reading its --result_json:
-benchmarks/ablation.py (what each speed technique buys; `python bench.py --ablation=True` runs it too),
-benchmarks/numerics.py (each attention path's error against float64) and benchmarks/memory.py (peak memory by
-sequence length, the largest batch that fits).
+The studies in benchmarks/ (ablation.py, numerics.py, memory.py, gpu.py) run bench.py in fresh processes and read
+its --result_json. Config: train.py's StepConfig keys plus BenchConfig's, through the same configurator; on the
+CPU without a config file, config/bench_cpu.py is loaded first (a line says so).
 
-Config: the keys of one training step (train.py's StepConfig, read by the same configurator: config files, then
---key=value overrides) plus those of BenchConfig below. On the CPU, when no config file is given,
-config/bench_cpu.py is loaded first (the GPU default, GPT-2 124M at 12 x 1024 tokens, takes minutes per step on a
-few cores); a line says so.
-
-One run times train.train_step, the real training step (forward, backward, clipping, AdamW, with gradient
-accumulation), after warm-up steps that absorb one-off costs (allocations, kernel choice, torch.compile). Data
-loading is not timed. Every run draws the same batches (fixed seed; random tokens with text-like Zipf
-frequencies, or real_data=True) and starts from the same weights whatever the vocabulary padding, so runs with
-different techniques train the same model on the same data and their losses compare. On a shared CPU other
-processes slow the steps down: each run says what share of the CPUs they took while it measured.
+One run times train.train_step, the real training step, after warm-up steps that absorb one-off costs (allocation,
+kernel choice, compile); data loading is not timed. Every run draws the same batches and starts from the same
+weights whatever the vocabulary padding, so runs with different techniques train the same model on the same data
+and their losses compare. On a shared CPU each run says what share of the CPUs other processes took meanwhile.
 """
 from __future__ import annotations
 
@@ -45,7 +37,9 @@ from benchmarks.measure import (
     detect_allocator,
     machine_line,
     matmul_floor,
+    step_profiler,
     write_json,
+    write_profile,
 )
 from common import (
     Dist,
@@ -216,9 +210,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         step(i)
     memory.before_timed_steps()
     ms = []
-    profiler = torch.profiler.profile(activities=[
-        torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    ]) if cfg.profile else contextlib.nullcontext()
+    profiler = step_profiler(device) if cfg.profile else contextlib.nullcontext()
     optimizer_timer.timing = True
     with OtherLoad() as others, profiler as prof:
         for i in range(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps):
@@ -309,15 +301,6 @@ def print_result(r: dict, profiling: bool) -> None:
               + (": the timings are slower and noisier than on a quiet machine" if r["others_cpu"] >= 0.1 else ""))
 
 
-def write_profile(prof, cfg: BenchConfig, device: str) -> None:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    path = os.path.join(cfg.results_dir, "trace.json")
-    prof.export_chrome_trace(path)
-    sort_by = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=15))
-    print(f"profile: chrome trace of the timed steps in {path} (open it in chrome://tracing or ui.perfetto.dev)")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("--ablation", "--ablation=True") for a in argv):  # the study has its own module now
@@ -328,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     out = run_bench(cfg)
     print_result(out["result"], cfg.profile)
     if cfg.profile:
-        write_profile(out["profiler"], cfg, resolve_device(cfg.device))
+        write_profile(out["profiler"], cfg.results_dir, resolve_device(cfg.device))
     if cfg.result_json:
         write_json(cfg.result_json, {"config": asdict(cfg), **out["result"]})
 

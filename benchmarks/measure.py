@@ -183,6 +183,22 @@ class PeakMemory:
 # ----------------------------------------------------------------------------------------------- results
 
 
+def step_profiler(device: str) -> torch.profiler.profile:
+    """torch.profiler over the timed steps: CPU ops, and the GPU's kernels on CUDA."""
+    cuda = [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else []
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+
+
+def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -> None:
+    """The chrome trace in results_dir/trace.json, and the table of the 15 ops with the most self time."""
+    os.makedirs(results_dir, exist_ok=True)
+    path = os.path.join(results_dir, "trace.json")
+    prof.export_chrome_trace(path)
+    sort_by = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=15))
+    print(f"profile: chrome trace of the timed steps in {path} (open it in chrome://tracing or ui.perfetto.dev)")
+
+
 def write_json(path: str, data: dict) -> None:
     """Write atomically, so a reader never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
