@@ -61,6 +61,31 @@ def run_script(args: list[str], timeout: float = 300, env: dict | None = None, *
                           env=full_env, **kw)
 
 
+def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`python SCRIPT.py ARGS...` (args as run_script takes them) run in this process, the way its __main__ runs
+    it (common.exit_on_user_error(main)), from the repo root, with run_script's (returncode, stdout, stderr): for
+    the user-error tests. A fresh interpreter costs ~4 s on 2 cores (torch, and torch._dynamo that torch.optim
+    imports); each script keeps tests that run it as a real process."""
+    import importlib
+
+    from common import exit_on_user_error
+
+    script, argv = args[0], args[1:]
+    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    capsys.readouterr()  # only this run's output
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        exit_on_user_error(lambda: module.main(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     """Wait until a running train.py has logged iteration `at_least` (to signal it at a known point)."""
     deadline = time.time() + timeout

@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 
 import common
 from common import UserError, load_checkpoint, save_checkpoint
-from helpers import ROOT, config_args, make_char_dataset, run_script, steps_with_loss_scales, tiny_config
+from helpers import (
+    ROOT,
+    config_args,
+    make_char_dataset,
+    run_in_process,
+    run_script,
+    steps_with_loss_scales,
+    tiny_config,
+)
 from model import GPT
 import train as train_module
 from train import NonFiniteError, batch_generator, get_batch, save_run_checkpoint, train
@@ -288,24 +296,25 @@ def _error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path):
+def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path, capsys):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
     path = tmp_path / "out" / "ckpt.pt"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume"]))
+    line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
     assert f"checkpoint {path} is truncated or corrupt" in line and "--init_from=scratch" in line
     path.write_bytes(b"garbage")
-    assert "is truncated or corrupt" in _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume"]))
+    line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
+    assert "is truncated or corrupt" in line
 
 
-def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir, tmp_path):
+def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir, tmp_path, capsys):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
-    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--n_embd=64"]))
+    line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume", "--n_embd=64"], capsys))
     assert "cannot resume: the checkpoint's model differs (n_embd: 32 -> 64)" in line
-    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume", "--gelu=tanh"]))
+    line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume", "--gelu=tanh"], capsys))
     assert "cannot resume: the checkpoint's model differs (gelu: 'erf' -> 'tanh')" in line
 
 
@@ -323,14 +332,14 @@ def test_resume_compares_the_gelu_with_the_checkpoint_model_even_an_old_one(data
     assert train(dataclasses.replace(resumed, max_iters=4))["model"].config.gelu == "tanh"
 
 
-def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path):
+def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path, capsys):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
     path = str(tmp_path / "out" / "ckpt.pt")
     ckpt = load_checkpoint(path)
     ckpt["model"]["transformer.wpe.weight"] = torch.zeros(7, 32)
     save_checkpoint(path, ckpt)
-    line = _error_line(run_script(["train.py", *config_args(cfg), "--init_from=resume"]))
+    line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
     assert "does not fit the model: shapes differ" in line and "transformer.wpe.weight (7, 32) vs (32, 32)" in line
 
 
@@ -350,7 +359,7 @@ def test_resume_with_changed_settings_warns_and_lists_them(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "missing_meta"])
-def test_bad_data_files_are_clear_errors(tmp_path, case):
+def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
     d = tmp_path / "mydata"
     meta = make_char_dataset(d, n_chars=5000)
     cfg = tiny_config(d, tmp_path / "out")
@@ -370,7 +379,7 @@ def test_bad_data_files_are_clear_errors(tmp_path, case):
     else:
         os.remove(d / "meta.json")
         expected = f"no meta.json in {d}: run `python data/mydata/prepare.py` first"
-    assert expected in _error_line(run_script(args))
+    assert expected in _error_line(run_in_process(args, capsys))
 
 
 def test_keep_last_keeps_the_newest_checkpoints(data_dir, tmp_path):

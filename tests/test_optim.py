@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import Dist, UserError, load_checkpoint
-from helpers import config_args, make_char_dataset, run_script, tiny_config
+from helpers import config_args, make_char_dataset, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from train import TrainConfig, train, train_step
@@ -77,10 +77,11 @@ def test_muon_step_is_torch_muon_and_adamw_stepped_by_hand_on_clipped_gradients(
     assert max((got[k] - _model().state_dict()[k]).abs().max().item() for k in want) > 1e-2  # it did move
 
 
-def test_resuming_with_the_other_optimizer_is_refused_in_one_line(data_dir, tmp_path):
+def test_resuming_with_the_other_optimizer_is_refused_in_one_line(data_dir, tmp_path, capsys):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
-    r = run_script(["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4", "--optimizer=muon"])
+    r = run_in_process(["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4", "--optimizer=muon"],
+                       capsys)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [
         "error: cannot resume: the checkpoint was written by optimizer='adamw', not 'muon': use "

@@ -12,7 +12,7 @@ import torch
 
 import dataio
 from common import load_checkpoint, model_from_checkpoint, set_deterministic
-from helpers import config_args, make_char_dataset, run_script, tiny_config
+from helpers import config_args, make_char_dataset, run_in_process, run_script, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
@@ -274,8 +274,8 @@ def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
         (["--optimizer=muon", "--parallelism=fsdp"], "optimizer='muon' needs whole matrices, and parallelism='fsdp'"),
     ],
 )
-def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message):
-    r = run_script(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out")), *args])
+def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message, capsys):
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out")), *args], capsys)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
