@@ -234,18 +234,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         "peak_flops": peak_flops, "peak_source": peak_source,
         "optimizer_ms": optimizer_ms, "optimizer_share": sum(optimizer_ms.values()) / (sum(ms) / len(ms)),
         "ms_median": median, "ms_min": min(ms), "ms_max": max(ms), "ms_q1": q1, "ms_q3": q3, "ms": ms,
-        "tokens_per_iter": tokens_per_iter,
-        "tokens_per_s": tokens_per_iter / (median / 1000),
-        "mfu": mfu,
-        "peak_memory_mib": peak,
-        "memory_measure": memory.measure,
-        "loss": held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"]),
-        "initial_loss": initial_loss,
-        "device": device,
-        "dtype": dtype_label(run["dtype"]),
-        "allocator": detect_allocator(),
-        "threads": torch.get_num_threads(),
-        "others_cpu": others.fraction,
+        "tokens_per_iter": tokens_per_iter, "tokens_per_s": tokens_per_iter / (median / 1000), "mfu": mfu,
+        "peak_memory_mib": peak, "memory_measure": memory.measure,
+        "loss": held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"]), "initial_loss": initial_loss,
+        "device": device, "dtype": dtype_label(run["dtype"]), "allocator": detect_allocator(),
+        "threads": torch.get_num_threads(), "others_cpu": others.fraction,
     }
     return {"result": result, "profiler": prof, "cfg": cfg}
 
