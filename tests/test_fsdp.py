@@ -309,8 +309,12 @@ def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_impor
     parallel.is_dtensor then still tells a shard from a tensor."""
     probe = ("import sys, bench, sample, train, parallel, torch; "
              "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') if m in sys.modules)); "
-             "from torch.distributed.tensor import DTensor; "
-             "print(parallel.is_dtensor(torch.zeros(1)), issubclass(DTensor, torch.Tensor))")
+             "import torch.distributed as d; "
+             "d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1); "
+             "from torch.distributed.device_mesh import init_device_mesh; "
+             "from torch.distributed.tensor import distribute_tensor; "
+             "shard = distribute_tensor(torch.zeros(2), init_device_mesh('cpu', (1,))); "
+             "print(parallel.is_dtensor(torch.zeros(1)), parallel.is_dtensor(shard)); d.destroy_process_group()")
     r = run_script(["-c", probe])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[:2] == ["[]", "False True"]
