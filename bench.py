@@ -296,10 +296,8 @@ def print_result(r: dict, profiling: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("--ablation", "--ablation=True") for a in argv):  # the study has its own module now
-        from benchmarks import ablation
-
-        return ablation.main([a for a in argv if a not in ("--ablation", "--ablation=True")])
+    if any(a.startswith("--ablation") for a in argv):  # benchmarks/ build on bench.py, never the reverse
+        raise UserError("the ablation study is its own script: python benchmarks/ablation.py (same keys)")
     cfg, argv = load_config(argv)
     out = run_bench(cfg)
     print_result(out["result"], cfg.profile)

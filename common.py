@@ -1,29 +1,27 @@
 """
 The one place for what train.py, sample.py and bench.py share: user errors, device and precision setup,
-distributed setup, and checkpoints (atomic writes, safe loads, the uncompiled module's state).
+distributed setup, and run information. Checkpoints live in checkpoint.py.
+
+Imports model.py only (its GPU peak-FLOPs table); never a script, and never checkpoint.py or dataio.py (which
+import this module).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
-import glob
 import json
 import os
-import pickle
 import platform
-import re
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Callable, NoReturn
 
 import torch
-import torch.nn as nn
 
-from model import GPT, GPTConfig, GPTError, device_peak_flops
+from model import GPTError, device_peak_flops
 
 
 class UserError(Exception):
@@ -336,6 +334,15 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: importing it and FSDP
+    made every sample.py start 1.2 s slower on 2 cores (3.9 -> 2.7 s for a tiny checkpoint). train.py and bench.py
+    import them anyway (a torch.optim optimizer imports torch._dynamo, which imports FSDP). No DTensor exists until
+    FSDP (or the DCP reader) has imported that module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def cleanup_distributed(d: Dist) -> None:
     if d.enabled:
         import torch.distributed as dist
@@ -374,157 +381,3 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-
-
-# nanoGPT before PyTorch 2.0 saved each layer's causal mask as a buffer named attn.bias: a constant, not a weight
-_OLD_MASK_KEY = re.compile(r"transformer\.h\.\d+\.attn\.bias")
-
-
-def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
-    """Strip wrapper prefixes that old (nanoGPT) checkpoints of compiled or DDP models carry, and drop the causal
-    mask buffers of pre-2.0 nanoGPT checkpoints."""
-    out = {}
-    for k, v in sd.items():
-        for prefix in ("_orig_mod.", "module."):
-            while k.startswith(prefix):
-                k = k[len(prefix) :]
-        if not _OLD_MASK_KEY.fullmatch(k):
-            out[k] = v
-    return out
-
-
-def save_checkpoint(path: str, state: dict[str, Any]) -> None:
-    """
-    Write atomically: a temporary file in the same folder, flushed and fsynced, then renamed over `path`.
-    A crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
-    (a full disk, no permission) is a UserError, and the old checkpoint stays as it was.
-    """
-    for stale in glob.glob(glob.escape(path) + ".tmp.*"):  # left by a process killed mid-write
-        with contextlib.suppress(OSError):
-            os.remove(stale)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    _replace_atomically(path, write)
-
-
-def keep_as(path: str, other: str) -> None:
-    """Make `other` name the same file as `path` (a hard link, so no copy), atomically: a crash leaves either the
-    old `other` or the new one. Where the file system has no hard links, a copy."""
-
-    def link(tmp: str) -> None:
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-
-    _replace_atomically(other, link)
-
-
-def _replace_atomically(path: str, write: Callable[[str], None]) -> None:
-    """Make a temporary file beside `path` with `write(tmp)`, then rename it over `path` (and make the rename
-    durable). An OSError (a full disk, no permission) is a UserError that says the old file is intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        kept = "the previous checkpoint is intact" if os.path.exists(path) else "no checkpoint was written"
-        raise UserError(
-            f"could not write checkpoint {path} ({e.strerror or e}); {kept}: free disk space or choose another out_dir"
-        ) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-    _fsync_folder(folder)
-
-
-def _fsync_folder(folder: str) -> None:
-    with contextlib.suppress(OSError):  # make a rename durable (not possible on every OS)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """Load a checkpoint without running code from it (weights_only); a missing or damaged file is a UserError.
-    mmap=True maps the file instead of reading it: tensors are read on first use, and processes that map the same
-    file share its pages (DDP ranks on one node)."""
-    if not os.path.exists(path):
-        raise UserError(f"no checkpoint at {path}: train first, or set --out_dir to the run's folder")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except torch.OutOfMemoryError:
-        raise UserError(f"out of memory loading {path} onto {map_location}: load it on the CPU") from None
-    except pickle.UnpicklingError as e:
-        if "Unsupported global" not in str(e):  # weights_only's refusal of a class; anything else is damage
-            raise UserError(f"checkpoint {path} is truncated or corrupt (UnpicklingError: {str(e)[:200]}): "
-                            f"restore it from a backup or start again with --init_from=scratch") from None
-        raise UserError(f"{path} holds objects other than tensors and plain data, which are not loaded "
-                        f"(weights_only=True, so a checkpoint cannot run code): re-save it with plain types") from None
-    except Exception as e:  # torch raises several types for truncated or foreign files
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {first_line[:200]}): "
-            f"restore it from a backup or start again with --init_from=scratch"
-        ) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise UserError(f"{path} is not a checkpoint of this project (no 'model' and 'model_args' entries)")
-    return ckpt
-
-
-def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:
-    """The GPTConfig of a checkpoint's model_args. Checkpoints from before the gelu setting have none: this repo's
-    used GPT-2's tanh form, nanoGPT's (which have no vocab_padding_multiple) the exact one, nn.GELU(). nanoGPT's
-    vocab_size is its number of rows, already final (65 for characters, 50304 for its padded GPT-2 runs): no padding
-    is added to it."""
-    args = dict(model_args)
-    if "gelu" not in args:
-        args["gelu"] = "tanh" if "vocab_padding_multiple" in args else "erf"
-    args.setdefault("vocab_padding_multiple", 1)
-    args.update(overrides)
-    return GPTConfig(**args)
-
-
-def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:
-    """Rebuild the model from the checkpoint alone (model_args + state). `overrides` may change settings that do
-    not touch the weights (dropout, attention, sdpa_backend)."""
-    model = GPT(checkpoint_model_config(ckpt["model_args"], **overrides))
-    load_model_state(model, ckpt["model"], source="checkpoint")
-    return model
-
-
-def load_model_state(model: nn.Module, state: dict[str, Any], source: str) -> None:
-    """load_state_dict with an error that names the keys and shapes that differ."""
-    state = clean_state_dict(state)
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
-        for k in sorted(set(own) & set(state))
-        if tuple(state[k].shape) != tuple(own[k].shape)
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        if wrong:
-            parts.append(f"shapes differ ({source} vs model): {', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
-        if missing:
-            parts.append(f"missing keys: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-        if unexpected:
-            parts.append(f"unexpected keys: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
-        raise UserError(f"{source} does not fit the model: {'; '.join(parts)}")
-    model.load_state_dict(state)

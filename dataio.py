@@ -152,6 +152,24 @@ def write_meta(data_dir: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
     return _write_json(Path(data_dir) / "meta.json", meta)
 
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def dataset_dir(dataset: str, data_dir: str | None = None) -> str:
+    """The folder of a dataset's train.bin, val.bin and meta.json: data_dir, else data/<dataset> beside this file."""
+    return data_dir or os.path.join(ROOT, "data", dataset)
+
+
+def find_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The dataset's tokenizer description (load_meta) if it has one, else None."""
+    return load_meta(data_dir) if (Path(data_dir) / "meta.json").is_file() else None
+
+
+def tokenizer_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """What of a dataset's meta.json names its tokenizer (a checkpoint records it): tokenizer, vocab_size, itos."""
+    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos") if k in meta}
+
+
 def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Read data_dir/meta.json; a missing or malformed file is a UserError that says how to make it."""
     path = Path(data_dir) / "meta.json"

@@ -6,8 +6,8 @@ $ python export.py --out_dir=out-shakespeare-char --ckpt=ckpt_best.pt --to=hf-ch
 
 The folder gets config.json, model.safetensors (float32, as trained), generation_config.json and, for a GPT-2 BPE
 run, the tokenizer files (tiktoken's "gpt2" encoding is HF's `gpt2` tokenizer: its vocab.json and merges.txt are
-tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for this repo's ckpt.pt / ckpt_best.pt and
-for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped (50304 -> 50257); GELU "tanh" becomes HF's gelu_new,
+tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for this repo's checkpoints (ckpt.pt,
+ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped (50304 -> 50257); GELU "tanh" becomes HF's gelu_new,
 "erf" its gelu; a model without biases gets zero biases where GPT-2's layout has them. A setting that GPT-2 in
 transformers cannot express is refused, never exported wrong.
 
@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+import checkpoint
 import dataio
-from common import UserError, checkpoint_model_config, clean_state_dict, exit_on_user_error, load_checkpoint
+from checkpoint import checkpoint_model_config, clean_state_dict
+from common import UserError, exit_on_user_error
 from configurator import configure
 from model import GPTConfig
 
@@ -41,7 +43,8 @@ CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".ml
 @dataclass
 class ExportConfig:
     out_dir: str = "out"  # the training run's folder
-    ckpt: str = "ckpt.pt"  # the file in out_dir (ckpt_best.pt: the best val loss's, if kept)
+    ckpt: str | None = None  # None: the newest of ckpt.pt and ckpt_sharded in out_dir (by iteration); or a name in
+    # out_dir: ckpt_best.pt, ckpt_sharded_best (the best val loss's weights, if kept), ckpt_sharded, ...
     to: str = ""  # the folder to write (created; files of the same names are replaced)
 
 
@@ -143,11 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg = configure(ExportConfig(), sys.argv[1:] if argv is None else argv)
     if not cfg.to:
         raise UserError("to='' : name the folder to write, e.g. --to=hf-model")
-    from sample import checkpoint_tokenizer  # the tokenizer sample.py would use: the dataset's, else GPT-2 BPE
-
-    ckpt = load_checkpoint(os.path.join(cfg.out_dir, cfg.ckpt))
+    found = checkpoint.find_checkpoint(cfg.out_dir, cfg.ckpt)
+    path = found.path
+    ckpt = checkpoint.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
     check_expressible(ckpt["model_args"])
-    tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
+    log(f"checkpoint: {path} at iter {ckpt['iter_num']}")
+    tokenizer = checkpoint.checkpoint_tokenizer(ckpt, log)  # the tokenizer sample.py would use
     config = checkpoint_model_config(ckpt["model_args"])
     if not isinstance(tokenizer, dataio.GPT2Tokenizer) and tokenizer.vocab_size != config.vocab_size:
         raise UserError(f"the run's tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(cfg.to, exist_ok=True)
     hf_model = export(ckpt, cfg.to, tokenizer)
     note = write_tokenizer(cfg.to, tokenizer, config.block_size)
-    log(f"exported {os.path.join(cfg.out_dir, cfg.ckpt)} to {cfg.to}: GPT2LMHeadModel, vocab_size "
+    log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
         f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")
 
 

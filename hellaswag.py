@@ -6,7 +6,7 @@ favour short endings). train.py runs the same evaluation during training with he
 
 $ python hellaswag.py --init_from=gpt2       # build-nanogpt's figures for it: acc 0.2859, acc_norm 0.2955
 $ python hellaswag.py --init_from=gpt2-xl    # acc 0.3842, acc_norm 0.4893
-$ python hellaswag.py --out_dir=out-fineweb  # a training run's checkpoint
+$ python hellaswag.py --out_dir=out-fineweb  # a training run's newest checkpoint (ckpt.pt or an FSDP sharded folder)
 $ torchrun --standalone --nproc_per_node=8 hellaswag.py --init_from=gpt2-xl   # the examples split over 8 GPUs
 
 The validation set (10,042 examples, 11 MB) is downloaded once to data/hellaswag/; `path=FILE` reads a local copy
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
+import checkpoint
 import dataio
 from common import Dist, UserError, autocast_context, cleanup_distributed, exit_on_user_error, resolve_dtype
 from common import setup_distributed
@@ -178,9 +179,11 @@ def describe(result: dict[str, float]) -> str:
 
 @dataclass
 class HellaSwagConfig:
-    init_from: str = "resume"  # "resume" (from out_dir/ckpt), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a HF folder
+    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a
+    # HF folder, or a checkpoint file or sharded folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
-    ckpt: str = "ckpt.pt"  # with init_from=resume: the file in out_dir
+    ckpt: str | None = None  # with init_from=resume: None reads the newest of ckpt.pt and ckpt_sharded; or a name
+    # in out_dir (ckpt_best.pt, ckpt_sharded_best)
     path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded to data/hellaswag/
     max_examples: int = 0  # score only the first this many examples (0: all)
     device: str = "auto"  # "auto", "cpu", "cuda", ... (under torchrun: each rank's GPU)
@@ -188,8 +191,6 @@ class HellaSwagConfig:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    from sample import SampleConfig, load_model  # the model and its tokenizer, as sample.py loads them
-
     cfg = configure(HellaSwagConfig(), sys.argv[1:] if argv is None else argv)
     if cfg.max_examples < 0:
         raise UserError(f"max_examples={cfg.max_examples} must be >= 0 (0: all)")
@@ -197,8 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         dtype = resolve_dtype(cfg.dtype, dist.device, training=False)
         examples = load_examples(cfg.path)[: cfg.max_examples or None]
-        model, tokenizer = load_model(SampleConfig(init_from=cfg.init_from, out_dir=cfg.out_dir, ckpt=cfg.ckpt,
-                                                   device=dist.device, dtype=dtype))
+        log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if dist.master else (lambda msg: None)
+        model, tokenizer = checkpoint.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, dist.device, dtype, {},
+                                                         log=log)
         t0 = time.time()
         result = evaluate(model, encode(examples, tokenizer, model.config.block_size), dist,
                           autocast_context(dist.device, dtype))

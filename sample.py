@@ -1,5 +1,6 @@
 """
-Sample text from a trained model (out_dir/ckpt.pt) or from GPT-2 weights, with the KV cache.
+Sample text from a trained model (the newest checkpoint in out_dir, or a named one) or from GPT-2 weights, with the
+KV cache.
 
 $ python sample.py --out_dir=out-shakespeare-char
 $ python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?" \
@@ -21,21 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+import checkpoint
 import dataio
-import parallel
-from common import (
-    UserError,
-    autocast_context,
-    exit_on_user_error,
-    load_checkpoint,
-    model_from_checkpoint,
-    resolve_device,
-    resolve_dtype,
-    synchronize,
-)
+from common import UserError, autocast_context, exit_on_user_error, resolve_device, resolve_dtype, synchronize
 from configurator import configure
 from model import GPT
-from train import BEST_NAME, dataset_dir
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SEPARATOR = "---------------"
@@ -43,10 +34,11 @@ SEPARATOR = "---------------"
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # "resume" (from out_dir/ckpt.pt), "gpt2", "gpt2-medium", ... or a HF GPT-2 folder
+    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", ..., a HF GPT-2 folder, or
+    # a checkpoint file or sharded folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
-    ckpt: str = "ckpt.pt"  # with init_from=resume: the file in out_dir (ckpt_best.pt: the best val loss's, if kept;
-    # ckpt_sharded: an FSDP run's sharded folder, also read when there is no ckpt.pt)
+    ckpt: str | None = None  # with init_from=resume: None reads the newest of ckpt.pt and ckpt_sharded (by iteration);
+    # or a name in out_dir: ckpt_best.pt, ckpt_sharded_best (the best val loss's weights, if kept), ckpt_0000500.pt
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
     num_samples: int = 10
     max_new_tokens: int = 500  # tokens generated per sample
@@ -81,10 +73,10 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
     """Every problem with the settings in one UserError, before anything slow (loading weights) happens. Returns
     the config with its device and dtype resolved ('auto' becomes what runs), which the functions below take."""
     problems = []
-    if cfg.init_from != "resume" and cfg.init_from not in GPT2_MODELS and not os.path.isdir(cfg.init_from):
+    if cfg.init_from != "resume" and cfg.init_from not in GPT2_MODELS and not os.path.exists(cfg.init_from):
         problems.append(
-            f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)} "
-            f"or a folder with a HF GPT-2 model"
+            f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 "
+            f"model, or a checkpoint file or sharded folder"
         )
     for key in ("num_samples", "max_new_tokens"):
         if getattr(cfg, key) < 1:
@@ -121,54 +113,9 @@ def read_prompt(start: str) -> str:
 
 def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
     """The model for init_from, in eval mode on cfg.device (resolved), and the tokenizer it was trained with."""
-    device = cfg.device
     overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend)) if v is not None}
-    if cfg.init_from == "resume":
-        path = os.path.join(cfg.out_dir, cfg.ckpt)
-        if cfg.ckpt == BEST_NAME and not os.path.exists(path):
-            raise UserError(f"no {path}: it exists only after a run with always_save_checkpoint=False was stopped "
-                            f"between evals; otherwise ckpt.pt holds the best weights: drop --ckpt")
-        sharded = os.path.join(cfg.out_dir, parallel.SHARDED_NAME)
-        if cfg.ckpt == "ckpt.pt" and not os.path.exists(path) and os.path.isdir(sharded):
-            path = sharded  # an FSDP run's checkpoint
-        if parallel.is_sharded(path):  # gathered into this one process, on the CPU like a ckpt.pt
-            model, ckpt = parallel.load_sharded_as_full(path, **overrides)
-        else:
-            ckpt = load_checkpoint(path, map_location="cpu")  # the optimizer state stays on the CPU and is freed below
-            model = model_from_checkpoint(ckpt, **overrides)
-        tokenizer = checkpoint_tokenizer(ckpt.get("config") or {})
-        del ckpt
-    else:
-        model = GPT.from_pretrained(cfg.init_from, overrides)
-        log(f"tokenizer: GPT-2 BPE (init_from={cfg.init_from})")
-        tokenizer = dataio.gpt2_tokenizer()
-    # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there,
-    # sample() never draws the ids past the tokenizer's
-    padded_bpe = isinstance(tokenizer, dataio.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
-    if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
-        raise UserError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{model.config.vocab_size}: sampling needs the meta.json of the dataset the model was trained on "
-            f"(run that dataset's prepare.py)"
-        )
-    model.eval().to(device)
-    model.check_attention_kernel(autocast_context(device, resolve_dtype(cfg.dtype, device, False)), cfg.compile)
-    log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
-    return model, tokenizer
-
-
-def checkpoint_tokenizer(run_config: dict) -> dataio.Tokenizer:
-    """The tokenizer of the dataset the checkpoint was trained on (its meta.json), else GPT-2 BPE."""
-    if "dataset" not in run_config and not run_config.get("data_dir"):
-        log("tokenizer: GPT-2 BPE (the checkpoint names no dataset)")
-        return dataio.gpt2_tokenizer()
-    data_dir = dataset_dir(run_config.get("dataset", ""), run_config.get("data_dir"))
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        log(f"tokenizer: GPT-2 BPE (no meta.json in {data_dir})")
-        return dataio.gpt2_tokenizer()
-    meta = dataio.load_meta(data_dir)
-    log(f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, from {os.path.join(data_dir, 'meta.json')})")
-    return dataio.get_tokenizer(meta)
+    return checkpoint.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
+                                         cfg.compile, log)
 
 
 def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], int]:

@@ -24,7 +24,6 @@ import itertools
 import json
 import math
 import os
-import re
 import signal
 import socket
 import time
@@ -37,29 +36,25 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
 import dataio
 import hellaswag
 import parallel
+from checkpoint import checkpoint_model_config
 from common import (
     Dist,
     UserError,
     autocast_context,
-    checkpoint_model_config,
     cleanup_distributed,
     dtype_reason,
     exit_on_user_error,
-    keep_as,
     keep_freed_memory,
-    load_checkpoint,
-    load_model_state,
-    model_from_checkpoint,
     resolve_attention,
     resolve_fused_loss,
     resolve_device,
     resolve_dtype,
     run_info,
     run_peak_flops,
-    save_checkpoint,
     set_deterministic,
     set_tf32,
     setup_distributed,
@@ -68,7 +63,6 @@ from configurator import config_summary, configure
 from model import GPT, GPTConfig
 from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -131,8 +125,8 @@ class TrainConfig(StepConfig):
     eval_iters: int = 200
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
-    init_from: str = "scratch"  # "scratch", "resume" (from out_dir/ckpt.pt), "gpt2", "gpt2-medium", ... a HF folder,
-    # or a checkpoint file (this repo's or nanoGPT's ckpt.pt) whose weights start a new run (fine-tuning)
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "gpt2", "gpt2-medium", ... a HF
+    # folder, or a checkpoint (this repo's or nanoGPT's ckpt.pt, or a sharded folder) whose weights start a new run
     keep_last: int = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
     # logging
     wandb_log: bool = False
@@ -155,6 +149,7 @@ class TrainConfig(StepConfig):
     activation_checkpointing: bool | int = False  # recompute blocks' activations in the backward: True, or N blocks
 
 
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
 SCRATCH_GELU = "erf"
 # The config keys that shape the weights (with the dataset's vocab_size), and those that change only how the
@@ -212,13 +207,8 @@ def optimizer_and_scaler(
 # ----------------------------------------------------------------------------------------------- data
 
 
-def dataset_dir(dataset: str, data_dir: str | None = None) -> str:
-    """The folder of a dataset's train.bin, val.bin and meta.json: data_dir, else data/<dataset> beside this file."""
-    return data_dir or os.path.join(ROOT, "data", dataset)
-
-
 def data_paths(cfg: StepConfig) -> str:
-    return dataset_dir(cfg.dataset, cfg.data_dir)
+    return dataio.dataset_dir(cfg.dataset, cfg.data_dir)
 
 
 STREAMS = {"train": 0, "eval_train": 1, "eval_val": 2}  # training batches, and the fixed batches of each eval
@@ -368,86 +358,12 @@ def train_step(
     return mean_loss, norm, applied
 
 
-def checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist) -> dict:
-    return {
-        "model": raw_model.state_dict(),  # the uncompiled, unwrapped module: no `_orig_mod.` or `module.` prefixes
-        "optimizer": optimizer.state_dict(),
-        **train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist),
-    }
-
-
-def train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist) -> dict:
-    """A checkpoint's entries other than the model and optimizer tensors."""
-    return {
-        "scaler": scaler.state_dict(),
-        "iter_num": iter_num,
-        "best_val_loss": best_val_loss,
-        "model_args": asdict(raw_model.config),
-        "config": asdict(cfg),
-        "world_size": dist.world_size,
-        "rng": {  # rank 0's: a one-process resume continues it exactly (DDP ranks reseed, see restore_rng)
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.startswith("cuda") else None,
-        },
-    }
-
-
-def restore_rng(ckpt: dict, cfg: TrainConfig, dist: Dist, iter_num: int) -> None:
-    """The dropout RNG of a resumed run. One process resuming a one-process run continues the saved state, so the
-    resumed run is bitwise the uninterrupted one; DDP ranks (whose states differ and are not all saved) reseed
-    from (seed, rank, iteration), which keeps their dropout masks different from each other's."""
-    rng = ckpt.get("rng")
-    if rng is None or dist.world_size > 1 or ckpt.get("world_size", 1) > 1:
-        torch.manual_seed(cfg.seed + dist.rank + 1_000_003 * iter_num)
-        return
-    torch.set_rng_state(rng["torch"].cpu())
-    if dist.device.startswith("cuda") and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state(rng["cuda"].cpu(), dist.device)
-
-
-CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
-_KEEP_LAST_RE = re.compile(r"ckpt_(\d+)\.pt")
-
-
-def save_run_checkpoint(state: dict, cfg: TrainConfig, improved: bool, best_file: str | None) -> str | None:
-    """
-    Save `state` to out_dir/ckpt.pt, the latest save, where a resume continues. Returns the file that now holds
-    the run's best weights (None: not kept), which the state records too (`best_file`).
-
-    With always_save_checkpoint=False, ckpt.pt is written at an eval only when the val loss improves, so it holds
-    the best weights. A stop between evals (SIGTERM, Ctrl-C) must save the latest state there too: the best one is
-    first kept as ckpt_best.pt (a hard link). An eval that improves again writes ckpt_best.pt first, then links
-    ckpt.pt to it and removes ckpt_best.pt, so at every moment of a crash the best weights have a name.
-    keep_last > 0 also keeps the newest checkpoints as ckpt_<iter>.pt.
-    """
-    path, best_path = os.path.join(cfg.out_dir, CKPT_NAME), os.path.join(cfg.out_dir, BEST_NAME)
-    if improved:
-        best_file = CKPT_NAME
-    elif best_file == CKPT_NAME:  # ckpt.pt holds the best, and this save overwrites it
-        keep = not cfg.always_save_checkpoint and os.path.exists(path)
-        if keep:
-            keep_as(path, best_path)
-        best_file = BEST_NAME if keep else None
-    state = {**state, "best_file": best_file}
-    if improved and os.path.exists(best_path):
-        save_checkpoint(best_path, state)
-        keep_as(best_path, path)
-        os.remove(best_path)
-    else:
-        save_checkpoint(path, state)
-    if cfg.keep_last > 0:
-        keep_as(path, os.path.join(cfg.out_dir, f"ckpt_{state['iter_num']:07d}.pt"))
-        kept = sorted((int(m.group(1)), f) for f in os.listdir(cfg.out_dir) if (m := _KEEP_LAST_RE.fullmatch(f)))
-        for _, f in kept[: -cfg.keep_last]:
-            os.remove(os.path.join(cfg.out_dir, f))
-    return best_file
-
-
 def resume_changes(
     saved: dict, model_args: dict, cfg: TrainConfig, world_size: int, saved_world_size: int
 ) -> list[str]:
     """Settings that differ from the checkpoint's run (its config and model_args). A different model shape or
-    GELU cannot resume (UserError); anything else is allowed and returned, to be printed as a warning."""
+    GELU cannot resume (UserError); anything else is allowed and returned, to be printed: it applies from the
+    resume on (the optimizer's settings too: checkpoint.load_training_state)."""
     changed = [
         f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
         for k in (f.name for f in fields(cfg))
@@ -496,6 +412,13 @@ class Logger:
 
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
 
+    def continue_from(self, elapsed_s: float) -> None:
+        """A resumed run's wall time continues from its checkpoint's, so elapsed_s never runs backwards."""
+        self.t_start = time.time() - elapsed_s
+
+    def elapsed(self) -> float:
+        return time.time() - self.t_start
+
     def print(self, msg: str) -> None:
         if self.master:
             print(msg, flush=True)
@@ -503,7 +426,7 @@ class Logger:
     def metrics(self, record: dict) -> None:
         if not self.master:
             return
-        record = {**record, "elapsed_s": round(time.time() - self.t_start, 3)}  # wall time, for time-to-loss
+        record = {**record, "elapsed_s": round(self.elapsed(), 3)}  # wall time since the run began, for time-to-loss
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
@@ -521,16 +444,17 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     if cfg.init_from == "resume":
         model = GPT(checkpoint_model_config(ckpt["model_args"], **settings))
         if "model" in ckpt:  # a sharded checkpoint's weights are loaded once the model is sharded
-            load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, CKPT_NAME))
+            checkpoint.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
         return model
-    if os.path.isfile(cfg.init_from):  # a checkpoint's weights (not its optimizer or iteration) start this run
-        return fit_pretrained(model_from_checkpoint(load_checkpoint(cfg.init_from), **settings), cfg)
-    if cfg.init_from.startswith("gpt2") or os.path.isdir(cfg.init_from):
+    path = checkpoint.checkpoint_path(cfg.init_from)
+    if path is not None:  # a checkpoint's weights (not its optimizer or iteration) start this run
+        return fit_pretrained(checkpoint.model_from_checkpoint(checkpoint.read_weights(path), **settings), cfg)
+    if cfg.init_from in GPT2_NAMES or os.path.isdir(cfg.init_from):
         model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
     raise UserError(
         f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
-        f"a folder with a HF GPT-2 model or a checkpoint file"
+        f"a folder with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
     )
 
 
@@ -586,6 +510,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
     if cfg.max_iters < 0:
         problems.append(f"max_iters={cfg.max_iters} must be >= 0")
+    if cfg.init_from not in ("scratch", "resume", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
+        problems.append(
+            f"init_from={cfg.init_from!r} is not one of scratch, resume, {', '.join(GPT2_NAMES)}, a folder with a HF "
+            f"GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
+        )
     if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
                         f"{cfg.eval_interval} (HellaSwag runs at evals)")
@@ -664,23 +593,31 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training
     data_dir = data_paths(cfg)
-    meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else _maybe_meta(data_dir)
+    meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
 
     # model
     check_shared_out_dir(cfg.out_dir, dist)
-    ckpt = parallel.read_resume_checkpoint(cfg.out_dir, cfg.parallelism) if cfg.init_from == "resume" else None
+    ckpt = None
+    if cfg.init_from == "resume":
+        found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=cfg.parallelism == "fsdp")
+        log.print(found.describe("resuming from"))
+        ckpt = checkpoint.read_resume(found)
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
         saved_world_size = ckpt.get("world_size", 1)
         for change in resume_changes(ckpt["config"], ckpt["model_args"], cfg, dist.world_size, saved_world_size):
-            log.print(f"warning: resuming with a changed setting: {change}")
+            log.print(f"resuming with a changed setting (it applies from here on): {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
+        log.continue_from(ckpt.get("elapsed_s", 0.0))
     nothing_to_train = ckpt is not None and iter_num >= cfg.max_iters
     if nothing_to_train:
         log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
                   f"evaluating it only (raise max_iters to train on)")
     eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing
     best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
+    if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
+        source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
+        checkpoint.check_tokenizer(*checkpoint.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
         model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
@@ -703,10 +640,10 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     optimizer, scaler = optimizer_and_scaler(raw_model, cfg, device, dtype, verbose=dist.master)
     if ckpt is not None:
-        parallel.load_optimizer_and_sharded_weights(raw_model, optimizer.as_torch(), ckpt)
+        checkpoint.load_training_state(raw_model, optimizer, ckpt)
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
-        restore_rng(ckpt, cfg, dist, iter_num)
+        checkpoint.restore_rng(ckpt, cfg.seed, dist, iter_num)
     del ckpt  # free its memory
 
     if cfg.compile and cfg.parallelism == "ddp":  # after the weights are loaded; checkpoints save raw_model, never
@@ -719,16 +656,20 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         nonlocal best_file
+        state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist, log.elapsed(), meta)
         if cfg.parallelism == "fsdp":  # every rank writes its shards
-            best_file = parallel.SHARDED_NAME if improved else None  # the folder always holds the latest save
-            state = train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist)
-            parallel.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), {**state, "best_file": best_file}, dist)
-            log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{parallel.SHARDED_NAME}")
+            checkpoint.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist, improved,
+                                    keep_best=not cfg.always_save_checkpoint)
+            log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME}"
+                      + ("" if improved or cfg.always_save_checkpoint else
+                         f" (the best val loss's weights stay in {checkpoint.SHARDED_BEST_NAME})"))
         elif dist.master:
-            state = checkpoint_state(raw_model, optimizer, scaler, iter_num, best_val_loss, cfg, dist)
-            best_file = save_run_checkpoint(state, cfg, improved, best_file)
-            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}"
-                      + (f" (the best val loss's weights stay in {BEST_NAME})" if best_file == BEST_NAME else ""))
+            state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}
+            best_file = checkpoint.save_run_checkpoint(state, cfg.out_dir, improved, best_file,
+                                                       cfg.always_save_checkpoint, cfg.keep_last)
+            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}" + (
+                f" (the best val loss's weights stay in {checkpoint.BEST_NAME})"
+                if best_file == checkpoint.BEST_NAME else ""))
 
     def stop_now(iter_num: int) -> NoReturn:
         save(iter_num, best_val_loss, improved=False)
@@ -808,10 +749,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
-
-
-def _maybe_meta(data_dir: str) -> dict | None:
-    return dataio.load_meta(data_dir) if os.path.exists(os.path.join(data_dir, "meta.json")) else None
 
 
 class StopRequest:

@@ -2,7 +2,7 @@
 What each speed technique buys: every row is one bench.py run in a fresh process (same interpreter and
 environment, so the same allocator and threads), read back through its --result_json.
 
-$ python benchmarks/ablation.py                        # both studies (python bench.py --ablation=True: the same)
+$ python benchmarks/ablation.py                        # both studies
 $ python benchmarks/ablation.py --studies=cumulative --skip_rows=compile
 $ python benchmarks/ablation.py config/bench_cpu.py --batch_size=4   # bench.py's config and overrides pass through
 

@@ -39,11 +39,11 @@ EXPECTED_ROWS = [  # every row of both studies but compile, in order, as the REA
 
 @pytest.fixture(scope="module")
 def ablation(tmp_path_factory):
-    """Both studies without the compile row (compiling alone takes ~20 s on two cores), started the old way
-    (bench.py --ablation=True, the thin entry): printed table, JSON and chart."""
+    """Both studies without the compile row (compiling alone takes ~20 s on two cores): printed table, JSON and
+    chart."""
     results = tmp_path_factory.mktemp("ablation")
-    out = bench_script("--ablation=True", "--skip_rows=compile", f"--learning_rate={LEARNING_RATE}",
-                       f"--results_dir={results}")
+    out = bench_script("--skip_rows=compile", f"--learning_rate={LEARNING_RATE}", f"--results_dir={results}",
+                       script="benchmarks/ablation.py")
     saved = json.loads((results / "ablation.json").read_text())
     printed = table_rows(out, ("attention", "cumulative"))
     return {"out": out, "rows": saved["rows"], "printed": printed, "json": saved, "dir": results}

@@ -85,7 +85,7 @@ def test_user_errors_exit_2_with_one_line(capsys):
 
 
 def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
-    from common import checkpoint_model_config
+    from checkpoint import checkpoint_model_config
 
     ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
             "vocab_padding_multiple": 64, "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import export
-from common import UserError, save_checkpoint
+from common import UserError
+from checkpoint import save_checkpoint
 from helpers import make_char_dataset, run_script
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model, sample

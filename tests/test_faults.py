@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import checkpoint
 import common
-from common import UserError, load_checkpoint, save_checkpoint
+from common import UserError
+from checkpoint import load_checkpoint, save_checkpoint
 from helpers import (
     ROOT,
     config_args,
@@ -30,7 +33,8 @@ from helpers import (
 )
 from model import GPT
 import train as train_module
-from train import NonFiniteError, batch_generator, get_batch, save_run_checkpoint, train
+from train import NonFiniteError, batch_generator, get_batch, train
+from checkpoint import save_run_checkpoint
 
 
 @pytest.fixture()
@@ -100,7 +104,8 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
         return load_checkpoint(str(out / name))["iter_num"] if (out / name).exists() else None
 
     def save(i, improved, best_file, config=cfg):
-        return save_run_checkpoint({"model": {}, "model_args": {}, "iter_num": i}, config, improved, best_file)
+        return save_run_checkpoint({"model": {}, "model_args": {}, "iter_num": i}, str(out), improved, best_file,
+                                   config.always_save_checkpoint, config.keep_last)
 
     (out / "ckpt_best.pt").write_bytes(b"an earlier run's")  # not this run's: never claimed as its best
     assert save(3, False, None) is None  # a stop before any improving eval: no best to keep
@@ -118,7 +123,7 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
     def crash(*args):
         raise SystemExit("killed")
 
-    monkeypatch.setattr("train.keep_as", crash)
+    monkeypatch.setattr("checkpoint.keep_as", crash)
     with pytest.raises(SystemExit):
         save(20, True, "ckpt_best.pt")
     monkeypatch.undo()
@@ -194,7 +199,7 @@ def _save_and_stop_at(path: str, point: str, ready_w: int) -> None:
     elif point == "synced, not renamed":
         os.replace = stop
     elif point == "renamed, folder not synced":
-        common._fsync_folder = stop
+        checkpoint.fsync_folder = stop
     save_checkpoint(path, {"model": {"w": torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + 2)},
                            "model_args": {}, "iter_num": 2})
 
@@ -343,19 +348,62 @@ def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path, 
     assert "does not fit the model: shapes differ" in line and "transformer.wpe.weight (7, 32) vs (32, 32)" in line
 
 
-def test_resume_with_changed_settings_warns_and_lists_them(data_dir, tmp_path):
+def test_resume_with_changed_settings_lists_them(data_dir, tmp_path):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
     r = run_script(["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4", "--batch_size=8",
                     "--learning_rate=0.001"])
     assert r.returncode == 0, r.stderr[-2000:]
-    warnings = [l for l in r.stdout.splitlines() if l.startswith("warning: resuming with a changed setting")]
-    assert warnings == [
-        "warning: resuming with a changed setting: batch_size: 4 -> 8",
-        "warning: resuming with a changed setting: learning_rate: 0.003 -> 0.001",
-        "warning: resuming with a changed setting: max_iters: 2 -> 4",
+    changes = [l for l in r.stdout.splitlines() if l.startswith("resuming with a changed setting")]
+    assert changes == [
+        "resuming with a changed setting (it applies from here on): batch_size: 4 -> 8",
+        "resuming with a changed setting (it applies from here on): learning_rate: 0.003 -> 0.001",
+        "resuming with a changed setting (it applies from here on): max_iters: 2 -> 4",
     ]
+    assert f"resuming from {tmp_path / 'out' / 'ckpt.pt'} at iter 2" in r.stdout
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
+
+
+CHANGED_OPTIMIZER = {
+    "adamw": dict(weight_decay=0.5, beta1=0.8, beta2=0.9),
+    "muon": dict(weight_decay=0.5, beta1=0.8, beta2=0.9, muon_weight_decay=0.3, muon_momentum=0.8),
+}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, monkeypatch, optimizer):
+    """Bug: the changes were announced, then load_state_dict restored the checkpoint's param_groups, so only the
+    learning rate took effect. The groups after the resume hold the new values, the moments are the checkpoint's,
+    and the weights differ from a resume with the old settings."""
+    import checkpoint
+
+    run = dict(max_iters=2, eval_interval=2, optimizer=optimizer, dropout=0.0)
+    train(tiny_config(data_dir, tmp_path / "out", **run))
+    seen = []
+    real = checkpoint.load_training_state
+
+    def spy(model, optim, ckpt):
+        real(model, optim, ckpt)
+        seen.append([{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups])
+        seen.append({id(p): s for opt in optim.optimizers.values() for p, s in opt.state.items()})
+
+    monkeypatch.setattr(checkpoint, "load_training_state", spy)
+    changed = CHANGED_OPTIMIZER[optimizer]
+    out = {}
+    for name, settings in (("same", {}), ("changed", changed)):
+        shutil.copytree(tmp_path / "out", tmp_path / name)
+        out[name] = train(tiny_config(data_dir, tmp_path / name, **{**run, "max_iters": 3}, **settings,
+                                      init_from="resume"))
+    groups, state = seen[2], seen[3]
+    decayed = [g for g in groups if "betas" in g and g["weight_decay"] != 0.0]
+    assert decayed and all(g["weight_decay"] == 0.5 and g["betas"] == (0.8, 0.9) for g in decayed)
+    assert all(g["betas"] == (0.8, 0.9) for g in groups if "betas" in g)  # the undecayed AdamW group too
+    if optimizer == "muon":
+        muon = [g for g in groups if "betas" not in g]
+        assert muon and all(g["weight_decay"] == 0.3 and g["momentum"] == 0.8 for g in muon)
+    assert state and all(s for s in state.values())  # the checkpoint's moments were restored, not a fresh optimizer
+    same, other = out["same"]["model"].state_dict(), out["changed"]["model"].state_dict()
+    assert any(not torch.equal(same[k], other[k]) for k in same)
 
 
 @pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "missing_meta"])

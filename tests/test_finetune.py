@@ -12,7 +12,8 @@ import torch
 
 import dataio
 import train as train_module
-from common import load_checkpoint, resolve_attention, resolve_device, resolve_dtype
+from common import resolve_attention, resolve_device, resolve_dtype
+from checkpoint import load_checkpoint
 from configurator import configure
 from helpers import ROOT, run_script, tiny_config
 from sample import SampleConfig, load_model

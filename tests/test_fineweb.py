@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import dataio
-from common import UserError, exit_on_user_error, load_checkpoint
+from common import UserError, exit_on_user_error
+from checkpoint import load_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
 from train import batch_generator, get_batch, train, train_batches
 from train import main as train_main

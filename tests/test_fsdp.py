@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import parallel
-from common import UserError, load_checkpoint
+from common import UserError
+from checkpoint import load_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
 from model import GPT, GPTConfig
 from train import check_config, train
@@ -37,7 +39,7 @@ def torchrun(cfg, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 def sharded_params(out_dir) -> dict[str, torch.Tensor]:
-    model, _ = parallel.load_sharded_as_full(str(out_dir / parallel.SHARDED_NAME))
+    model, _ = checkpoint.load_sharded_as_full(str(out_dir / checkpoint.SHARDED_NAME))
     return model.state_dict()
 
 
@@ -103,7 +105,6 @@ def test_fsdp_and_activation_checkpointing_settings_are_checked(data_dir, tmp_pa
         "parallelism='zero' is not one of ddp, fsdp": dict(parallelism="zero"),
         "dtype='float16' is not supported with parallelism='fsdp'": dict(parallelism="fsdp", dtype="float16"),
         "keep_last=2 is not supported with sharded checkpoints": dict(parallelism="fsdp", keep_last=2),
-        "always_save_checkpoint=False is not supported": dict(parallelism="fsdp", always_save_checkpoint=False),
     }
     for message, overrides in cases.items():
         with pytest.raises(UserError, match=re.escape(message)):
@@ -127,16 +128,16 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
     print(f"resume 1 -> 2 ranks: max |param diff| {diff:.2e}")
     assert diff < TOL
     # the conversion to one ckpt.pt: logits equal the sharded model's, and the uninterrupted run's within TOL
-    parallel.main([str(tmp_path / "run" / parallel.SHARDED_NAME)])  # python parallel.py OUT_DIR/ckpt_sharded
+    parallel.main([str(tmp_path / "run" / checkpoint.SHARDED_NAME)])  # python parallel.py OUT_DIR/ckpt_sharded
     converted = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     assert converted["iter_num"] == 8 and converted["optimizer"]["state"]
     idx = torch.randint(converted["model_args"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
-    sharded, _ = parallel.load_sharded_as_full(str(tmp_path / "run" / parallel.SHARDED_NAME))
-    from common import model_from_checkpoint
+    sharded, _ = checkpoint.load_sharded_as_full(str(tmp_path / "run" / checkpoint.SHARDED_NAME))
+    from checkpoint import model_from_checkpoint
 
     from sample import SampleConfig, load_model
 
-    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=parallel.SHARDED_NAME, device="cpu"))
+    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=checkpoint.SHARDED_NAME, device="cpu"))
     models = (model_from_checkpoint(converted), sharded, sampled, reference["model"].eval())
     # the last position's logits and the loss over all positions (training's fused path)
     logits = [torch.cat([m.eval()(idx)[0].flatten(), m(idx, idx)[1].view(1)]) for m in models]
@@ -164,8 +165,8 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
     _, err = proc.communicate(timeout=200)
     assert proc.returncode != 0
     assert "checkpoint saved: resume with --init_from=resume" in err
-    folder = tmp_path / "run" / parallel.SHARDED_NAME
-    stopped_at = parallel.read_train_state(str(folder))["iter_num"]
+    folder = tmp_path / "run" / checkpoint.SHARDED_NAME
+    stopped_at = checkpoint.read_train_state(str(folder))["iter_num"]
     assert 3 <= stopped_at < 16, err[-2000:]
     assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # saved on 2 ranks, resumed in one process (FSDP with a group of one)
@@ -180,7 +181,7 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
 KILL_CHILD = """
 import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import parallel
+import checkpoint
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from helpers import tiny_config
 from train import train
@@ -192,8 +193,8 @@ def kill(at):
 def count(*args, **kwargs):
     saves.append(1)
     return save(*args, **kwargs)
-save, parallel.save_sharded = parallel.save_sharded, count
-parallel._fault_point = kill
+save, checkpoint.save_sharded = checkpoint.save_sharded, count
+checkpoint._fault_point = kill
 finish = FileSystemWriter.finish
 def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
     kill("dcp_finish")
@@ -209,10 +210,10 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
     r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    assert len([f for f in os.listdir(out) if f.startswith(parallel.SHARDED_NAME + "_")]) == 2  # the killed save's too
-    ckpt = parallel.read_resume_checkpoint(str(out), "fsdp")
+    assert len([f for f in os.listdir(out) if f.startswith(checkpoint.SHARDED_NAME + "_")]) == 2  # the killed save's too
+    ckpt = checkpoint.read_resume(checkpoint.find_checkpoint(str(out), prefer_sharded=True))
     assert ckpt["iter_num"] == 2
-    model, _ = parallel.load_sharded_as_full(ckpt["sharded"])
+    model, _ = checkpoint.load_sharded_as_full(ckpt["sharded"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # the next save removes the killed save's folder
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
@@ -306,15 +307,15 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tm
 def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_imported():
     """FSDP and DTensor took 1.2 s of every sample.py start on 2 cores: the scripts' modules import them only where
     a run shards (train.py and bench.py still get them through torch.optim, which imports torch._dynamo);
-    parallel.is_dtensor then still tells a shard from a tensor."""
-    probe = ("import sys, bench, sample, train, parallel, torch; "
+    common.is_dtensor then still tells a shard from a tensor."""
+    probe = ("import sys, bench, sample, train, parallel, common, torch; "
              "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') if m in sys.modules)); "
              "import torch.distributed as d; "
              "d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1); "
              "from torch.distributed.device_mesh import init_device_mesh; "
              "from torch.distributed.tensor import distribute_tensor; "
              "shard = distribute_tensor(torch.zeros(2), init_device_mesh('cpu', (1,))); "
-             "print(parallel.is_dtensor(torch.zeros(1)), parallel.is_dtensor(shard)); d.destroy_process_group()")
+             "print(common.is_dtensor(torch.zeros(1)), common.is_dtensor(shard)); d.destroy_process_group()")
     r = run_script(["-c", probe])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[:2] == ["[]", "False True"]

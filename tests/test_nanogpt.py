@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import dataio
 import train as train_module
-from common import load_checkpoint
+from checkpoint import load_checkpoint
 from helpers import tiny_config
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model, sample
@@ -99,7 +99,7 @@ def write_char_dataset(data_dir, n_chars: int = 40_000, seed: int = 0) -> dict:
 @pytest.fixture()
 def repo_root(tmp_path, monkeypatch):
     """nanoGPT's checkpoints name a dataset, found as data/<dataset> beside train.py: point that at tmp_path."""
-    monkeypatch.setattr(train_module, "ROOT", str(tmp_path))
+    monkeypatch.setattr(dataio, "ROOT", str(tmp_path))
     return tmp_path
 
 

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from common import Dist, UserError, load_checkpoint
+from common import Dist, UserError
+from checkpoint import load_checkpoint
 from helpers import config_args, make_char_dataset, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from common import UserError, load_checkpoint, save_checkpoint
+from common import UserError
+from checkpoint import load_checkpoint, save_checkpoint
 from helpers import make_char_dataset, run_script, tiny_config
 from sample import SEPARATOR, SampleConfig, check_config, load_model, sample
 from train import train
@@ -152,24 +153,36 @@ def test_hf_folder_greedy_tokens_match_hf_generate_and_seeded_text_repeats(tmp_p
 # ----------------------------------------------------------------------------------- one-line errors
 
 
-def test_char_checkpoint_without_its_meta_json_is_refused(char_run, tmp_path, gpt2_bpe):
+def test_a_char_checkpoint_samples_with_the_tokenizer_it_records_after_its_data_moved(char_run, tmp_path):
+    out_dir, meta = char_run
+    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    ckpt["config"]["data_dir"] = str(tmp_path / "moved-away")  # no meta.json there any more
+    save_checkpoint(str(tmp_path / "out" / "ckpt.pt"), ckpt)
+    _, tokenizer = load_model(SampleConfig(out_dir=str(tmp_path / "out"), device="cpu", dtype="float32"))
+    text = "".join(meta["itos"][1:4])
+    assert tokenizer.vocab_size == meta["vocab_size"] and tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_a_checkpoint_recording_no_tokenizer_whose_data_moved_is_refused(char_run, tmp_path, gpt2_bpe):
     out_dir, meta = char_run
     ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     ckpt["config"]["data_dir"] = str(tmp_path / "moved-away")  # no meta.json there: GPT-2 BPE is the fallback
-    save_checkpoint(str(tmp_path / "out" / "ckpt.pt"), ckpt)
+    del ckpt["meta"]  # as in checkpoints written before the tokenizer was recorded
+    path = tmp_path / "out" / "ckpt.pt"
+    save_checkpoint(str(path), ckpt)
     with pytest.raises(UserError) as e:
         load_model(SampleConfig(out_dir=str(tmp_path / "out"), device="cpu", dtype="float32"))
     assert str(e.value) == (
-        f"the tokenizer has 50257 tokens but the model's vocab_size is {meta['vocab_size']}: sampling needs the "
-        f"meta.json of the dataset the model was trained on (run that dataset's prepare.py)"
+        f"the tokenizer of {path} (50257 tokens, logged above) does not fit the model's vocab_size "
+        f"{meta['vocab_size']}: the model was trained on another dataset; point its run config's dataset (or "
+        f"data_dir) at the data it was trained on"
     )
-
 
 
 def test_unknown_init_from():
     assert one_line_error(run_sample("--init_from=gpt5", *CPU)) == (
-        "error: init_from='gpt5' is not one of resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
-        "or a folder with a HF GPT-2 model"
+        "error: init_from='gpt5' is not one of resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, a folder with a HF "
+        "GPT-2 model, or a checkpoint file or sharded folder"
     )
 
 
@@ -177,7 +190,8 @@ def test_missing_checkpoint(tmp_path):
     out_dir = tmp_path / "never-trained"
     out_dir.mkdir()
     assert one_line_error(run_sample(f"--out_dir={out_dir}", *CPU)) == (
-        f"error: no checkpoint at {out_dir}/ckpt.pt: train first, or set --out_dir to the run's folder"
+        f"error: no checkpoint in {out_dir} (neither ckpt.pt nor ckpt_sharded; {out_dir} is empty): train first, "
+        f"or set --out_dir to the run's folder"
     )
 
 
@@ -215,7 +229,7 @@ def test_bad_numbers_are_listed_in_one_error():
 
 
 def test_a_missing_ckpt_best_says_when_it_exists(tmp_path):
-    with pytest.raises(UserError, match=r"ckpt_best.pt: it exists only after a run with always_save_checkpoint=False "
+    with pytest.raises(UserError, match=r"ckpt_best.pt exists only after a run with always_save_checkpoint=False "
                        r"was stopped between evals; otherwise ckpt.pt holds the best weights: drop --ckpt"):
         load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_best.pt", device="cpu"))
 
@@ -233,14 +247,13 @@ def test_checkpoint_loads_on_the_cpu_and_only_the_weights_move(char_run, monkeyp
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
-def test_the_device_is_resolved_once_and_the_data_folder_found_without_a_train_config(char_run, monkeypatch, capsys):
+def test_the_device_is_resolved_once(char_run, monkeypatch, capsys):
     import sample as sample_module
 
     out_dir, meta = char_run
     calls = []
     real = sample_module.resolve_device
     monkeypatch.setattr(sample_module, "resolve_device", lambda device: calls.append(device) or real(device))
-    monkeypatch.setattr(sample_module, "TrainConfig", None, raising=False)  # building one would fail now
     sample_module.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=5", "--device=auto"])
     assert calls == ["auto"]  # once, in check_config; everything after takes the resolved device
     err = capsys.readouterr().err

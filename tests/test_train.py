@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import dataio
-from common import load_checkpoint, model_from_checkpoint, set_deterministic
+from common import set_deterministic
+from checkpoint import load_checkpoint, model_from_checkpoint
 from helpers import config_args, make_char_dataset, run_in_process, run_script, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer

@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from common import Dist, autocast_context, load_checkpoint
+from common import Dist, autocast_context
+from checkpoint import load_checkpoint
 from cuda_helpers import MODEL_TOL, relative_error, requires_cuda
 from helpers import tiny_config
 from model import GPT, GPTConfig
