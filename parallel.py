@@ -157,26 +157,39 @@ def eval_batch_indices(eval_iters: int, dist: Dist, sharded: bool) -> list[tuple
     return [(k, True) for k in ks] + [(0, False)] * (rounds - len(ks))
 
 
-def memory_per_rank(model: nn.Module, optimizer: str = "adamw") -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state, from the local shards of the parameters
-    (the whole tensors without FSDP). Gradients have the parameters' local shape and dtype; AdamW keeps two float32
-    moments per element."""
-    params = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
-    numel = sum(_local(p).numel() for p in model.parameters())
+def memory_per_rank(model: nn.Module, micro_steps: int = 1, optimizer: str = "adamw") -> dict[str, int | bool]:
+    """
+    Bytes this rank holds at its peak for parameters, gradients and optimizer state, from the local shards of the
+    parameters (the whole tensors without FSDP); micro_steps: gradient accumulation micro-steps per rank. AdamW
+    keeps two float32 moments per element. Gradients have the parameters' local shape and dtype, except under
+    FSDP with micro_steps > 1: the micro-steps before the last skip the reduce-scatter (gradient_sync), so every
+    rank accumulates the whole model's gradients unsharded, in float32 (the parameters' dtype: with bf16 compute
+    FSDP accumulates them in its float32 reduce dtype). Measured on 2 ranks: 2 x the sharded gradients' bytes.
+    The last micro-step's reduce-scatters replace them unit by unit with the sharded ones, so the two never
+    coexist in full: the unsharded ones are the gradients counted ("unsharded_grads": True).
+    """
+    local = [_local(p) for p in model.parameters()]
+    params = sum(t.numel() * t.element_size() for t in local)
+    numel = sum(t.numel() for t in local)
+    unsharded_grads = micro_steps > 1 and any(is_dtensor(p) for p in model.parameters())
+    # a DTensor's numel() is the whole tensor's
+    grads = sum(p.numel() * p.element_size() for p in model.parameters()) if unsharded_grads else params
     states = {"adamw": 2 * 4}[optimizer]
-    return {"params": params, "grads": params, "optimizer": numel * states, "numel": numel}
+    return {"params": params, "grads": grads, "optimizer": numel * states, "numel": numel,
+            "unsharded_grads": unsharded_grads}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def memory_text(mem: dict[str, int], world_size: int) -> str:
+def memory_text(mem: dict[str, int | bool], world_size: int) -> str:
     gib = 1 << 30
     total = mem["params"] + mem["grads"] + mem["optimizer"]
-    return (f"memory per rank: params {mem['params'] / gib:.3f} GiB + grads {mem['grads'] / gib:.3f} GiB + optimizer "
-            f"{mem['optimizer'] / gib:.3f} GiB = {total / gib:.3f} GiB ({mem['numel']:,} elements on this rank "
-            f"of {world_size}; {total} bytes)")
+    grads = " (whole model, unsharded: accumulated over the no-sync micro-steps)" if mem["unsharded_grads"] else ""
+    return (f"memory per rank: params {mem['params'] / gib:.3f} GiB + grads {mem['grads'] / gib:.3f} GiB{grads} + "
+            f"optimizer {mem['optimizer'] / gib:.3f} GiB = {total / gib:.3f} GiB ({mem['numel']:,} elements on this "
+            f"rank of {world_size}; {total} bytes)")
 
 
 def main(argv: list[str]) -> None:

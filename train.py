@@ -636,7 +636,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model.check_attention_kernel(ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
     raw_model = model
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
-    log.print(parallel.memory_text(parallel.memory_per_rank(model), dist.world_size))
+    log.print(parallel.memory_text(parallel.memory_per_rank(model, accum_steps), dist.world_size))
 
     optimizer, scaler = optimizer_and_scaler(raw_model, cfg, device, dtype, verbose=dist.master)
     if ckpt is not None:

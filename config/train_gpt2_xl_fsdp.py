@@ -3,13 +3,17 @@
 # $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 #
 # Memory per GPU for parameters + gradients + AdamW state (float32: 4 + 4 + 8 bytes per parameter); train.py
-# prints the measured figure of its own shards at start ("memory per rank: ..."):
+# prints the figure of its own shards at start ("memory per rank: ..."):
 #   DDP (a full copy per GPU): 1,556,840,000 x 16 B = 23.2 GiB, plus DDP's 5.8 GiB of gradient buckets: no room
 #     left on a 24 GB GPU before the first activation.
-#   FSDP over 8 GPUs: 23.2 GiB / 8 = 2.9 GiB, plus one block's all-gathered bf16 parameters at a time (~60 MiB) and
-#     the activations: with activation checkpointing every block keeps only its input (12 x 1024 x 1600 x 2 B =
-#     38 MiB per block, 1.8 GiB for 48 blocks) and recomputes the rest in the backward.
-# (tests/test_fsdp.py computes these figures from the model itself.)
+#   FSDP over 8 GPUs, 5 micro-steps per GPU: params 0.725 GiB + grads 5.800 GiB (unsharded) + AdamW 1.450 GiB =
+#     7.975 GiB per GPU. The gradients are the whole model's: the 4 micro-steps before the last skip the
+#     reduce-scatter, so every GPU accumulates all 1.56B gradients, in float32 (FSDP's reduce dtype), and only the
+#     last micro-step's reduce-scatter leaves each its 0.725 GiB shard of them. Then one block's all-gathered bf16
+#     parameters at a time (~60 MiB) and the activations: with activation checkpointing every block keeps only
+#     its input (12 x 1024 x 1600 x 2 B = 38 MiB per block, 1.8 GiB for 48 blocks) and recomputes the rest in
+#     the backward. About 10 GiB in all.
+# (tests/test_fsdp.py checks these figures against memory_per_rank of the model sharded over 8 ranks.)
 
 wandb_log = True
 wandb_project = "owt"

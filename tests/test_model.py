@@ -314,6 +314,59 @@ def test_batch_rows_generate_as_they_would_alone() -> None:
         assert torch.equal(together[row : row + 1], alone), f"row {row}"
 
 
+# (prompt 5, new tokens, cache positions) for block_size 16: the last new token is returned, never fed to the model
+CACHE_SIZES = {"within": (6, 10), "reaching": (11, 15), "full": (12, 16), "past": (30, 16)}
+
+
+@pytest.mark.parametrize("case", CACHE_SIZES)
+def test_the_cache_holds_the_positions_generation_feeds_and_tokens_do_not_change(monkeypatch, case: str) -> None:
+    """Within the block (10 of 16 positions), the output exactly reaching block_size (15), one more (every slot
+    used, no slide), and past it (the window slides, the cache refilled): every layer's buffers have the
+    positions written and no more (measured from the positions stored), and greedy and seeded tokens equal
+    those of generation without the cache."""
+    n, size = CACHE_SIZES[case]
+    caches = []
+
+    class Recorded(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.written = set()
+            caches.append(self)
+
+        def update(self, layer, k, v, pos):
+            self.written.update(pos.tolist())
+            return super().update(layer, k, v, pos)
+
+    monkeypatch.setattr(model_module, "KVCache", Recorded)
+    model = make_model(seed=40)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(41))
+
+    def sample(use_cache: bool) -> torch.Tensor:
+        g = torch.Generator().manual_seed(42)
+        return model.generate(prompt, n, temperature=0.9, top_k=40, top_p=0.95, generator=g, use_cache=use_cache)
+
+    greedy, sampled = model.generate(prompt, n, temperature=0.0), sample(True)
+    assert len(caches) == 2
+    for cache in caches:
+        assert {tuple(t.shape) for t in cache.k + cache.v} == {(2, 2, size, 16)}
+        assert len(cache.k) == len(cache.v) == 2  # a buffer of each per layer
+        assert cache.written == set(range(size))
+    assert torch.equal(greedy, greedy_reference(model, prompt, n))
+    assert torch.equal(sampled, sample(False))
+
+
+def test_a_cache_smaller_than_the_block_refuses_positions_past_its_size() -> None:
+    model = make_model(seed=43)
+    idx = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(44))
+    cache = KVCache(model.config, 1, size=5)
+    with torch.no_grad():
+        model(idx[:, :5], kv_cache=cache)
+        with pytest.raises(GPTError, match="6 positions do not fit the KV cache, which holds 5"):
+            model(idx[:, 5:], kv_cache=cache)
+    with pytest.raises(GPTError, match="must hold 1 to block_size=16"):
+        KVCache(model.config, 1, size=17)
+
+
 def test_bf16_model_cache_follows_the_weights_dtype_and_tracks_float32() -> None:
     model = make_model(seed=34)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(35))
@@ -328,27 +381,40 @@ def test_bf16_model_cache_follows_the_weights_dtype_and_tracks_float32() -> None
     torch.testing.assert_close(torch.cat(pieces, 1).double(), reference, atol=2e-2, rtol=0)
 
 
-def test_compiled_decode_compiles_once_for_a_deep_model_and_matches_eager() -> None:
-    """10 layers (more than dynamo's recompile limit of 8, which per-layer compiles hit), past block_size, two
-    calls with new caches and another prompt length: any recompile raises. Greedy tokens equal the uncached ones,
-    and seeded sampling gives the same tokens as eager (the sampler runs eagerly on the same logits up to
-    rounding, which no near-tie meets in this model)."""
-    model = make_model(seed=36, n_layer=10, n_embd=16)
-    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(37))
-    expected = greedy_reference(model, prompt, 30)
+def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_matches_eager() -> None:
+    """10 layers (more than dynamo's recompile limit of 8, which per-layer compiles hit). The step's shapes are
+    fixed by the cache's size, so a generation compiles at most once however many positions it steps through; a
+    later one with a cache of the same size compiles nothing, one with another size (within block_size) its own
+    variant, once. Compiles are counted by dynamo's graph counter. Greedy tokens equal the uncached ones, and
+    seeded sampling gives the same tokens as eager (the sampler runs eagerly on the same logits up to rounding,
+    which no near-tie meets in this model)."""
+    from torch._dynamo.utils import counters
 
-    def sample(compile: bool, p: torch.Tensor = prompt) -> torch.Tensor:
+    model = make_model(seed=36, n_layer=10, n_embd=16)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(37))
+
+    def sample(compile: bool, p: torch.Tensor, n: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(38)
-        return model.generate(p, 12, temperature=0.9, top_k=40, top_p=0.95, generator=g, compile=compile)
+        return model.generate(p, n, temperature=0.9, top_k=40, top_p=0.95, generator=g, compile=compile)
+
+    compiles = []
+
+    def counted(generate) -> torch.Tensor:
+        before = counters["stats"]["unique_graphs"]
+        out = generate()
+        compiles.append(counters["stats"]["unique_graphs"] - before)
+        return out
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled_greedy = model.generate(prompt, 30, temperature=0.0, compile=True)  # the first call compiles
-        compiled_sample = sample(True)
-        compiled_short = sample(True, prompt[:, :3])
-    assert torch.equal(compiled_greedy, expected)
-    assert torch.equal(compiled_sample, sample(False))
-    assert torch.equal(compiled_short, sample(False, prompt[:, :3]))
+    past = counted(lambda: model.generate(prompt, 30, temperature=0.0, compile=True))  # 16 positions, then slides
+    reaching = counted(lambda: sample(True, prompt[:, :3], 14))  # 3 + 14 = block_size + 1: 16 positions, no slide
+    within = counted(lambda: model.generate(prompt, 6, temperature=0.0, compile=True))  # 10 positions
+    within_sampled = counted(lambda: sample(True, prompt[:, :3], 8))  # another prompt length, 10 positions again
+    assert compiles == [1, 0, 1, 0]
+    assert torch.equal(past, greedy_reference(model, prompt, 30))
+    assert torch.equal(within, greedy_reference(model, prompt, 6))
+    assert torch.equal(reaching, sample(False, prompt[:, :3], 14))
+    assert torch.equal(within_sampled, sample(False, prompt[:, :3], 8))
 
 
 # ----------------------------------------------------------------------------------- 4. HF GPT-2 parity

@@ -40,15 +40,29 @@ def test_cached_and_uncached_greedy_past_block_size_agree_with_float64():
         check(reference, out, 5, torch.float32)
 
 
-def test_compiled_step_compiles_once_for_a_deep_model_on_cuda():
+def test_compiled_step_compiles_once_per_generation_for_a_deep_model_on_cuda():
+    """The cache is sized to each generation (prompt + new tokens - 1, at most block_size), and the step's shapes
+    are the cache's: each generation compiles once, a cache of the same size compiles nothing new."""
+    from torch._dynamo.utils import counters
+
     model, reference = tiny(n_layer=10)
     prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    compiles = []
+
+    def counted(p: torch.Tensor, n: int) -> torch.Tensor:
+        before = counters["stats"]["unique_graphs"]
+        out = model.generate(p, n, temperature=0.0, compile=True)
+        compiles.append(counters["stats"]["unique_graphs"] - before)
+        return out
+
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        out = model.generate(prompt, 30, temperature=0.0, compile=True)
-        again = model.generate(prompt[:, :3], 12, temperature=0.0, compile=True)  # new cache, new prompt length
+    out = counted(prompt, 30)  # block_size 16 positions, then the window slides
+    again = counted(prompt[:, :3], 12)  # a new cache of 14 positions, another prompt length
+    same_size = counted(prompt[:, :4], 11)  # 14 positions again
+    assert compiles == [1, 1, 0]
     check(reference, out, 5, torch.float32)
     check(reference, again, 3, torch.float32)
+    check(reference, same_size, 4, torch.float32)
 
 
 def test_bf16_autocast_cache_is_bf16_and_tokens_stay_within_tolerance():
