@@ -362,6 +362,9 @@ def convert_to_single_file(folder: str, path: str | None = None) -> str:
 
 
 def main(argv: list[str]) -> None:
+    from configurator import exit_on_help
+
+    exit_on_help(argv, __doc__)  # --help, -h: the usage, exit 0
     if len(argv) not in (1, 2) or argv[0].startswith("-"):
         raise UserError("usage: python parallel.py OUT_DIR/ckpt_sharded [OUT_FILE] (default OUT_DIR/ckpt.pt)")
     if not is_sharded(argv[0]):
