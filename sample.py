@@ -163,11 +163,11 @@ def checkpoint_tokenizer(run_config: dict) -> dataio.Tokenizer:
         log("tokenizer: GPT-2 BPE (the checkpoint names no dataset)")
         return dataio.gpt2_tokenizer()
     data_dir = dataset_dir(run_config.get("dataset", ""), run_config.get("data_dir"))
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+    if dataio.meta_path(data_dir) is None:  # meta.json, or nanoGPT's meta.pkl
         log(f"tokenizer: GPT-2 BPE (no meta.json in {data_dir})")
         return dataio.gpt2_tokenizer()
     meta = dataio.load_meta(data_dir)
-    log(f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, from {os.path.join(data_dir, 'meta.json')})")
+    log(f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, from {dataio.meta_path(data_dir)})")
     return dataio.get_tokenizer(meta)
 
 

