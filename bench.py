@@ -82,9 +82,10 @@ class BenchConfig(StepConfig):
     result_json: str = ""  # also write this run's figures to this file (the studies read it)
 
 
-def load_config(argv: list[str]) -> tuple[BenchConfig, list[str]]:
-    """The config, and the argv that rebuilds it (with config/bench_cpu.py when it was loaded automatically)."""
-    cfg = configure(BenchConfig(), argv)
+def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig, list[str]]:
+    """The config, and the argv that rebuilds it (with config/bench_cpu.py when it was loaded automatically).
+    `usage`: what --help prints above the keys (default: this module's docstring)."""
+    cfg = configure(BenchConfig(), argv, usage)
     given_file = any(not a.startswith("--") for a in argv)
     if not given_file and resolve_device(cfg.device) == "cpu":
         print(f"device is cpu and no config file was given: loading {os.path.relpath(CPU_CONFIG)} (a CPU-sized "

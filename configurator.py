@@ -3,12 +3,22 @@
 nanoGPT's configurator exec'd files into the script's globals and asserted on overrides, so a typo silently
 created a new global. Here every file runs in its own namespace, every key is checked against the typed
 defaults, and all problems are reported together in one ConfigError before anything is applied.
+
+`--help` (or `-h`) anywhere prints the script's usage and every key with its type, default and the comment
+beside it in the dataclass's source, then exits 0 (help_text).
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
 import difflib
+import inspect
+import io
+import os
+import re
+import sys
+import textwrap
+import tokenize
 import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,15 +35,18 @@ class ConfigError(UserError):
     """Every problem found in the config files and overrides, on one line joined with "; "."""
 
 
-def configure(config: T, argv: list[str]) -> T:
+def configure(config: T, argv: list[str], usage: str | None = None) -> T:
     """Return a copy of `config` with the config files and `--key=value` overrides in `argv` applied in order.
 
     Items without a leading `--` are config files (plain Python assignments); later items win. A boolean key
     given bare (`--compile`) means True. Nothing is applied unless every item is valid: otherwise one ConfigError
     lists all the problems, so a user fixes a command line in one round instead of one error at a time.
+    `--help` or `-h` prints `usage` (default: the docstring of the config's module, the script) and the keys, and
+    exits 0.
     """
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"configure() needs a dataclass instance, got {type(config).__name__}")
+    exit_on_help(argv, script_doc(config) if usage is None else usage, config)
     # get_type_hints resolves string annotations (`from __future__ import annotations` in the scripts).
     hints = typing.get_type_hints(type(config))
     field_types = {f.name: hints[f.name] for f in dataclasses.fields(config) if f.init}
@@ -81,6 +94,171 @@ def configure(config: T, argv: list[str]) -> T:
 def config_summary(config: DataclassInstance) -> str:
     """One `key = value` line per field, for the run log; the text is itself a valid config file."""
     return "\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
+
+
+# ----------------------------------------------------------------------------------------------- --help
+
+HELP_FLAGS = ("--help", "-h")
+HELP_WIDTH = 120  # --help wraps the keys' comments at this column
+WRAPPED_AT = 100  # a line at least this long was wrapped (at the 120-column margin): a comment under it goes on
+# Group headers: "# data", "# I/O", "# learning rate schedule: linear warmup, then cosine decay to min_lr".
+_HEADER = re.compile(r"[\w/ -]+(:.*)?")
+
+
+def help_requested(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def exit_on_help(argv: list[str], usage: str | None, *configs: DataclassInstance) -> None:
+    """With --help or -h anywhere in argv: print help_text(usage, *configs) and exit 0; else do nothing."""
+    if help_requested(argv):
+        print(help_text(usage, *configs))
+        raise SystemExit(0)
+
+
+def script_doc(config: DataclassInstance) -> str | None:
+    """The docstring of the module that defines the config's class: the script's (`__main__` when run as one)."""
+    module = sys.modules.get(type(config).__module__)
+    return getattr(module, "__doc__", None)
+
+
+def usage_text(doc: str | None) -> str:
+    """A script's usage from its docstring: the first paragraph and every paragraph with a command line in it."""
+    paragraphs = [p for p in textwrap.dedent((doc or "").strip("\n")).split("\n\n") if p.strip()]
+    commands = ("$ ", "python ", "torchrun ")
+    keep = [p.strip("\n") for i, p in enumerate(paragraphs)
+            if i == 0 or any(line.strip().startswith(commands) for line in p.splitlines())]
+    return "\n\n".join(keep)
+
+
+def help_text(usage: str | None, *configs: DataclassInstance, width: int = HELP_WIDTH) -> str:
+    """The usage, then each config's keys grouped by the dataclass that declares them (a base class first) and by
+    the `# header` comments in its source, one `--key=default  type  comment` line per key (the comment wrapped at
+    `width`): the comment beside the field in the source, with the comment lines that continue it."""
+    blocks = [usage_text(usage)] if usage else []
+    if configs:
+        blocks.append(textwrap.fill("Keys: the defaults below, then config files (Python files that assign keys) "
+                                    "and --key=value overrides in the order given; a bare --flag sets a bool key "
+                                    "to True.", width))
+    for config in configs:
+        hints = typing.get_type_hints(type(config))
+        sections = []  # (title, [(key and default, type, comment) or (group header, None, None)])
+        for cls, doc, groups in config_docs(type(config)):
+            source = _source_file(cls)
+            title = f"{cls.__name__} ({os.path.basename(source)})" if source else cls.__name__
+            rows: list[tuple[str, str | None, str]] = []
+            for label, fields in groups:
+                if label:
+                    rows.append((f"  {label}", None, ""))
+                rows += [(f"    --{name}={getattr(config, name)!r}", _type_name(hints[name]), comment)
+                         for name, comment in fields]
+            sections.append((f"{title}: {doc}" if doc else title, rows))
+        keys = [row for _, rows in sections for row in rows if row[1] is not None]
+        key_width = min(max((len(k) for k, _, _ in keys), default=0), 40)
+        type_width = min(max((len(t) for _, t, _ in keys), default=0), 16)
+        indent = " " * (key_width + type_width + 4)
+        for title, rows in sections:
+            lines = textwrap.wrap(title, width, subsequent_indent="  ")
+            for key, tp, comment in rows:
+                if tp is None:
+                    lines.append(key)
+                    continue
+                line = f"{key:<{key_width}}  {tp:<{type_width}}  "
+                if len(line) > len(indent):  # a long default or type: the comment goes under it
+                    lines.append(line.rstrip())
+                    line = indent
+                wrapped = textwrap.wrap(comment, max(width - len(indent), 40)) or [""]
+                lines += [(line + wrapped[0]).rstrip(), *(indent + w for w in wrapped[1:])]
+            blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def config_docs(cls: type) -> list[tuple[type, str, list[tuple[str | None, list[tuple[str, str]]]]]]:
+    """For each dataclass in `cls`'s inheritance chain, base first: (the class, the first sentence of its
+    docstring, [(group header or None, [(field, comment)])]). A field appears under the last class that declares
+    it (a subclass that changes its default), with the comment of the last class that gives one. A field found in
+    no source (a class without one) goes to the end of `cls`'s list, with no comment."""
+    chain = [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    parsed = {c: _class_source_docs(c) for c in chain}
+    owner: dict[str, type] = {}
+    comment: dict[str, str] = {}
+    for c in chain:
+        for _, fields in parsed[c][1]:
+            for name, text in fields:
+                owner[name] = c
+                comment[name] = text or comment.get(name, "")
+    result = []
+    for c in chain:
+        doc, groups = parsed[c]
+        kept = [(label, [(n, comment[n]) for n, _ in fields if n in names and owner[n] is c])
+                for label, fields in groups]
+        if c is cls:
+            kept.append((None, [(n, "") for n in names if n not in owner]))
+        kept = [(label, fields) for label, fields in kept if fields]
+        if kept:
+            result.append((c, doc, kept))
+    return result
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:  # a built-in class
+        return None
+
+
+def _class_source_docs(cls: type) -> tuple[str, list[tuple[str | None, list[tuple[str, str]]]]]:
+    """(first sentence of the class docstring, [(group header, [(field, comment)])]) from the class's own source.
+
+    A field's comment is the one after it on its line, plus the comment lines right under it that continue it: those
+    under a wrapped line (WRAPPED_AT) that do not read as a header, and any while a parenthesis is open. Any other
+    comment line is a group header; a header "# key: text" right above field `key`, which has no comment of its
+    own, is that field's comment.
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source).body[0]
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError, IndexError):
+        return "", []
+    if not isinstance(tree, ast.ClassDef):
+        return "", []
+    doc = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
+    doc = re.split(r"(?<=\.)\s", doc, maxsplit=1)[0]
+    field_ends = {node.end_lineno: node.target.id for node in tree.body
+                  if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    body_col = tree.body[0].col_offset if tree.body else 0
+    comments = {}  # line number: (text, alone on its line)
+    for tok in tokens:
+        if tok.type == tokenize.COMMENT:
+            alone = not tok.line[: tok.start[1]].strip()
+            if not alone or tok.start[1] == body_col:  # a comment inside a method is neither
+                comments[tok.start[0]] = (tok.string.lstrip("#").strip(), alone)
+    lines = source.splitlines()
+    groups: list[tuple[str | None, list[tuple[str, str]]]] = [(None, [])]
+    continuing = False  # the line above holds the comment of the last field
+    for number in range(1, len(lines) + 1):
+        text, alone = comments.get(number, ("", True))
+        if number in field_ends:
+            name = field_ends[number]
+            label, fields = groups[-1]
+            if not text and not fields and label and label.startswith(f"{name}: "):
+                groups[-1] = (name, fields)
+                text = label[len(name) + 2 :]
+            fields.append((name, text))
+            continuing = bool(text)
+        elif text and alone:
+            label, fields = groups[-1]
+            open_paren = continuing and fields[-1][1].count("(") > fields[-1][1].count(")")
+            if open_paren or continuing and len(lines[number - 2]) >= WRAPPED_AT and not _HEADER.fullmatch(text):
+                fields[-1] = (fields[-1][0], f"{fields[-1][1]} {text}")
+            else:
+                groups.append((text, []))
+                continuing = False
+        else:
+            continuing = False
+    return doc, groups
 
 
 # Marks a rejected value (None can be a legitimate value).

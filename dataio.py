@@ -15,11 +15,15 @@ A sharded dataset (data/fineweb_edu/prepare.py) has shards instead of train.bin 
     data/<dataset>/meta.json                  as above, plus "shards": {"train": [file names], "val": [...]}
 
 A split's shards, in the order meta.json lists them, read as one stream of tokens (TokenSplit).
+
+A nanoGPT dataset folder reads as it is: its meta.pkl (char-level: {"vocab_size", "itos": {id: char}, "stoi"}) stands
+in for meta.json, read by an unpickler that builds only plain data (load_meta).
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -35,10 +39,18 @@ DTYPE = np.uint16
 MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535
 GPT2_EOT = 50256
 CHECK_CHUNK = 2**24  # tokens per chunk when scanning a token file for its max id
+REPO = Path(__file__).resolve().parent
+DATASET_FILES = "train.bin and val.bin (uint16 token ids) and meta.json (dataio.write_meta) or nanoGPT's meta.pkl"
+GPT2_META = {"vocab_size": 50257, "tokenizer": "gpt2"}  # the meta.json of a folder of GPT-2 BPE tokens
 
 
-def _prepare_hint(data_dir: str | os.PathLike[str]) -> str:
-    return f"run `python data/{Path(data_dir).name}/prepare.py` first"
+def _prepare_hint(data_dir: str | os.PathLike[str], again: bool = False) -> str:
+    """How to make the dataset: its prepare script, where the repo has one of the folder's name; else which files
+    a dataset folder holds."""
+    name = Path(data_dir).name
+    if (REPO / "data" / name / "prepare.py").is_file():
+        return f"rerun `python data/{name}/prepare.py`" if again else f"run `python data/{name}/prepare.py` first"
+    return f"rewrite it with the script that made {data_dir}" if again else f"a dataset folder holds {DATASET_FILES}"
 
 
 def _rerun_hint(data_dir: str | os.PathLike[str]) -> str:
@@ -162,7 +174,7 @@ def dataset_dir(dataset: str, data_dir: str | None = None) -> str:
 
 def find_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The dataset's tokenizer description (load_meta) if it has one, else None."""
-    return load_meta(data_dir) if (Path(data_dir) / "meta.json").is_file() else None
+    return load_meta(data_dir) if meta_path(data_dir) is not None else None
 
 
 def tokenizer_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -170,37 +182,120 @@ def tokenizer_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos") if k in meta}
 
 
+def meta_path(data_dir: str | os.PathLike[str]) -> Path | None:
+    """The file load_meta reads: data_dir/meta.json, else nanoGPT's data_dir/meta.pkl; None if there is neither."""
+    for name in ("meta.json", "meta.pkl"):
+        if (Path(data_dir) / name).is_file():
+            return Path(data_dir) / name
+    return None
+
+
 def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read data_dir/meta.json; a missing or malformed file is a UserError that says how to make it."""
-    path = Path(data_dir) / "meta.json"
-    if not path.is_file():
-        raise UserError(f"no meta.json in {data_dir}: {_prepare_hint(data_dir)}")
+    """Read data_dir/meta.json, else nanoGPT's meta.pkl (load_nanogpt_meta); a missing or malformed file is a
+    UserError that says how to make it."""
+    path = meta_path(data_dir)
+    if path is None:
+        gpt2 = ""
+        if (Path(data_dir) / "train.bin").is_file():  # nanoGPT writes no meta file for GPT-2 BPE tokens
+            gpt2 = f"; for GPT-2 BPE tokens (nanoGPT's openwebtext) write meta.json as {json.dumps(GPT2_META)}"
+        raise UserError(f"no meta.json in {data_dir}: {_prepare_hint(data_dir)}{gpt2}")
+    if path.suffix == ".pkl":
+        return load_nanogpt_meta(path)
+    again = _prepare_hint(data_dir, again=True)
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}): delete it and {_prepare_hint(data_dir)}") from e
+        raise UserError(f"{path} is not valid JSON ({e}): {again}") from e
     if not isinstance(meta, dict):
-        raise UserError(f"{path} holds a {type(meta).__name__}, not a JSON object: {_prepare_hint(data_dir)}")
+        raise UserError(f"{path} holds a {type(meta).__name__}, not a JSON object: {again}")
     missing = [k for k in ("vocab_size", "tokenizer") if k not in meta]
     if missing:
-        raise UserError(f"{path} lacks key(s) {', '.join(missing)}: {_prepare_hint(data_dir)}")
+        raise UserError(f"{path} lacks key(s) {', '.join(missing)}: {again}")
     return meta
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle writes without naming a class or function: dicts, lists, strings, numbers (and
+    tuples, sets, bytes, which load_nanogpt_meta then refuses). Objects, and calls such as a reduce to os.system,
+    all need a class or function looked up by name: every lookup is refused before it happens."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _RefusedPickle(f"it names {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _RefusedPickle("it holds a persistent id")
+
+
+class _RefusedPickle(pickle.UnpicklingError):
+    pass
+
+
+_PLAIN = (dict, list, str, int, float, bool, type(None))
+
+
+def load_nanogpt_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """nanoGPT's meta.pkl as this repo's meta: {"vocab_size", "tokenizer": "char", "itos": [chars]}. nanoGPT's
+    shakespeare_char writes {"vocab_size": 65, "itos": {0: "\\n", ...}, "stoi": {"\\n": 0, ...}}. Read without running
+    anything: a pickle that holds more than plain dicts, lists, strings and numbers is refused in one line."""
+    path = Path(path)
+    plain = "a meta.pkl may hold only dicts, lists, strings and numbers, as nanoGPT's does"
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainUnpickler(f).load()
+    except _RefusedPickle as e:
+        raise UserError(f"{path} refused, nothing in it was run: {e}, and {plain}; delete it or write meta.json "
+                        f"(dataio.write_meta) instead") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            OverflowError, MemoryError, RecursionError) as e:
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e}): "
+                        f"{_prepare_hint(path.parent, again=True)}") from None
+    stack = [meta]
+    while stack:  # iterative: a deeply nested pickle cannot overflow the stack
+        value = stack.pop()
+        if type(value) not in _PLAIN:
+            raise UserError(f"{path} refused: it holds a {type(value).__name__}, and {plain}; delete it or write "
+                            f"meta.json (dataio.write_meta) instead")
+        if isinstance(value, dict):
+            stack += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            stack += value
+    vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    if type(vocab_size) is not int or itos is None:
+        shown = sorted(map(str, meta)) if isinstance(meta, dict) else type(meta).__name__
+        raise UserError(f"{path} is not nanoGPT's char-level meta.pkl (a dict with vocab_size and itos; it holds "
+                        f"{shown}); for GPT-2 BPE tokens delete it and write meta.json as {json.dumps(GPT2_META)}")
+    if isinstance(itos, dict):  # nanoGPT's {id: char}
+        if sorted(k for k in itos if type(k) is int) != list(range(len(itos))):
+            raise UserError(f"{path}: the keys of itos are not the ids 0..{len(itos) - 1}; rewrite it with the "
+                            "script that made it")
+        itos = [itos[i] for i in range(len(itos))]
+    if not isinstance(itos, list) or not all(isinstance(c, str) and len(c) == 1 for c in itos):
+        raise UserError(f"{path}: itos must map the ids 0..vocab_size-1 to single characters; rewrite it with the "
+                        "script that made it")
+    if vocab_size != len(itos):
+        raise UserError(f"{path} says vocab_size {vocab_size} but itos has {len(itos)} characters; rewrite it with "
+                        "the script that made it")
+    stoi = meta.get("stoi")
+    if stoi is not None and stoi != {c: i for i, c in enumerate(itos)}:
+        raise UserError(f"{path}: stoi is not the inverse of itos; rewrite it with the script that made it")
+    return {"vocab_size": vocab_size, "tokenizer": "char", "itos": itos}
 
 
 def open_tokens(path: str | os.PathLike[str], vocab_size: int | None = None) -> np.memmap:
     """Map a token file read-only; with `vocab_size`, also check that every id is below it."""
     path = Path(path)
-    hint = _prepare_hint(path.parent)
+    hint, again = _prepare_hint(path.parent), _prepare_hint(path.parent, again=True)
     if not path.is_file():
         raise UserError(f"missing {path}: {hint}")
     size = path.stat().st_size
     if size == 0:
-        raise UserError(f"{path} is empty (0 tokens): {hint} again")
+        raise UserError(f"{path} is empty (0 tokens): {again}")
     itemsize = np.dtype(DTYPE).itemsize
     if size % itemsize:
         raise UserError(
             f"{path} has {size} bytes, not a whole number of uint16 tokens ({itemsize} bytes each): "
-            f"the file is truncated or not a token file; {hint} again"
+            f"the file is truncated or not a token file; {again}"
         )
     arr = np.memmap(path, dtype=DTYPE, mode="r")
     if vocab_size is not None:
@@ -208,7 +303,7 @@ def open_tokens(path: str | os.PathLike[str], vocab_size: int | None = None) -> 
         if max_id >= vocab_size:
             raise UserError(
                 f"{path} holds token id {max_id} but the vocab size is {vocab_size}: the tokens were written "
-                f"with another tokenizer than meta.json describes; {hint} again"
+                f"with another tokenizer than meta.json describes; {again}"
             )
     return arr
 
@@ -297,7 +392,7 @@ def open_split(
     max_id, so opening 10B tokens of shards reads no tokens). `meta`: meta.json's content, if already loaded.
     """
     data_dir = Path(data_dir)
-    if meta is None and (data_dir / "meta.json").is_file():
+    if meta is None and meta_path(data_dir) is not None:
         meta = load_meta(data_dir)
     shards = (meta or {}).get("shards")
     if shards is None:

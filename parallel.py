@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 
 import checkpoint
 from common import Dist, UserError, exit_on_user_error, is_dtensor
+from configurator import exit_on_help
 from model import GPT
 
 PARALLELISMS = ("ddp", "fsdp")
@@ -193,6 +194,7 @@ def memory_text(mem: dict[str, int | bool], world_size: int) -> str:
 
 
 def main(argv: list[str]) -> None:
+    exit_on_help(argv, __doc__)  # --help, -h: the usage, exit 0
     if len(argv) not in (1, 2) or argv[0].startswith("-"):
         raise UserError("usage: python parallel.py OUT_DIR/ckpt_sharded [OUT_FILE] (default OUT_DIR/ckpt.pt)")
     path = checkpoint.convert_to_single_file(*argv)

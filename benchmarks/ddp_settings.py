@@ -86,12 +86,12 @@ def run(setting: dict, device: str, nproc: int, tmp: str) -> dict:
             "ms": statistics.median(m for r in ranks for m in r["ms"]), "grad_mib": ranks[0]["grad_bytes"] / 2**20}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="runs of each setting, alternating")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):

@@ -17,12 +17,13 @@ from typing import TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import run_info, synchronize
-from configurator import configure
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script (--help), common and configurator are in the repo root
+
+from common import run_info, synchronize  # noqa: E402
+from configurator import configure, exit_on_help, help_requested, script_doc  # noqa: E402
 
 T = TypeVar("T")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------------------------- the machine
 
@@ -250,7 +251,12 @@ def run_child(argv: list[str], overrides: dict, result_path: str, script: str = 
 
 def study_config(defaults: T, argv: list[str]) -> tuple[T, list[str]]:
     """A study's own keys (the fields of `defaults`) from argv, and the rest: bench.py's config and overrides,
-    which the study hands to bench.load_config and to its child runs."""
+    which the study hands to bench.load_config and to its child runs. --help: the study's usage, its keys and
+    bench.py's."""
+    if help_requested(argv):
+        from bench import BenchConfig  # bench imports this module
+
+        exit_on_help(argv, script_doc(defaults), defaults, BenchConfig())
     own = {f.name for f in fields(defaults)}
     mine = [a for a in argv if a.startswith("--") and a[2:].split("=")[0] in own]
     return configure(defaults, mine), [a for a in argv if a not in mine]
@@ -351,3 +357,10 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best * 1000, len(calls)
+
+
+if __name__ == "__main__":  # a library, not a script: --help says what it holds, anything else where to go
+    exit_on_help(sys.argv[1:], __doc__)
+    print("error: benchmarks/measure.py is a library: run bench.py or a study in benchmarks/ (--help lists its keys)",
+          file=sys.stderr)
+    sys.exit(2)

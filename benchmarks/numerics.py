@@ -89,7 +89,7 @@ def numerics_study(cfg: bench.BenchConfig, device: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, _ = bench.load_config(sys.argv[1:] if argv is None else argv)
+    cfg, _ = bench.load_config(sys.argv[1:] if argv is None else argv, usage=__doc__)
     rows = numerics_study(cfg, resolve_device(cfg.device))
     print(f"numerics: relative error against float64 (same weights, math attention): the output of layer 0's "
           f"attention on random (B={cfg.batch_size}, T={cfg.block_size}, C={cfg.n_embd}) inputs, and the model's "

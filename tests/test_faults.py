@@ -426,7 +426,9 @@ def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
         expected = f"{d / 'val.bin'} has 500 tokens, too few for block_size=600: lower block_size or add data"
     else:
         os.remove(d / "meta.json")
-        expected = f"no meta.json in {d}: run `python data/mydata/prepare.py` first"
+        expected = (f"no meta.json in {d}: a dataset folder holds train.bin and val.bin (uint16 token ids) and "
+                    "meta.json (dataio.write_meta) or nanoGPT's meta.pkl; for GPT-2 BPE tokens (nanoGPT's "
+                    'openwebtext) write meta.json as {"vocab_size": 50257, "tokenizer": "gpt2"}')  # no such script
     assert expected in _error_line(run_in_process(args, capsys))
 
 

@@ -11,8 +11,11 @@ exact form), and checkpoints from before PyTorch 2.0 also hold each layer's caus
 """
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 import dataio
 import train as train_module
 from checkpoint import load_checkpoint
-from helpers import tiny_config
+from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model, sample
 from train import train
@@ -220,6 +223,72 @@ def test_nanogpt_checkpoint_starts_a_fine_tune(tmp_path):
     assert ckpt["model_args"]["vocab_size"] == 65 and ckpt["model"]["lm_head.weight"].shape == (65, 32)
     first_eval = [json.loads(line) for line in open(tmp_path / "ft" / "metrics.jsonl")][0]
     assert first_eval["iter"] == 0 and tuned["val_loss"] < first_eval["val_loss"]
+
+
+# ----------------------------------------------------------------------------------- nanoGPT's dataset folders
+
+
+def write_nanogpt_char_folder(data_dir, meta: object = None) -> None:
+    """The files of nanoGPT's data/shakespeare_char/prepare.py: train.bin and val.bin (np.uint16 .tofile, as
+    dataio.write_tokens writes them), and instead of meta.json a meta.pkl, pickle.dump of `meta`, by default what
+    nanoGPT dumps: {'vocab_size': 65, 'itos': {0: '\\n', ...}, 'stoi': {'\\n': 0, ...}}."""
+    write_char_dataset(data_dir)
+    os.remove(os.path.join(data_dir, "meta.json"))
+    if meta is None:
+        stoi = {ch: i for i, ch in enumerate(SHAKESPEARE_CHARS)}
+        itos = {i: ch for i, ch in enumerate(SHAKESPEARE_CHARS)}
+        meta = {"vocab_size": len(SHAKESPEARE_CHARS), "itos": itos, "stoi": stoi}
+    with open(os.path.join(data_dir, "meta.pkl"), "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_nanogpt_char_folder_with_meta_pkl_trains_and_samples(tmp_path):
+    data_dir = tmp_path / "shakespeare_char"
+    write_nanogpt_char_folder(data_dir)
+    assert dataio.load_meta(data_dir) == {"vocab_size": 65, "tokenizer": "char", "itos": list(SHAKESPEARE_CHARS)}
+
+    result = train(tiny_config(data_dir, tmp_path / "out"))
+    assert result["model"].config.vocab_size == 65 and result["val_loss"] < math.log(65)  # learnt: below uniform
+
+    cfg = SampleConfig(out_dir=str(tmp_path / "out"), start="KING", **CPU_GREEDY)
+    model, tokenizer = load_model(cfg)  # the tokenizer from the run's data_dir: meta.pkl's characters
+    assert tokenizer.itos == list(SHAKESPEARE_CHARS)
+    out = sample(model, tokenizer, "KING", cfg)
+    assert out.ids[0][:4] == [SHAKESPEARE_CHARS.index(c) for c in "KING"] and len(out.ids[0]) == 4 + 20
+    assert out.texts[0] == "".join(SHAKESPEARE_CHARS[i] for i in out.ids[0])
+
+
+class Meta(collections.OrderedDict):
+    """A dict subclass: pickled as a reference to this class, which loading would import and call."""
+
+
+class RunsCommand:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):  # unpickling calls os.system(command)
+        return os.system, (self.command,)
+
+
+@pytest.mark.parametrize("case", ["os_system", "ordered_dict", "dict_subclass", "tuple"])
+def test_meta_pkl_with_more_than_plain_data_is_refused_unrun(tmp_path, case, capsys):
+    marker = tmp_path / "ran"
+    plain = {"vocab_size": 65, "itos": dict(enumerate(SHAKESPEARE_CHARS))}
+    meta, names = {
+        "os_system": ({**plain, "stoi": RunsCommand(f"touch {marker}")}, f"it names {os.name}.system"),
+        "ordered_dict": (collections.OrderedDict(plain), "it names collections.OrderedDict"),
+        "dict_subclass": (Meta(plain), f"it names {__name__}.Meta"),
+        "tuple": ({**plain, "itos": tuple(SHAKESPEARE_CHARS)}, "it holds a tuple"),
+    }[case]
+    data_dir = tmp_path / "nanochar"
+    write_nanogpt_char_folder(data_dir, meta)
+
+    result = run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out"))], capsys)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    refused = "refused, nothing in it was run: " if case != "tuple" else "refused: "
+    assert result.stderr.startswith(f"error: {data_dir / 'meta.pkl'} {refused}{names}, and a meta.pkl may hold only "
+                                    "dicts, lists, strings and numbers, as nanoGPT's does"), result.stderr
+    assert not marker.exists() and not (tmp_path / "out" / "ckpt.pt").exists()
 
 
 # ----------------------------------------------------------------------------------- nanoGPT's command lines
