@@ -7,9 +7,9 @@ $ python export.py --out_dir=out-shakespeare-char --ckpt=ckpt_best.pt --to=hf-ch
 The folder gets config.json, model.safetensors (float32, as trained), generation_config.json and, for a GPT-2 BPE
 run, the tokenizer files (tiktoken's "gpt2" encoding is HF's `gpt2` tokenizer: its vocab.json and merges.txt are
 tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for this repo's checkpoints (ckpt.pt,
-ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped (50304 -> 50257); GELU "tanh" becomes HF's gelu_new,
-"erf" its gelu; a model without biases gets zero biases where GPT-2's layout has them. A setting that GPT-2 in
-transformers cannot express is refused, never exported wrong.
+ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped
+(50304 -> 50257); GELU "tanh" becomes HF's gelu_new, "erf" its gelu; a model without biases gets zero biases where
+GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
 
 Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
 """
@@ -43,8 +43,8 @@ CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".ml
 @dataclass
 class ExportConfig:
     out_dir: str = "out"  # the training run's folder
-    ckpt: str | None = None  # None: the newest of ckpt.pt and ckpt_sharded in out_dir (by iteration); or a name in
-    # out_dir: ckpt_best.pt, ckpt_sharded_best (the best val loss's weights, if kept), ckpt_sharded, ...
+    ckpt: str | None = None  # a checkpoint in out_dir (None: the newest of ckpt.pt and
+    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     to: str = ""  # the folder to write (created; files of the same names are replaced)
 
 

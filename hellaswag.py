@@ -182,8 +182,8 @@ class HellaSwagConfig:
     init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a
     # HF folder, or a checkpoint file or sharded folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
-    ckpt: str | None = None  # with init_from=resume: None reads the newest of ckpt.pt and ckpt_sharded; or a name
-    # in out_dir (ckpt_best.pt, ckpt_sharded_best)
+    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
+    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded to data/hellaswag/
     max_examples: int = 0  # score only the first this many examples (0: all)
     device: str = "auto"  # "auto", "cpu", "cuda", ... (under torchrun: each rank's GPU)

@@ -37,8 +37,8 @@ class SampleConfig:
     init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", ..., a HF GPT-2 folder, or
     # a checkpoint file or sharded folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
-    ckpt: str | None = None  # with init_from=resume: None reads the newest of ckpt.pt and ckpt_sharded (by iteration);
-    # or a name in out_dir: ckpt_best.pt, ckpt_sharded_best (the best val loss's weights, if kept), ckpt_0000500.pt
+    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
+    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
     num_samples: int = 10
     max_new_tokens: int = 500  # tokens generated per sample

@@ -190,7 +190,7 @@ def plot_ablation(results: list[dict], path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    own, argv = study_config(AblationConfig(), sys.argv[1:] if argv is None else argv)
+    own, argv = study_config(AblationConfig(), sys.argv[1:] if argv is None else argv, bench.BenchConfig())
     cfg, argv = bench.load_config(argv)  # checked once here, not in every child
     device = resolve_device(cfg.device)
     results = run_ablation(selected_rows(own, device), argv, device)

@@ -249,14 +249,12 @@ def run_child(argv: list[str], overrides: dict, result_path: str, script: str = 
     return {"status": "failed", "reason": f"failed (exit {proc.returncode}): {lines[-1]}", "command": command}
 
 
-def study_config(defaults: T, argv: list[str]) -> tuple[T, list[str]]:
+def study_config(defaults: T, argv: list[str], bench_defaults) -> tuple[T, list[str]]:
     """A study's own keys (the fields of `defaults`) from argv, and the rest: bench.py's config and overrides,
     which the study hands to bench.load_config and to its child runs. --help: the study's usage, its keys and
-    bench.py's."""
+    bench.py's (`bench_defaults`: the study's bench.BenchConfig(); bench.py imports this module, never the reverse)."""
     if help_requested(argv):
-        from bench import BenchConfig  # bench imports this module
-
-        exit_on_help(argv, script_doc(defaults), defaults, BenchConfig())
+        exit_on_help(argv, script_doc(defaults), defaults, bench_defaults)
     own = {f.name for f in fields(defaults)}
     mine = [a for a in argv if a.startswith("--") and a[2:].split("=")[0] in own]
     return configure(defaults, mine), [a for a in argv if a not in mine]

@@ -177,7 +177,7 @@ def report(own: MemoryConfig, cfg: bench.BenchConfig, study: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    own, argv = study_config(MemoryConfig(), sys.argv[1:] if argv is None else argv)
+    own, argv = study_config(MemoryConfig(), sys.argv[1:] if argv is None else argv, bench.BenchConfig())
     problems = [f"memory_seq_lens={own.memory_seq_lens} must be positive lengths, e.g. 256,512,1024"
                 ] if not own.memory_seq_lens or min(own.memory_seq_lens) < 1 else []
     if own.memory_batch_size < 1:

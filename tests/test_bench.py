@@ -208,10 +208,10 @@ def test_every_readme_bench_and_study_command_is_a_valid_config():
     for line, script, args in commands:
         try:
             if script == "benchmarks/ablation.py":
-                own, args = study_config(ablation.AblationConfig(), args)
+                own, args = study_config(ablation.AblationConfig(), args, bench.BenchConfig())
                 ablation.selected_rows(own, "cpu")
             elif script == "benchmarks/memory.py":
-                own, args = study_config(memory.MemoryConfig(), args)
+                own, args = study_config(memory.MemoryConfig(), args, bench.BenchConfig())
             bench.load_config(args)
         except UserError as e:
             pytest.fail(f"README command `{line}`: {e}")

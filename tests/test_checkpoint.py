@@ -59,7 +59,8 @@ def test_resume_reads_the_newest_checkpoint_by_iteration_whatever_the_format(dat
     train(tiny_config(data_dir, out, **{**RUN, "max_iters": 6}, init_from="resume"))
     assert f"resuming from {out / 'ckpt_sharded'} at iter 4\n" in capsys.readouterr().out
     resumed = train(tiny_config(data_dir, out, **RUN, parallelism="fsdp", init_from="resume"))
-    assert f"resuming from {out / 'ckpt.pt'} at iter 6 (ckpt_sharded is at iter 4, older)\n" in capsys.readouterr().out
+    resumed_line = f"resuming from {out / 'ckpt.pt'} at iter 6 (ckpt_sharded is at iter 4, older)\n"
+    assert resumed_line in capsys.readouterr().out
     assert [r["iter"] for r in metrics(out, "loss")] == list(range(1, 9))
     assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=TOL)
     assert max_diff(reference["model"].state_dict(), params_of(str(out / "ckpt_sharded"))) < TOL

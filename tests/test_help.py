@@ -141,9 +141,9 @@ def test_train_help_text_of_some_keys(capsys):
 
 def test_sample_help_continues_a_comment_inside_parentheses(capsys):
     _, out, _ = run_help("sample.py", capsys)
-    assert listed_keys(out)["ckpt"][2] == ("with init_from=resume: the file in out_dir (ckpt_best.pt: the best val "
-                                           "loss's, if kept; ckpt_sharded: an FSDP run's sharded folder, also read "
-                                           "when there is no ckpt.pt)")
+    assert listed_keys(out)["ckpt"][2] == ("with init_from=resume: a checkpoint in out_dir (None: the newest of "
+                                           "ckpt.pt and ckpt_sharded, by iteration; ckpt_best.pt or "
+                                           "ckpt_sharded_best: the best val loss's weights, if kept)")
 
 
 def test_a_subclass_default_is_listed_under_the_subclass_with_the_base_comment():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench import BenchConfig
 from benchmarks import measure
 
 
@@ -31,5 +32,6 @@ def test_other_load_is_the_share_of_the_cpus_that_other_processes_took(monkeypat
 def test_a_study_takes_its_own_keys_and_passes_the_rest_to_bench():
     from benchmarks.ablation import AblationConfig
 
-    own, rest = measure.study_config(AblationConfig(), ["config/bench_cpu.py", "--studies=attention", "--batch_size=2"])
+    own, rest = measure.study_config(AblationConfig(), ["config/bench_cpu.py", "--studies=attention", "--batch_size=2"],
+                                     BenchConfig())
     assert own.studies == "attention" and rest == ["config/bench_cpu.py", "--batch_size=2"]
