@@ -36,7 +36,8 @@ class ConfigError(UserError):
 
 
 def configure(config: T, argv: list[str], usage: str | None = None) -> T:
-    """Return a copy of `config` with the config files and `--key=value` overrides in `argv` applied in order.
+    """Return a copy of `config` with the config files and `--key=value` overrides in `argv` applied in order
+    (configure_keys, without the set of keys given).
 
     Items without a leading `--` are config files (plain Python assignments); later items win. A boolean key
     given bare (`--compile`) means True. Nothing is applied unless every item is valid: otherwise one ConfigError
@@ -44,6 +45,12 @@ def configure(config: T, argv: list[str], usage: str | None = None) -> T:
     `--help` or `-h` prints `usage` (default: the docstring of the config's module, the script) and the keys, and
     exits 0.
     """
+    return configure_keys(config, argv, usage)[0]
+
+
+def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tuple[T, set[str]]:
+    """configure, and the keys that the config files and overrides set (even to their default value): what the
+    user gave, as opposed to what was left to the defaults."""
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"configure() needs a dataclass instance, got {type(config).__name__}")
     exit_on_help(argv, script_doc(config) if usage is None else usage, config)
@@ -88,7 +95,7 @@ def configure(config: T, argv: list[str], usage: str | None = None) -> T:
             updates[key] = checked
     if problems:
         raise ConfigError("; ".join(problems))
-    return dataclasses.replace(config, **updates)
+    return dataclasses.replace(config, **updates), set(updates)
 
 
 def config_summary(config: DataclassInstance) -> str:

@@ -59,7 +59,7 @@ from common import (
     set_tf32,
     setup_distributed,
 )
-from configurator import config_summary, configure
+from configurator import config_summary, configure_keys
 from model import GPT, GPTConfig
 from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
 
@@ -809,10 +809,31 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
+NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
+
+
+def settings_of_the_run(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list[str]]:
+    """
+    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
+    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
+    settings, data, schedule), so the resume continues that run; returns the config and the settings taken.
+    """
+    saved = checkpoint.find_checkpoint(cfg.out_dir).state.get("config") or {}
+    names = {f.name for f in fields(cfg)}
+    taken = {k: v for k, v in saved.items()
+             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
+    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()]
+
+
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-    cfg = configure(TrainConfig(), sys.argv[1:] if argv is None else argv)
+    cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv)
+    if cfg.init_from == "resume":
+        cfg, taken = settings_of_the_run(cfg, given)
+        if taken and int(os.environ.get("RANK", "0")) == 0:
+            print(f"resuming the run's settings (not given here): {', '.join(taken)}", flush=True)
     try:
         train(cfg)
     except KeyboardInterrupt as e:

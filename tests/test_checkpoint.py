@@ -282,3 +282,27 @@ def test_the_runs_wall_time_continues_across_resumes(data_dir, tmp_path, monkeyp
     train(tiny_config(data_dir, out, max_iters=6, eval_interval=2, log_interval=1, init_from="resume"))
     times = [r["elapsed_s"] for r in map(json.loads, open(out / "metrics.jsonl"))]
     assert times == sorted(times) and metrics(out, "loss")[4]["elapsed_s"] > saved
+
+
+def test_resume_without_the_config_file_continues_the_run_bitwise(data_dir, tmp_path, capsys):
+    """nanoGPT's habit: `python train.py --init_from=resume --out_dir=DIR` takes the model shape, optimizer and
+    every other setting it is not given from the checkpoint's run (it failed: 'the checkpoint's model differs')."""
+    from helpers import config_args
+
+    run = dict(max_iters=8, lr_decay_iters=8, eval_interval=4, optimizer="muon", n_layer=3, dropout=0.1)
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
+    first = tiny_config(data_dir, tmp_path / "run", **{**run, "max_iters": 4})
+    train_module.main(config_args(first))
+    capsys.readouterr()
+    train_module.main(["--init_from=resume", f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--device=cpu"])
+    out = capsys.readouterr().out
+    taken = out.split("resuming the run's settings (not given here): ")[1].splitlines()[0]
+    print(taken)
+    taken = dict(item.split("=", 1) for item in taken.split(", "))
+    assert (taken["n_layer"], taken["optimizer"], taken["lr_decay_iters"]) == ("3", "'muon'", "8")
+    assert "max_iters" not in taken and "device" not in taken  # given here
+    assert [line for line in out.splitlines() if "changed setting" in line] == [
+        "resuming with a changed setting (it applies from here on): max_iters: 4 -> 8"]
+    resumed = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert resumed["iter_num"] == 8
+    assert max_diff(reference["model"].state_dict(), resumed["model"]) == 0.0
