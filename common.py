@@ -361,8 +361,7 @@ def run_info(device: str) -> dict[str, str]:
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "device": device,
-        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
-        or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name(),
         "threads": str(torch.get_num_threads()),
         "git_commit": git_commit(),
     }

@@ -40,6 +40,7 @@ import checkpoint
 import dataio
 import hellaswag
 import parallel
+import report
 from checkpoint import checkpoint_model_config
 from common import (
     Dist,
@@ -128,6 +129,7 @@ class TrainConfig(StepConfig):
     init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "gpt2", "gpt2-medium", ... a HF
     # folder, or a checkpoint (this repo's or nanoGPT's ckpt.pt, or a sharded folder) whose weights start a new run
     keep_last: int = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
+    report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
     # logging
     wandb_log: bool = False
     wandb_project: str = "owt"
@@ -747,8 +749,23 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             if stop.requested():  # before the next eval: a stop skips it
                 stop_now(iter_num)
 
+        if cfg.report and dist.master and not cfg.eval_only:
+            write_run_report(cfg, raw_model, meta, {**run_info(device), "world_size": str(dist.world_size)}, log)
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
+
+
+def write_run_report(cfg: TrainConfig, model: GPT, meta: dict | None, info: dict, log: Logger) -> None:
+    """out_dir/report.md (report.py) with a short sample from the final weights; under FSDP no sample (a rank
+    alone cannot run the sharded model: use sample.py)."""
+    sample = None
+    if cfg.parallelism != "fsdp":
+        try:
+            tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+            sample = report.sample_text(model, tokenizer, info["device"])
+        except UserError as e:  # e.g. no GPT-2 BPE files offline: the report goes without a sample
+            log.print(f"report: no sample ({e})")
+    log.print(f"report: {report.write_report(cfg.out_dir, cfg, TrainConfig(), info, sample)}")
 
 
 class StopRequest:

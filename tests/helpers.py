@@ -43,7 +43,7 @@ def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
         dataset=os.path.basename(str(data_dir)), data_dir=str(data_dir), out_dir=str(out_dir),
         n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, gradient_accumulation_steps=1,
         max_iters=20, eval_interval=10, eval_iters=4, log_interval=5, warmup_iters=2, learning_rate=3e-3,
-        min_lr=3e-4, compile=False, device="cpu", dtype="float32", wandb_log=False,
+        min_lr=3e-4, compile=False, device="cpu", dtype="float32", wandb_log=False, report=False,
     )
     base.update(overrides)
     return TrainConfig(**base)

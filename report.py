@@ -1,0 +1,106 @@
+"""
+The run report: at the end of a train.py run, out_dir/report.md says in one page what ran and what came of it: the
+command line, the machine, the settings that differ from the defaults, tokens/s and MFU, the loss picture (plot.py's
+PNG), the best val loss, HellaSwag when it was scored, and a short sample from the final weights.
+
+Reads the run's metrics.jsonl (what train.py logged, across resumes); imports plot.py for the picture (when
+matplotlib is installed) and nothing from train.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+import dataio
+
+REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
+
+
+def read_records(out_dir: str) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl's training steps and evals."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return [], []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
+    """(key, value, default) for every setting of `cfg` that differs from the dataclass defaults."""
+    return [(f.name, getattr(cfg, f.name), getattr(defaults, f.name)) for f in fields(cfg)
+            if getattr(cfg, f.name) != getattr(defaults, f.name)]
+
+
+def sample_text(model, tokenizer: dataio.Tokenizer, device: str, n_tokens: int = 200, seed: int = 1337) -> str:
+    """A short sample from the final weights (temperature 0.8, top-k 200, as sample.py's defaults), from a newline
+    for a char-level model or from <|endoftext|> for BPE."""
+    start = [tokenizer.eot] if tokenizer.eot is not None else tokenizer.encode("\n")
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        x = torch.tensor([start], dtype=torch.long, device=device)
+        y = model.generate(x, n_tokens, temperature=0.8, top_k=200, generator=generator,
+                           vocab_size=tokenizer.vocab_size)
+    model.train(was_training)
+    return tokenizer.decode(y[0, len(start):].tolist())
+
+
+def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str | None) -> str:
+    """Write out_dir/report.md (and loss.png beside it); returns the report's path. `info`: the run's machine and
+    versions (common.run_info) and world size."""
+    steps, evals = read_records(out_dir)
+    lines = [f"# Run report: {os.path.basename(os.path.normpath(out_dir))}", ""]
+    lines += [f"- command: `{' '.join(['python', *sys.argv])}`",
+              f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+              f"- machine: {info.get('device_name')} ({info.get('device')}, {info.get('threads')} threads, "
+              f"{info.get('world_size')} rank(s)); torch {info.get('torch')}, python {info.get('python')}, "
+              f"commit {info.get('git_commit')}"]
+    diffs = config_differences(cfg, defaults)
+    lines += ["", "## Settings (those that differ from the defaults)", ""]
+    lines += ["| key | value | default |", "|:--|:--|:--|"] + [f"| {k} | `{v!r}` | `{d!r}` |" for k, v, d in diffs]
+    lines += ["", "## Results", ""]
+    if steps:
+        last = steps[-1]
+        tok_s = [r["tok_s"] for r in steps[1:]] or [steps[0]["tok_s"]]  # the first step holds warm-up (compile)
+        mfus = [r["mfu"] for r in steps[1:] if r.get("mfu") is not None]
+        lines.append(f"- {last['iter']} iterations in {last['elapsed_s']:.0f} s of wall time (evals included)")
+        lines.append(f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
+                     f"first), MFU {statistics.median(mfus) * 100:.2f}%" if mfus else
+                     f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
+                     f"first); MFU n/a")
+    if evals:
+        best = min(evals, key=lambda r: r["val_loss"])
+        final = evals[-1]
+        lines.append(f"- best val loss: {best['val_loss']:.4f} at iter {best['iter']} (final: train "
+                     f"{final['train_loss']:.4f}, val {final['val_loss']:.4f} at iter {final['iter']})")
+        scored = [r for r in evals if "hellaswag_acc" in r]
+        if scored:
+            h = scored[-1]
+            lines.append(f"- HellaSwag at iter {h['iter']}: acc {h['hellaswag_acc']:.4f}, acc_norm "
+                         f"{h['hellaswag_acc_norm']:.4f} ({h.get('hellaswag_n', '?')} examples)")
+    lines += ["", "## Loss", ""]
+    lines.append(_loss_picture(out_dir) if steps or evals else "no losses logged")
+    if sample is not None:
+        lines += ["", "## A sample from the final weights", "", "```text", sample.strip("\n"), "```"]
+    path = os.path.join(out_dir, REPORT_NAME)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _loss_picture(out_dir: str) -> str:
+    try:
+        import plot
+    except ImportError:  # matplotlib is optional
+        return f"(no picture: matplotlib is not installed; `pip install matplotlib`, then `python plot.py {out_dir}`)"
+    plot.plot_runs([out_dir], os.path.join(out_dir, PLOT_NAME))
+    return f"![train and val loss against steps and wall time]({PLOT_NAME})"

@@ -1,0 +1,26 @@
+"""report.py: the page a train.py run writes at its end (out_dir/report.md), checked against the run's own files."""
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+
+from helpers import make_char_dataset, tiny_config
+from train import train
+
+
+def test_a_run_ends_with_a_report_of_its_settings_results_picture_and_a_sample(tmp_path):
+    meta = make_char_dataset(tmp_path / "data")
+    out = tmp_path / "out"
+    train(tiny_config(tmp_path / "data", out, max_iters=6, eval_interval=3, log_interval=1, report=True))
+    text = (out / "report.md").read_text()
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    evals = [r for r in records if "val_loss" in r]
+    best = min(evals, key=lambda r: r["val_loss"])
+    assert f"- best val loss: {best['val_loss']:.4f} at iter {best['iter']}" in text
+    assert "| n_layer | `2` | `12` |" in text and "| max_iters | `6` | `600000` |" in text
+    assert "| seed |" not in text  # only what differs from the defaults
+    assert "- 6 iterations in " in text and " tokens/s (median of the logged steps after the first)" in text
+    assert "![train and val loss" in text and matplotlib.image.imread(out / "loss.png").shape[2] in (3, 4)
+    sample = text.split("```text\n")[1].split("\n```")[0]
+    assert len(sample) > 50 and set(sample) <= set(meta["itos"])  # the dataset's characters, decoded
