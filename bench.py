@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import dataio
+import float8
 from benchmarks.measure import (
     OptimizerTimer,
     OtherLoad,
@@ -56,6 +57,7 @@ from model import GPT
 from train import (
     StepConfig,
     batch_generator,
+    compile_model,
     data_paths,
     get_batch,
     model_config,
@@ -183,11 +185,13 @@ def setup_run(cfg: BenchConfig) -> dict:
         data_path = os.path.join(data_dir, "train.bin")
         dataio.open_tokens(data_path, vocab_size=cfg.vocab_size)  # a missing file or a bad id fails here
     model = build_model(cfg).to(device)
+    if cfg.fp8:  # setup_device refused it where float8 matmuls cannot run
+        float8.convert_to_fp8(model, cfg.fp8_recipe)
     model.check_attention_kernel(ctx, compile=cfg.compile)  # one line, not compile's trace
     optimizer, scaler = optimizer_and_scaler(model, cfg, device, dtype, verbose=False)
     defaults = f"dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})"
     return dict(cfg=cfg, device=device, dtype=dtype, ctx=ctx, data_path=data_path, raw_model=model, defaults=defaults,
-                model=torch.compile(model) if cfg.compile else model, optimizer=optimizer, scaler=scaler)
+                model=compile_model(model, cfg) if cfg.compile else model, optimizer=optimizer, scaler=scaler)
 
 
 # ----------------------------------------------------------------------------------------------- the timed steps

@@ -86,7 +86,7 @@ def _checkpointed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool) -> GPT:
+def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool, compile_mode: str = "default") -> GPT:
     """
     FSDP2: each block, then the root (embeddings, final norm, head), becomes a unit sharded over all ranks. With
     dtype bfloat16 the all-gathered parameters are bf16 for compute while gradients are reduced, and the
@@ -108,7 +108,8 @@ def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool) -> GPT:
         mp = MixedPrecisionPolicy()
     for block in model.transformer.h:
         if compile:
-            block.compile()  # in place: the parameter names stay those of the plain model
+            # in place: the parameter names stay those of the plain model
+            block.compile(mode=None if compile_mode == "default" else compile_mode)
         # The last block's parameters are all-gathered again first thing in the backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block is not model.transformer.h[-1])
     fully_shard(model, mesh=mesh, mp_policy=mp)

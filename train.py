@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import dataio
+import float8
 import hellaswag
 import parallel
 import report
@@ -110,6 +111,10 @@ class StepConfig:
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     compile: bool = True  # torch.compile the model
+    compile_mode: str = "default"  # torch.compile's mode: "default", "max-autotune-no-cudagraphs"; "max-autotune" and
+    # "reduce-overhead" add CUDA graphs (CUDA only)
+    fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
+    fp8_recipe: str = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
     deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
     peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
@@ -187,6 +192,12 @@ def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, Abst
     algorithms and TF32 (CUDA).
     """
     dtype = resolve_dtype(cfg.dtype, device)
+    problems = float8.fp8_problems(cfg.fp8, cfg.fp8_recipe, device, dtype)
+    if cfg.compile_mode in CUDA_GRAPH_MODES and device.split(":")[0] != "cuda":
+        problems.append(f"compile_mode={cfg.compile_mode!r} records CUDA graphs, which need a CUDA device, not "
+                        f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
+    if problems:
+        raise UserError("; ".join(problems))
     torch.manual_seed(cfg.seed + rank)
     set_deterministic(cfg.deterministic)
     device_type = device.split(":")[0]
@@ -194,6 +205,15 @@ def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, Abst
         set_tf32(cfg.tf32)
     kept = device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory)
     return dtype, autocast_context(device, dtype), kept
+
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
+
+
+def compile_model(model: torch.nn.Module, cfg: StepConfig) -> torch.nn.Module:
+    """torch.compile with the configured mode ('default' passes none: torch's own default)."""
+    return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
 
 
 def optimizer_and_scaler(
@@ -328,6 +348,9 @@ def train_step(
     if dist.enabled:
         torch_dist.all_reduce(n_tokens)
     loss_sum = torch.zeros((), device=dist.device)
+    # The step's host-to-device copies are queued up front (pinned, non-blocking): they overlap the first
+    # micro-steps' compute instead of each waiting for the one before it. A no-op on the CPU.
+    batches = [(to_device(x, dist.device), to_device(y, dist.device)) for x, y in batches]
     for i, ((x, y), n) in enumerate(zip(batches, counts)):
         last = i == len(batches) - 1
         if i > 0 and stop is not None and stop():
@@ -336,7 +359,7 @@ def train_step(
         # DDP all-reduces (FSDP reduce-scatters) gradients in backward; only the last micro-step needs it.
         with parallel.gradient_sync(model, dist, sync=last):
             with ctx:
-                _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
+                _, loss = model(x, y)
             weight = n * dist.world_size / n_tokens
             scaler.scale(loss * weight).backward()
         loss_sum += loss.detach().float() * n
@@ -496,6 +519,8 @@ def step_config_problems(cfg: StepConfig, world_size: int) -> list[str]:
     for key in ("batch_size", "block_size", "gradient_accumulation_steps"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.compile_mode not in COMPILE_MODES:
+        problems.append(f"compile_mode={cfg.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if cfg.optimizer not in OPTIMIZERS:
         problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
@@ -631,8 +656,12 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if cfg.activation_checkpointing:
         n = parallel.checkpoint_activations(model, cfg.activation_checkpointing)
         log.print(f"activation checkpointing: {n} of {model.config.n_layer} blocks recompute in the backward")
+    if cfg.fp8:  # before sharding and compiling (setup_device refused it where float8 matmuls cannot run)
+        n = float8.convert_to_fp8(model, cfg.fp8_recipe)
+        log.print(f"fp8: {n} block linear layers train in float8 ({cfg.fp8_recipe} scaling), the head in bf16")
     if cfg.parallelism == "fsdp":
-        model = parallel.shard_model(model, dist, dtype, compile=cfg.compile)  # moves each rank's shard to device
+        model = parallel.shard_model(model, dist, dtype, compile=cfg.compile,  # moves each rank's shard to device
+                                     compile_mode=cfg.compile_mode)
     else:
         model.to(device)
         model.check_attention_kernel(ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
@@ -651,7 +680,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if cfg.compile and cfg.parallelism == "ddp":  # after the weights are loaded; checkpoints save raw_model, never
         # the compiled wrapper. FSDP compiled each block before sharding.
         log.print("compiling the model...")
-        model = torch.compile(model)
+        model = compile_model(model, cfg)
     eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
     if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)

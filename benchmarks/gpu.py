@@ -7,6 +7,11 @@ The GPU benchmarks in one run, each measurement a fresh process (on one H100: ab
     python benchmarks/gpu.py --parts=headline,largest --results_dir=/tmp/r --peak_flops=989e12
 
 Parts (in this order; --parts picks some):
+  recipe     GPT-2 124M at the FineWeb recipe's shape per GPU (config/train_gpt2_fineweb.py: 64 x 1024, bf16, compile,
+             flash, padded vocabulary, bias): the headline row of tokens/s, MFU, the step's multiple of its matmul
+             floor and peak memory, with a profile (the top CUDA kernels, in results_dir/profile), then a row per
+             speed key: compile_mode=max-autotune-no-cudagraphs, compile_mode=max-autotune (CUDA graphs), and
+             fp8=True with tensorwise and rowwise scaling (float8.py; the loss after the timed steps beside bf16's).
   headline   GPT-2 124M at nanoGPT's bench settings (batch 12 x 1024, bf16 autocast, torch.compile, SDPA, padded
              vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (model.PEAK_FLOPS, by the
              name CUDA reports; an unknown GPU says so and takes --peak_flops).
@@ -42,7 +47,16 @@ sys.path.insert(0, ROOT)
 from common import UserError, exit_on_user_error  # noqa: E402
 from model import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
 
-PARTS = ("headline", "attention", "cumulative", "largest", "baby")
+PARTS = ("recipe", "headline", "attention", "cumulative", "largest", "baby")
+# config/train_gpt2_fineweb.py per GPU, one micro-step; each RECIPE row changes one key of it
+RECIPE_BENCH = ["--batch_size=64", "--bias=True", "--attention='sdpa'", "--sdpa_backend='flash'"]
+RECIPE = [
+    ("bf16", "bf16, compile (the recipe)", {}, None),
+    ("autotune", "compile_mode=max-autotune-no-cudagraphs", {"compile_mode": "max-autotune-no-cudagraphs"}, None),
+    ("cudagraphs", "compile_mode=max-autotune (+ CUDA graphs)", {"compile_mode": "max-autotune"}, None),
+    ("fp8", "fp8=True, tensorwise", {"fp8": True, "fp8_recipe": "tensorwise"}, None),
+    ("fp8-rowwise", "fp8=True, rowwise", {"fp8": True, "fp8_recipe": "rowwise"}, None),
+]
 # nanoGPT's bench settings: GPT-2 124M (bench.py's defaults), batch 12 x 1024, bf16 autocast, compiled
 BENCH = ["--device=cuda", "--batch_size=12", "--block_size=1024", "--gradient_accumulation_steps=1",
          "--dtype='bfloat16'", "--compile=True"]
@@ -290,6 +304,17 @@ def markdown(machine: dict, parts: dict) -> str:
     """The results as markdown tables (pastes into the README)."""
     out = [f"GPU benchmarks on {machine.get('device_name', '?')} (torch {machine.get('torch', '?')}, CUDA "
            f"{machine.get('cuda', '?')}); MFU peak: {machine.get('peak_source', '?')}"]
+    if "recipe" in parts:
+        rows = [[r["label"], _ms(r), f"{r['tokens_per_s']:,.0f}" if r.get("status") == "ok" else "-",
+                 f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "-",
+                 f"{r['floor_multiple']:.2f}x" if r.get("floor_multiple") else "-",
+                 f"{r['peak_memory_mib']:.0f}" if r.get("peak_memory_mib") is not None else "-",
+                 f"{r['loss']:.4f}" if r.get("loss") is not None else "-",
+                 f"{r['speedup']:.2f}x" if r.get("speedup") else "-", _note(r)] for r in parts["recipe"]["rows"]]
+        out += ["", "GPT-2 124M at the FineWeb recipe's shape (64 x 1024 per GPU, bf16, compile, flash, padded "
+                "vocabulary), each row a fresh process; llm.c: ~470k tokens/s per H100:", "",
+                _table(["row", "ms/iter", "tokens/s", "MFU", "x matmul floor", "peak MiB", "loss after", "speed-up",
+                        "note"], rows)]
     if "headline" in parts:
         r = parts["headline"]
         mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a (unknown peak: --peak_flops)"
@@ -344,6 +369,16 @@ def main(argv: list[str] | None = None) -> None:
     steps = [f"--warmup_steps={args.warmup_steps}", f"--timed_steps={args.timed_steps}"]
     base = BENCH + ([f"--peak_flops={peak}"] if peak is not None else [])
     with tempfile.TemporaryDirectory() as tmp:
+        if "recipe" in args.parts:
+            run_rows(RECIPE, [*base, *RECIPE_BENCH], steps, budget, tmp, "recipe", report)
+            if budget.left_s() > 0:  # the recipe again under torch.profiler (its timings include the profiler's cost)
+                folder = os.path.join(os.path.abspath(args.results_dir), "profile")
+                progress(budget, f"recipe under the profiler (top kernels, trace in {folder}) ...")
+                report.parts["recipe"]["profile"] = run_bench(
+                    [*base, *RECIPE_BENCH, *steps, "--profile=True", f"--results_dir={folder}"], tmp,
+                    timeout_s=max(60.0, budget.left_s()))
+                report.parts["recipe"]["profile"]["folder"] = folder
+                report.write()
         if "headline" in args.parts:
             progress(budget, "headline: GPT-2 124M, 12 x 1024, bf16, compile ...")
             report.parts["headline"] = run_bench([*base, *steps], tmp, timeout_s=max(60.0, budget.left_s()))

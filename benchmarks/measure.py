@@ -196,8 +196,12 @@ def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -
     path = os.path.join(results_dir, "trace.json")
     prof.export_chrome_trace(path)
     sort_by = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=15))
-    print(f"profile: chrome trace of the timed steps in {path} (open it in chrome://tracing or ui.perfetto.dev)")
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=15)
+    with open(os.path.join(results_dir, "top_ops.txt"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    print(f"profile: chrome trace of the timed steps in {path} (open it in chrome://tracing or ui.perfetto.dev), "
+          f"the table above in {os.path.join(results_dir, 'top_ops.txt')}")
 
 
 def write_json(path: str, data: dict) -> None:

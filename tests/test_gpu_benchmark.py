@@ -106,3 +106,25 @@ def test_report_writes_json_and_markdown_tables(tmp_path, monkeypatch) -> None:
     assert "| SDPA cuDNN kernel | - | - | - | n/a: sdpa_backend='cudnn' cannot run on cuda ... |" in md
     assert "| math | 31 | 24 | 79.1 GiB (all) |" in md and "| sdpa | - | 39 | failed: exit 1: boom |" in md
     assert "| 151 | 2750 | 1.4689 | ~180 s |  |" in md
+
+
+def test_the_recipe_rows_change_one_key_each_and_report_floor_loss_and_speedup(tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def run(args, tmp, timeout_s):
+        calls.append(args)
+        fp8 = "--fp8=True" in args
+        return {"status": "ok", "ms_median": 100.0 if fp8 else 140.0, "tokens_per_s": 65536 / (0.1 if fp8 else 0.14),
+                "wall_s": 1.0, "mfu": 0.4, "peak_memory_mib": 30000.0, "floor_multiple": 1.5, "loss": 7.0,
+                "command": "x"}
+
+    monkeypatch.setattr(gpu, "run_bench", run)
+    report = gpu.Report(str(tmp_path / "results"))
+    report.machine = {"device_name": "NVIDIA H100 80GB HBM3"}
+    gpu.run_rows(gpu.RECIPE, gpu.RECIPE_BENCH, [], gpu.Budget(10), "", "recipe", report)
+    assert [sorted(set(a) - set(gpu.RECIPE_BENCH)) for a in calls] == [
+        [], ["--compile_mode='max-autotune-no-cudagraphs'"], ["--compile_mode='max-autotune'"],
+        ["--fp8=True", "--fp8_recipe='tensorwise'"], ["--fp8=True", "--fp8_recipe='rowwise'"]]
+    assert "--batch_size=64" in calls[0]
+    md = gpu.markdown(report.machine, report.parts)
+    assert "| fp8=True, tensorwise | 100.0 | 655,360 | 40.0% | 1.50x | 30000 | 7.0000 | 1.40x |  |" in md

@@ -1,0 +1,75 @@
+"""The GPU speed keys on a CPU: compile_mode and fp8 are checked in one line before any slow work, and float8.py's
+layer choice (the CUDA suite runs them: tests/cuda/test_cuda_speed_keys.py)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import float8
+from common import UserError
+from helpers import make_char_dataset, tiny_config
+from model import GPT, GPTConfig
+from train import check_config, train
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    make_char_dataset(tmp_path / "data")
+    return tmp_path / "data"
+
+
+def test_fp8_is_refused_on_a_cpu_in_one_line_before_the_model_is_built(data_dir, tmp_path, monkeypatch):
+    import train as train_module
+
+    built = []
+    monkeypatch.setattr(train_module, "init_model", lambda *a: built.append(a))
+    with pytest.raises(UserError) as e:
+        train(tiny_config(data_dir, tmp_path / "out", fp8=True, dtype="bfloat16"))
+    assert str(e.value).startswith("fp8=True needs an NVIDIA GPU of compute capability 8.9 or later (H100, H200, L4, "
+                                   "RTX 40xx), and device='cpu' is not one: set fp8=False")
+    assert built == []
+
+
+def test_fp8_problems_name_each_cause(monkeypatch):
+    assert float8.fp8_problems(False, "tensorwise", "cpu", "float32") == []  # off: nothing to check
+    assert float8.fp8_problems(False, "columnwise", "cpu", "float32") == [
+        "fp8_recipe='columnwise' is not one of tensorwise, rowwise"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # torchao not installed
+    problems = float8.fp8_problems(True, "rowwise", "cpu", "float32")
+    assert problems[1:] == [
+        "fp8=True runs everything else in bf16 autocast, but dtype='float32': set dtype=bfloat16 (or auto)",
+        "fp8=True needs torchao, which is not installed: pip install torchao"]
+
+
+def test_compile_mode_is_checked_and_cuda_graphs_are_refused_off_cuda(data_dir, tmp_path):
+    with pytest.raises(UserError, match=r"compile_mode='fastest' is not one of default, max-autotune-no-cudagraphs, "
+                                        r"max-autotune, reduce-overhead"):
+        check_config(tiny_config(data_dir, tmp_path, compile_mode="fastest"), 1)
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(UserError) as e:
+            train(tiny_config(data_dir, tmp_path / "out", compile_mode=mode))
+        assert str(e.value) == (f"compile_mode={mode!r} records CUDA graphs, which need a CUDA device, not 'cpu': "
+                                f"use 'default' or 'max-autotune-no-cudagraphs'")
+
+
+def test_fp8_converts_every_block_matmul_and_keeps_the_head():
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50))
+    chosen = [name for name, m in model.named_modules() if float8.converted_layer(m, name)]
+    expected = [f"transformer.h.{i}.{layer}" for i in range(3)
+                for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert chosen == expected  # lm_head (tied to the embedding) stays bf16
+    odd = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=24, block_size=16, vocab_size=50))  # 24: no multiple of 16
+    assert not [n for n, m in odd.named_modules() if float8.converted_layer(m, n)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (pip install "
+                    "torchao): the float8 conversion itself is not tried")
+def test_fp8_conversion_swaps_the_block_layers_and_keeps_the_parameter_names():
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50))
+    names = list(model.state_dict())
+    assert float8.convert_to_fp8(model, "tensorwise") == 8
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 8
+    assert not isinstance(model.lm_head, Float8Linear) and list(model.state_dict()) == names
