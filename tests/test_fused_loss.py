@@ -1,5 +1,5 @@
 """
-The fused, chunked linear + cross-entropy (model.fused_linear_cross_entropy, GPTConfig.fused_loss): the same loss
+The fused, chunked linear + cross-entropy (fused_loss.fused_linear_cross_entropy, GPTConfig.fused_loss): the same loss
 and gradients as the plain path (full logits, F.cross_entropy), checked against a float64 reference, in float32
 and under bf16 autocast, with ignored targets (-1), a padded vocabulary, several chunks, gradient accumulation,
 DDP (torchrun, gloo) and torch.compile. Its CUDA checks are in tests/cuda/test_cuda_fused.py.
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from common import Dist
 from helpers import config_args, make_char_dataset, run_script, tiny_config
-from model import GPT, GPTConfig, fused_linear_cross_entropy
+from fused_loss import fused_linear_cross_entropy
+from model import GPT, GPTConfig
 from train import TrainConfig, train, train_step
 
 VOCAB = 101  # padded to 128: 27 rows that must get no probability and no gradient

@@ -15,14 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model as model_module
+from hardware import device_peak_flops, gpu_peak_flops, sdpa_kernel_compiles
 from model import (
     GPT,
     GPTConfig,
     GPTError,
     KVCache,
-    device_peak_flops,
-    gpu_peak_flops,
-    sdpa_kernel_compiles,
     sample_next_token,
     top_k_filter,
     top_p_filter,
@@ -799,7 +797,7 @@ def test_a_cuda_refusal_names_the_chosen_kernels_reasons_only():
     """The warnings an H100 gave (torch 2.11) when flash refused float32 with a mask: the refusal keeps the two
     reasons and drops the per-kernel headers, the kernels sdpa_kernel turned off and the source locations (the
     first version of the message began with "Memory efficient kernel not used because: (Triggered internally")."""
-    from model import sdpa_refusal_reasons
+    from hardware import sdpa_refusal_reasons
 
     at = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)"
     warned = [
