@@ -21,8 +21,8 @@ from typing import Callable, NoReturn
 
 import torch
 
+from errors import GPTError
 from hardware import device_peak_flops
-from model import GPTError
 
 
 class UserError(Exception):

@@ -1,5 +1,8 @@
 """
-A GPT-2-style language model in one file.
+A GPT-2-style language model: GPTConfig, attention, MLP, Block, GPT (forward, generate, GPT-2 weights, optimizer,
+MFU) and the KV cache. What the model calls but a reader of it need not see lives beside it, in modules that never
+import this one: the fused loss (fused_loss.py), sampling (sampling.py), the HF GPT-2 conversion (hf_gpt2.py), the
+device probes (hardware.py) and GPTError (errors.py).
 
 References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
 The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
@@ -13,7 +16,6 @@ or "erf" (the exact GELU, as in nanoGPT; PyTorch's CPU kernels for it are ~2.5x 
 from __future__ import annotations
 
 import math
-import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -22,8 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from errors import GPTError
 from fused_loss import fused_linear_cross_entropy
 from hardware import device_peak_flops, fused_adamw_available, sdpa_kernel_compiles, sdpa_kernel_refusal
+from hf_gpt2 import copy_hf_weights, hf_config_args, load_hf_gpt2
+from sampling import sample_next_token
 
 ATTENTION_CHOICES = ("math", "sdpa")
 SDPA_BACKENDS = {
@@ -36,12 +41,6 @@ SDPA_BACKENDS = {
 # Kernels that PyTorch only implements for CUDA; on another device they cannot run at all.
 _CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
 GELU_CHOICES = ("tanh", "erf")
-# HF transformers' activation_function names of the two forms
-HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
-
-
-class GPTError(ValueError):
-    """A model setting or input the user can fix; scripts print it as a one-line error."""
 
 
 @dataclass
@@ -407,63 +406,15 @@ class GPT(nn.Module):
         allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
         if set(override_args) - allowed:
             raise GPTError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
-        if model_type not in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl") and not os.path.isdir(model_type):
-            raise GPTError(
-                f"unknown GPT-2 model {model_type!r}: use gpt2, gpt2-medium, gpt2-large, gpt2-xl or a local folder"
-            )
-        from transformers import GPT2LMHeadModel  # only needed here
-
-        try:
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-        except OSError as e:  # transformers' error for no network, no cache, or a folder without weights
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GPTError(
-                f"could not load GPT-2 weights {model_type!r} ({reason}): check your internet connection "
-                f"or pass a local folder written by save_pretrained"
-            ) from None
+        hf_model = load_hf_gpt2(model_type)
         return cls.from_hf_model(hf_model, vocab_padding_multiple=vocab_padding_multiple, **override_args)
 
     @classmethod
     def from_hf_model(cls, hf_model, vocab_padding_multiple: int = 64, **overrides) -> "GPT":
-        hf = hf_model.config
-        activation = getattr(hf, "activation_function", "gelu_new")
-        if activation not in HF_ACTIVATIONS:
-            raise GPTError(f"unsupported GPT-2 activation {activation!r}: this model supports {', '.join(HF_ACTIVATIONS)}")
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if getattr(hf, flag, False):
-                raise GPTError(f"unsupported GPT-2 option {flag}=True")
-        config = GPTConfig(
-            block_size=hf.n_positions,
-            vocab_size=hf.vocab_size,
-            vocab_padding_multiple=vocab_padding_multiple,
-            n_layer=hf.n_layer,
-            n_head=hf.n_head,
-            n_embd=hf.n_embd,
-            bias=True,
-            gelu=HF_ACTIVATIONS[activation],
-            **overrides,
-        )
+        """Our GPT with the config and weights of an HF GPT2LMHeadModel (hf_gpt2.py: every key and shape checked)."""
+        config = GPTConfig(**hf_config_args(hf_model.config), vocab_padding_multiple=vocab_padding_multiple, **overrides)
         model = cls(config)
-        sd = model.state_dict()
-        sd_hf = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-        ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
-        theirs = set(sd_hf) - {"lm_head.weight"}
-        if ours != theirs:
-            raise GPTError(
-                f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
-            )
-        # HF's GPT-2 uses Conv1D modules whose weights are stored (in, out): transpose them into nn.Linear's (out, in).
-        conv1d = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-        with torch.no_grad():
-            for k in sorted(theirs):
-                src = sd_hf[k].t() if k.endswith(conv1d) else sd_hf[k]
-                dst = sd[k]
-                if k == "transformer.wte.weight":  # our table may have extra (padding) rows: copy the real ones
-                    dst = dst[: config.vocab_size]
-                    sd[k][config.vocab_size :].zero_()
-                if src.shape != dst.shape:
-                    raise GPTError(f"GPT-2 checkpoint key {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(src)
+        copy_hf_weights(model, hf_model)
         return model
 
     # ------------------------------------------------------------------------------------------- training helpers
@@ -606,45 +557,3 @@ def _compiled_decode_step():
     if _COMPILED_DECODE_STEP is None:
         _COMPILED_DECODE_STEP = torch.compile(GPT._decode_step, fullgraph=True, dynamic=False)
     return _COMPILED_DECODE_STEP
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties at the k-th value are kept), set the rest to -inf."""
-    k = min(k, logits.size(-1))
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities sum to at least p (always at least one)."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = F.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
-    remove_sorted = mass_before >= p  # the first token has mass_before == 0 and always stays
-    remove = remove_sorted.scatter(-1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
-
-
-def sample_next_token(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1)."""
-    if temperature < 0:
-        raise GPTError(f"temperature={temperature} must be >= 0 (0 means greedy)")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise GPTError(f"top_p={top_p} must be in (0, 1]")
-    if top_k is not None and top_k < 1:
-        raise GPTError(f"top_k={top_k} must be at least 1")
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)

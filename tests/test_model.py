@@ -15,16 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model as model_module
+from errors import GPTError
 from hardware import device_peak_flops, gpu_peak_flops, sdpa_kernel_compiles
-from model import (
-    GPT,
-    GPTConfig,
-    GPTError,
-    KVCache,
-    sample_next_token,
-    top_k_filter,
-    top_p_filter,
-)
+from model import GPT, GPTConfig, KVCache
+from sampling import sample_next_token, top_k_filter, top_p_filter
 
 VOCAB = 101  # not a multiple of 64: padding adds 27 rows
 SDPA_BACKENDS_ON_CPU = ("auto", "math", "flash")
@@ -781,7 +775,8 @@ def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
     (simulated here: the CPU cannot run the CUDA kernels)."""
     import torch.nn.functional as F
 
-    from model import GPT, GPTConfig, GPTError
+    from errors import GPTError
+    from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16, sdpa_backend="flash"))
 
