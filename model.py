@@ -412,8 +412,8 @@ class GPT(nn.Module):
     @classmethod
     def from_hf_model(cls, hf_model, vocab_padding_multiple: int = 64, **overrides) -> "GPT":
         """Our GPT with the config and weights of an HF GPT2LMHeadModel (hf_gpt2.py: every key and shape checked)."""
-        config = GPTConfig(**hf_config_args(hf_model.config), vocab_padding_multiple=vocab_padding_multiple, **overrides)
-        model = cls(config)
+        model = cls(GPTConfig(**hf_config_args(hf_model.config), vocab_padding_multiple=vocab_padding_multiple,
+                              **overrides))
         copy_hf_weights(model, hf_model)
         return model
 
