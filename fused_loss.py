@@ -2,8 +2,9 @@
 The fused linear + cross-entropy of the language-model head: the loss of x @ weight.T against the targets, computed
 chunk by chunk, with its gradients, so that the (tokens x vocab) logits never exist at once.
 
-model.py uses it for the training loss (GPTConfig.fused_loss); it takes plain tensors and must not import model.py
-(nor any script): it is a function of the head's inputs only.
+GPT.forward (model.py) uses it for the loss of a call that wants no logits (return_logits=False, with
+GPTConfig.fused_loss): the training step and evaluation. It takes plain tensors and must not import model.py (nor
+any script): it is a function of the head's inputs only.
 """
 from __future__ import annotations
 

@@ -56,8 +56,9 @@ class GPTConfig:
     attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
     sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
     gelu: str = "tanh"  # "tanh": GPT-2's approximation (its weights need it); "erf": the exact GELU
-    # Training and evaluation compute the head and the loss chunk by chunk (fused_linear_cross_entropy): no
-    # (tokens x vocab) logits, the same loss and gradients. False: the plain path (full logits, F.cross_entropy).
+    # A forward that asks for the loss only (return_logits=False: the training step, evaluation) computes the head
+    # and the loss chunk by chunk (fused_linear_cross_entropy): no (tokens x vocab) logits, the same loss and
+    # gradients. False: the plain path (full logits, F.cross_entropy). Calls that want the logits always get them.
     fused_loss: bool = True
 
     def __post_init__(self) -> None:
@@ -301,21 +302,25 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """
         idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
         kv_cache: optional KVCache; idx then holds only the positions after those already cached.
-        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets.
-        With targets and config.fused_loss the logits are never formed: (None, loss).
+        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets
+        (None without targets), as nanoGPT's `logits, loss = model(X, Y)`.
+        return_logits=False, for callers that need only the loss (train_step, estimate_loss): (None, loss), and with
+        config.fused_loss the (B, T, padded vocab) logits are never formed (fused_linear_cross_entropy).
         """
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
-        if targets is not None and self.config.fused_loss:
+        if targets is not None and not return_logits and self.config.fused_loss:
             n_targets = (targets != -1).sum().clamp(min=1)
             loss_sum = fused_linear_cross_entropy(
                 x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
             )
             return None, loss_sum / n_targets
+        # the logits are made anyway (asked for, or fused_loss off): the plain loss from them is the cheaper one
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
         loss = None
         if targets is not None:
@@ -328,7 +333,7 @@ class GPT(nn.Module):
             flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)  # targets: any strides
             loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")
             loss = loss_sum / n_targets
-        return logits[..., : self.config.vocab_size], loss
+        return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
     def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:
         B, T = idx.size()

@@ -79,7 +79,8 @@ def numerics_study(cfg: bench.BenchConfig, device: str) -> list[dict]:
                 with autocast_context(device, dtype):
                     attn = model.transformer.h[0].attn(x)
                     losses = token_losses(model, idx, targets)
-                    _, loss = model(idx, targets)  # the training loss: fused or plain, as configured
+                    # the training loss: fused or plain, as configured
+                    _, loss = model(idx, targets, return_logits=False)
                 row["attention_error"] = relative_error(attn, attn_ref)
                 row["token_loss_error"] = relative_error(losses, losses_ref)
                 row["loss_error"] = relative_error(loss, losses_ref.mean())
