@@ -167,7 +167,7 @@ def held_out_loss(model: GPT, cfg: BenchConfig, ctx, device: str, data_path: str
     x, y = draw_batch(cfg, batch_generator(cfg.seed, "eval_val", 0, 0), val_path)
     model.eval()
     with ctx:
-        _, loss = model(x.to(device), y.to(device))
+        _, loss = model(x.to(device), y.to(device), return_logits=False)
     model.train()
     return loss.item()
 

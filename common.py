@@ -21,7 +21,8 @@ from typing import Callable, NoReturn
 
 import torch
 
-from model import GPTError, device_peak_flops
+from errors import GPTError
+from hardware import device_peak_flops
 
 
 class UserError(Exception):
@@ -181,7 +182,7 @@ def measured_cpu_peak_flops(dtype: str, cache_path: str | None = None, n: int = 
 
 def run_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple[float | None, str]:
     """The peak FLOP/s that MFU divides by, and where it comes from: `given` (--peak_flops) wins; a known GPU's from
-    model.PEAK_FLOPS; a CPU's measured in the run's dtype (measured_cpu_peak_flops); else None."""
+    hardware.PEAK_FLOPS; a CPU's measured in the run's dtype (measured_cpu_peak_flops); else None."""
     if given is not None:
         return given, "--peak_flops"
     if device.split(":")[0] == "cpu":

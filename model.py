@@ -1,5 +1,8 @@
 """
-A GPT-2-style language model in one file.
+A GPT-2-style language model: GPTConfig, attention, MLP, Block, GPT (forward, generate, GPT-2 weights, optimizer,
+MFU) and the KV cache. What the model calls but a reader of it need not see lives beside it, in modules that never
+import this one: the fused loss (fused_loss.py), sampling (sampling.py), the HF GPT-2 conversion (hf_gpt2.py), the
+device probes (hardware.py) and GPTError (errors.py).
 
 References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
 The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
@@ -12,11 +15,7 @@ or "erf" (the exact GELU, as in nanoGPT; PyTorch's CPU kernels for it are ~2.5x 
 """
 from __future__ import annotations
 
-import inspect
 import math
-import os
-import re
-import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -24,6 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from errors import GPTError
+from fused_loss import fused_linear_cross_entropy
+from hardware import device_peak_flops, fused_adamw_available, sdpa_kernel_compiles, sdpa_kernel_refusal
+from hf_gpt2 import copy_hf_weights, hf_config_args, load_hf_gpt2
+from sampling import sample_next_token
 
 ATTENTION_CHOICES = ("math", "sdpa")
 SDPA_BACKENDS = {
@@ -36,12 +41,6 @@ SDPA_BACKENDS = {
 # Kernels that PyTorch only implements for CUDA; on another device they cannot run at all.
 _CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
 GELU_CHOICES = ("tanh", "erf")
-# HF transformers' activation_function names of the two forms
-HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
-
-
-class GPTError(ValueError):
-    """A model setting or input the user can fix; scripts print it as a one-line error."""
 
 
 @dataclass
@@ -57,8 +56,9 @@ class GPTConfig:
     attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
     sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
     gelu: str = "tanh"  # "tanh": GPT-2's approximation (its weights need it); "erf": the exact GELU
-    # Training and evaluation compute the head and the loss chunk by chunk (fused_linear_cross_entropy): no
-    # (tokens x vocab) logits, the same loss and gradients. False: the plain path (full logits, F.cross_entropy).
+    # A forward that asks for the loss only (return_logits=False: the training step, evaluation) computes the head
+    # and the loss chunk by chunk (fused_linear_cross_entropy): no (tokens x vocab) logits, the same loss and
+    # gradients. False: the plain path (full logits, F.cross_entropy). Calls that want the logits always get them.
     fused_loss: bool = True
 
     def __post_init__(self) -> None:
@@ -225,33 +225,12 @@ class CausalSelfAttention(nn.Module):
         except RuntimeError as e:
             if not any(s in str(e) for s in ("No viable backend", "No available kernel")):  # CPU, CUDA wording
                 raise
-            raise GPTError(self._why_backend_failed(q, k, v, mask, dropout_p, is_causal, backend)) from None
-
-    def _why_backend_failed(self, q, k, v, mask, dropout_p, is_causal, backend) -> str:
-        # PyTorch explains why a kernel was rejected only through warnings: run once more to collect them.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                with sdpa_kernel(backend):
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-            except RuntimeError:
-                pass
-        reasons = sdpa_refusal_reasons([str(w.message) for w in caught])
-        return (
-            f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type} with dtype {q.dtype}, "
-            f"head size {q.size(-1)}, {'a' if mask is not None else 'no'} mask: {reasons} "
-            f"(choose another sdpa_backend, or 'auto')"
-        )
-
-
-def sdpa_refusal_reasons(messages: list[str]) -> str:
-    """The reasons in PyTorch's warnings for a refused SDPA kernel, in one line. On CUDA it warns per kernel:
-    "<kernel> not used because:", then that kernel's reasons, or "<kernel> has been runtime disabled" for the
-    kernels sdpa_kernel turned off; each ends with "(Triggered internally at <file>:<line>.)". Only the reasons
-    explain the refusal: the headers, the turned-off kernels and the source locations are dropped."""
-    lines = [re.sub(r"\s*\(Triggered internally at [^)]*\)", "", m).strip().replace("\n", " ") for m in messages]
-    reasons = [m for m in lines if m and not m.endswith("not used because:") and "runtime disabled" not in m]
-    return "; ".join(reasons or [m for m in lines if m]) or "no reason given by PyTorch"
+            reasons = sdpa_kernel_refusal(backend, q, k, v, mask, dropout_p, is_causal)
+            raise GPTError(
+                f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type} with dtype {q.dtype}, "
+                f"head size {q.size(-1)}, {'a' if mask is not None else 'no'} mask: {reasons} "
+                f"(choose another sdpa_backend, or 'auto')"
+            ) from None
 
 
 class MLP(nn.Module):
@@ -323,21 +302,25 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """
         idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
         kv_cache: optional KVCache; idx then holds only the positions after those already cached.
-        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets.
-        With targets and config.fused_loss the logits are never formed: (None, loss).
+        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets
+        (None without targets), as nanoGPT's `logits, loss = model(X, Y)`.
+        return_logits=False, for callers that need only the loss (train_step, estimate_loss): (None, loss), and with
+        config.fused_loss the (B, T, padded vocab) logits are never formed (fused_linear_cross_entropy).
         """
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
-        if targets is not None and self.config.fused_loss:
+        if targets is not None and not return_logits and self.config.fused_loss:
             n_targets = (targets != -1).sum().clamp(min=1)
             loss_sum = fused_linear_cross_entropy(
                 x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
             )
             return None, loss_sum / n_targets
+        # the logits are made anyway (asked for, or fused_loss off): the plain loss from them is the cheaper one
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
         loss = None
         if targets is not None:
@@ -350,7 +333,7 @@ class GPT(nn.Module):
             flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)  # targets: any strides
             loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")
             loss = loss_sum / n_targets
-        return logits[..., : self.config.vocab_size], loss
+        return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
     def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:
         B, T = idx.size()
@@ -428,63 +411,15 @@ class GPT(nn.Module):
         allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
         if set(override_args) - allowed:
             raise GPTError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
-        if model_type not in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl") and not os.path.isdir(model_type):
-            raise GPTError(
-                f"unknown GPT-2 model {model_type!r}: use gpt2, gpt2-medium, gpt2-large, gpt2-xl or a local folder"
-            )
-        from transformers import GPT2LMHeadModel  # only needed here
-
-        try:
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-        except OSError as e:  # transformers' error for no network, no cache, or a folder without weights
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GPTError(
-                f"could not load GPT-2 weights {model_type!r} ({reason}): check your internet connection "
-                f"or pass a local folder written by save_pretrained"
-            ) from None
+        hf_model = load_hf_gpt2(model_type)
         return cls.from_hf_model(hf_model, vocab_padding_multiple=vocab_padding_multiple, **override_args)
 
     @classmethod
     def from_hf_model(cls, hf_model, vocab_padding_multiple: int = 64, **overrides) -> "GPT":
-        hf = hf_model.config
-        activation = getattr(hf, "activation_function", "gelu_new")
-        if activation not in HF_ACTIVATIONS:
-            raise GPTError(f"unsupported GPT-2 activation {activation!r}: this model supports {', '.join(HF_ACTIVATIONS)}")
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if getattr(hf, flag, False):
-                raise GPTError(f"unsupported GPT-2 option {flag}=True")
-        config = GPTConfig(
-            block_size=hf.n_positions,
-            vocab_size=hf.vocab_size,
-            vocab_padding_multiple=vocab_padding_multiple,
-            n_layer=hf.n_layer,
-            n_head=hf.n_head,
-            n_embd=hf.n_embd,
-            bias=True,
-            gelu=HF_ACTIVATIONS[activation],
-            **overrides,
-        )
-        model = cls(config)
-        sd = model.state_dict()
-        sd_hf = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-        ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
-        theirs = set(sd_hf) - {"lm_head.weight"}
-        if ours != theirs:
-            raise GPTError(
-                f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
-            )
-        # HF's GPT-2 uses Conv1D modules whose weights are stored (in, out): transpose them into nn.Linear's (out, in).
-        conv1d = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-        with torch.no_grad():
-            for k in sorted(theirs):
-                src = sd_hf[k].t() if k.endswith(conv1d) else sd_hf[k]
-                dst = sd[k]
-                if k == "transformer.wte.weight":  # our table may have extra (padding) rows: copy the real ones
-                    dst = dst[: config.vocab_size]
-                    sd[k][config.vocab_size :].zero_()
-                if src.shape != dst.shape:
-                    raise GPTError(f"GPT-2 checkpoint key {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(src)
+        """Our GPT with the config and weights of an HF GPT2LMHeadModel (hf_gpt2.py: every key and shape checked)."""
+        model = cls(GPTConfig(**hf_config_args(hf_model.config), vocab_padding_multiple=vocab_padding_multiple,
+                              **overrides))
+        copy_hf_weights(model, hf_model)
         return model
 
     # ------------------------------------------------------------------------------------------- training helpers
@@ -627,215 +562,3 @@ def _compiled_decode_step():
     if _COMPILED_DECODE_STEP is None:
         _COMPILED_DECODE_STEP = torch.compile(GPT._decode_step, fullgraph=True, dynamic=False)
     return _COMPILED_DECODE_STEP
-
-
-# ---------------------------------------------------------------------------------- fused linear + cross-entropy
-
-# Rows (tokens) per chunk of the fused loss. Each chunk holds a (rows, padded vocab) logits block in the compute
-# dtype and one in float32; for GPT-2's 50304 rows, 256 tokens are ~50 + 50 MB (bf16) instead of the whole batch's
-# logits, log-softmax and their gradient (~2.5 GB per 12 x 1024 micro-batch in float32). Fewer, larger chunks
-# keep the weight-gradient matmul (K = rows) efficient and read/write the (vocab, C) gradient fewer times.
-LOSS_CHUNK_ROWS = 256
-
-
-def _loss_chunks(
-    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, compute_dtype: torch.dtype,
-    chunk_rows: int, with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """
-    Sum over the rows of cross_entropy(x @ weight.T, targets) (targets -1 ignored, the weight rows from vocab_size
-    on masked out), chunk by chunk; with_grad also returns its gradients with respect to x and weight, computed
-    from each chunk's softmax while it is at hand. Matmuls run in compute_dtype, softmax statistics in float32
-    (float64 for a float64 model).
-    x (N, C), weight (Vp, C), targets (N,) -> loss_sum (), grad_x (N, C) like x, grad_w (Vp, C) float32.
-    """
-    N = x.size(0)
-    w = weight.to(compute_dtype)  # one cast per call, as autocast's F.linear would do
-    acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 for a float64 model
-    loss_sum = torch.zeros((), dtype=acc_dtype, device=x.device)
-    grad_x = torch.empty_like(x) if with_grad else None
-    # the first chunk writes grad_w (no zero fill first); with no rows there is no chunk, and the gradient is zero
-    grad_w = (torch.empty if N else torch.zeros)(weight.shape, dtype=acc_dtype, device=x.device) if with_grad else None
-    # One (rows, Vp) block for every chunk: a fresh ~50 MB tensor per chunk would be new memory each time (on the
-    # CPU, glibc maps blocks this large afresh, and the page faults cost ~30% of the head matmul).
-    block = torch.empty(min(chunk_rows, N), weight.size(0), dtype=acc_dtype, device=x.device)
-    for start in range(0, N, chunk_rows):
-        xc = x[start : start + chunk_rows].to(compute_dtype)  # (n, C)
-        tc = targets[start : start + chunk_rows]  # (n,)
-        n = xc.size(0)
-        logits = block[:n]  # (n, Vp) in acc_dtype
-        if compute_dtype == acc_dtype:
-            torch.mm(xc, w.t(), out=logits)
-        else:
-            logits.copy_(xc @ w.t())
-        logits[:, vocab_size:] = float("-inf")  # padded rows: probability 0, hence gradient 0
-        valid = tc != -1
-        tc_safe = tc.clamp(min=0)  # any real row for the ignored ones; their terms are masked below
-        target_logit = logits.gather(1, tc_safe[:, None]).squeeze(1)  # (n,)
-        # log-sum-exp in place (torch.logsumexp would write a second (n, Vp) block and exponentiate it again below)
-        row_max = logits.amax(dim=1, keepdim=True)  # (n, 1)
-        exps = logits.sub_(row_max).exp_()  # (n, Vp), block reused
-        sum_exp = exps.sum(dim=1)  # (n,)
-        lse = row_max.squeeze(1) + sum_exp.log()  # (n,)
-        # not `+=`: an in-place add to the output of the autograd.Function's forward made torch.compile (2.11, CUDA,
-        # even with aot_eager) return zero gradients for x and weight; found by the CUDA suite on an H100
-        loss_sum = loss_sum + torch.where(valid, lse - target_logit, 0.0).sum()
-        if with_grad:
-            # d loss / d logits = softmax - onehot(target); ignored rows get 0 (their scale is 0)
-            probs = exps.mul_((valid / sum_exp)[:, None])
-            grad_logits = probs.scatter_add_(1, tc_safe[:, None], -valid[:, None].to(acc_dtype)).to(compute_dtype)
-            grad_x[start : start + n] = grad_logits @ w  # (n, Vp) x (Vp, C) -> (n, C)
-            # (Vp, n) x (n, C): the first chunk writes grad_w, the others add to it (addmm_ cannot mix dtypes, so
-            # under autocast each chunk's product is made in compute_dtype and summed in float32)
-            if compute_dtype == acc_dtype and start == 0:
-                torch.mm(grad_logits.t(), xc, out=grad_w)
-            elif compute_dtype == acc_dtype:
-                grad_w.addmm_(grad_logits.t(), xc)
-            elif start == 0:
-                grad_w.copy_(grad_logits.t() @ xc)
-            else:
-                grad_w += grad_logits.t() @ xc
-    return loss_sum, grad_x, grad_w
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """The gradients are computed in the forward, chunk by chunk (as Liger-Kernel's and PyTorch's chunked
-    linear_cross_entropy do), so the backward only scales them: the head costs its three matmuls, as the plain
-    path, and no (tokens x vocab) tensor lives until the backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size, compute_dtype, chunk_rows):
-        loss_sum, grad_x, grad_w = _loss_chunks(x, weight, targets, vocab_size, compute_dtype, chunk_rows, True)
-        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
-        return loss_sum
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_out.to(grad_x.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
-
-
-def fused_linear_cross_entropy(
-    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk_rows: int = LOSS_CHUNK_ROWS
-) -> torch.Tensor:
-    """
-    Sum over rows of F.cross_entropy(x @ weight.T, targets, ignore_index=-1, reduction="sum"), with the weight's
-    rows from vocab_size on (vocabulary padding) excluded, without forming the (N, Vp) logits.
-    x (N, C), weight (Vp, C), targets (N,). Under autocast the matmuls run in its dtype (bf16), as F.linear would.
-    """
-    device_type = x.device.type
-    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    # Our own casts decide each op's dtype: autocast must not recast the float32 softmax statistics.
-    with torch.autocast(device_type, enabled=False):
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _FusedLinearCrossEntropy.apply(x, weight, targets, vocab_size, compute_dtype, chunk_rows)
-        return _loss_chunks(x, weight, targets, vocab_size, compute_dtype, chunk_rows, with_grad=False)[0]
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties at the k-th value are kept), set the rest to -inf."""
-    k = min(k, logits.size(-1))
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities sum to at least p (always at least one)."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = F.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
-    remove_sorted = mass_before >= p  # the first token has mass_before == 0 and always stays
-    remove = remove_sorted.scatter(-1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
-
-
-def sample_next_token(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1)."""
-    if temperature < 0:
-        raise GPTError(f"temperature={temperature} must be >= 0 (0 means greedy)")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise GPTError(f"top_p={top_p} must be in (0, 1]")
-    if top_k is not None and top_k < 1:
-        raise GPTError(f"top_k={top_k} must be at least 1")
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def sdpa_kernel_compiles() -> bool:
-    """Whether torch.compile traces the sdpa_kernel context manager that a forced sdpa_backend uses (dynamo's
-    SDPAKernelVariable, torch 2.5+). Without it dynamo breaks the graph there and every layer's attention runs
-    eagerly, between compiled pieces."""
-    try:
-        from torch._dynamo.variables import SDPAKernelVariable  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def fused_adamw_available(device_type: str) -> bool:
-    """PyTorch's fused AdamW runs on CUDA, and on the CPU since 2.4."""
-    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
-        return False
-    if device_type == "cuda":
-        return True
-    if device_type == "cpu":
-        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-        return (major, minor) >= (2, 4)
-    return False
-
-
-# Peak dense (not sparse) bf16 tensor-core FLOP/s by the name CUDA reports (torch.cuda.get_device_name), from
-# NVIDIA's datasheets. A name matches as a whole word of the device name, and the longest match wins, so
-# "H100 NVL" beats "H100", "GH200" is not "H200", "A10G" is not "A10" and "L40S" is not "L4".
-PEAK_FLOPS = {
-    "GB200": 2.5e15,
-    "B200": 2.25e15,
-    "H100": 989e12,  # SXM (and "H100 80GB HBM3")
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200": 989e12,  # SXM
-    "H200 NVL": 835e12,
-    "H800": 989e12,  # SXM
-    "H800 PCIe": 756e12,
-    "GH200": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A6000": 155e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,  # float16 (V100 has no bf16 tensor cores)
-    "T4": 65e12,  # float16
-}
-
-
-def gpu_peak_flops(device_name: str) -> float | None:
-    """The PEAK_FLOPS entry of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"); None if no entry matches."""
-    matches = [name for name in PEAK_FLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9])", device_name)]
-    return PEAK_FLOPS[max(matches, key=len)] if matches else None
-
-
-def device_peak_flops(device: str | torch.device) -> float | None:
-    """Peak bf16 FLOP/s of the device a run uses: a known GPU's from PEAK_FLOPS; None for unknown GPUs and other
-    devices (a CPU run's MFU never takes the peak of a GPU that happens to be visible)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return gpu_peak_flops(torch.cuda.get_device_name(device))

@@ -313,7 +313,7 @@ def estimate_loss(
             gen = batch_generator(cfg.seed, f"eval_{split}", 0, k)
             x, y = get_batch(splits[split], cfg.batch_size, cfg.block_size, gen)
             with ctx:
-                _, loss = model(to_device(x, dist.device), to_device(y, dist.device))
+                _, loss = model(to_device(x, dist.device), to_device(y, dist.device), return_logits=False)
             total += torch.stack([loss.float(), torch.ones((), device=dist.device)]) * counted
         if dist.enabled:
             torch_dist.all_reduce(total)
@@ -358,8 +358,8 @@ def train_step(
             raise StepInterrupted
         # DDP all-reduces (FSDP reduce-scatters) gradients in backward; only the last micro-step needs it.
         with parallel.gradient_sync(model, dist, sync=last):
-            with ctx:
-                _, loss = model(x, y)
+            with ctx:  # the loss only: with fused_loss the (tokens x vocab) logits are never formed
+                _, loss = model(x, y, return_logits=False)
             weight = n * dist.world_size / n_tokens
             scaler.scale(loss * weight).backward()
         loss_sum += loss.detach().float() * n

@@ -53,7 +53,7 @@ for step in range(7):
     for micro in range(2):  # gradient accumulation: no_sync on the first micro-step, as train.py
         ctx = ddp.no_sync() if micro == 0 else __import__("contextlib").nullcontext()
         with ctx:
-            _, loss = ddp(x, x)
+            _, loss = ddp(x, x, return_logits=False)  # the training step's forward
             loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

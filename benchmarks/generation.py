@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
 from common import UserError, exit_on_user_error, resolve_device, synchronize  # noqa: E402
-from model import GPT, GPTConfig, GPTError  # noqa: E402
+from errors import GPTError  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A chosen token's float64 logit may be this far below the best one: float32 steps differ from float64 by ~1e-5

@@ -13,7 +13,7 @@ Parts (in this order; --parts picks some):
              speed key: compile_mode=max-autotune-no-cudagraphs, compile_mode=max-autotune (CUDA graphs), and
              fp8=True with tensorwise and rowwise scaling (float8.py; the loss after the timed steps beside bf16's).
   headline   GPT-2 124M at nanoGPT's bench settings (batch 12 x 1024, bf16 autocast, torch.compile, SDPA, padded
-             vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (model.PEAK_FLOPS, by the
+             vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (hardware.PEAK_FLOPS, by the
              name CUDA reports; an unknown GPU says so and takes --peak_flops).
   attention  the seeds' attention ablation at those settings: math attention -> SDPA (auto) -> each SDPA kernel
              -> flash with the padded vocabulary, beside nanoGPT's published A100 ms/iter.
@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common import UserError, exit_on_user_error  # noqa: E402
-from model import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
+from hardware import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
 
 PARTS = ("recipe", "headline", "attention", "cumulative", "largest", "baby")
 # config/train_gpt2_fineweb.py per GPU, one micro-step; each RECIPE row changes one key of it
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     p.add_argument("--results_dir", default="gpu_results", help="where gpu.json and gpu.md go")
     p.add_argument("--peak_flops", type=float, default=None,
-                   help="the GPU's dense bf16 peak FLOP/s for MFU (default: model.PEAK_FLOPS by device name)")
+                   help="the GPU's dense bf16 peak FLOP/s for MFU (default: hardware.PEAK_FLOPS by device name)")
     p.add_argument("--budget_minutes", type=float, default=25.0, help="start no new row after this")
     p.add_argument("--warmup_steps", type=int, default=5, help="bench.py's untimed steps per row (compile happens here)")
     p.add_argument("--timed_steps", type=int, default=15, help="bench.py's timed steps per row")
@@ -122,9 +122,9 @@ def device_peak(device_name: str, peak_flops: float | None) -> tuple[float | Non
         return peak_flops, f"--peak_flops={peak_flops:.4g}"
     peak = gpu_peak_flops(device_name)
     if peak is None:
-        return None, (f"unknown device {device_name!r}: not in model.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}); "
+        return None, (f"unknown device {device_name!r}: not in hardware.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}); "
                       f"give --peak_flops for MFU")
-    return peak, f"{peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name}, model.PEAK_FLOPS)"
+    return peak, f"{peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name}, hardware.PEAK_FLOPS)"
 
 
 def require_gpu() -> str:

@@ -344,7 +344,7 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
     with recorder:
         for x, y in batches:
             with ctx:
-                _, loss = model(x.to(device), y.to(device))
+                _, loss = model(x.to(device), y.to(device), return_logits=False)  # as train_step
             loss.backward()
     model.zero_grad(set_to_none=True)
     made: dict = {}

@@ -23,7 +23,8 @@ import torch.nn.functional as F  # noqa: E402
 import bench  # noqa: E402
 from benchmarks.measure import markdown_table, write_json  # noqa: E402
 from common import autocast_context, exit_on_user_error, resolve_device  # noqa: E402
-from model import GPT, GPTError  # noqa: E402
+from errors import GPTError  # noqa: E402
+from model import GPT  # noqa: E402
 from train import batch_generator  # noqa: E402
 
 PATHS = {  # the model's own loss is the fused linear + cross-entropy (fused_loss) but where it says "plain loss"
@@ -78,7 +79,8 @@ def numerics_study(cfg: bench.BenchConfig, device: str) -> list[dict]:
                 with autocast_context(device, dtype):
                     attn = model.transformer.h[0].attn(x)
                     losses = token_losses(model, idx, targets)
-                    _, loss = model(idx, targets)  # the training loss: fused or plain, as configured
+                    # the training loss: fused or plain, as configured
+                    _, loss = model(idx, targets, return_logits=False)
                 row["attention_error"] = relative_error(attn, attn_ref)
                 row["token_loss_error"] = relative_error(losses, losses_ref)
                 row["loss_error"] = relative_error(loss, losses_ref.mean())

@@ -113,8 +113,8 @@ def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[f
             super().__init__()
             self.m = model
 
-        def forward(self, idx, targets):
-            logits, loss = self.m(idx, targets)
+        def forward(self, idx, targets, **kw):
+            logits, loss = self.m(idx, targets, **kw)
             return logits, loss * scale["now"]
 
     steps = []

@@ -236,9 +236,9 @@ def test_matmul_floor_counts_the_fused_losss_in_place_and_out_matmuls(monkeypatc
     """The fused loss writes its head products with mm(out=) and accumulates the head's weight gradient with
     addmm_: 3 matmuls per chunk, in place of the plain head's 3. 32 tokens in chunks of 8 rows: 4 chunks, so
     18 matmuls for the layer (as above, less the head) + 12 for the head; the floor's replay keeps their layouts."""
-    import model as model_module
+    import fused_loss
 
-    monkeypatch.setattr(model_module.fused_linear_cross_entropy, "__defaults__", (8,))
+    monkeypatch.setattr(fused_loss.fused_linear_cross_entropy, "__defaults__", (8,))
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math",
                           fused_loss=True))

@@ -1,5 +1,5 @@
 """
-The fused, chunked linear + cross-entropy (model.fused_linear_cross_entropy, GPTConfig.fused_loss): the same loss
+The fused, chunked linear + cross-entropy (fused_loss.fused_linear_cross_entropy, GPTConfig.fused_loss): the same loss
 and gradients as the plain path (full logits, F.cross_entropy), checked against a float64 reference, in float32
 and under bf16 autocast, with ignored targets (-1), a padded vocabulary, several chunks, gradient accumulation,
 DDP (torchrun, gloo) and torch.compile. Its CUDA checks are in tests/cuda/test_cuda_fused.py.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 
 from common import Dist
 from helpers import config_args, make_char_dataset, run_script, tiny_config
-from model import GPT, GPTConfig, fused_linear_cross_entropy
+from fused_loss import fused_linear_cross_entropy
+from model import GPT, GPTConfig
 from train import TrainConfig, train, train_step
 
 VOCAB = 101  # padded to 128: 27 rows that must get no probability and no gradient
@@ -119,9 +121,9 @@ def test_model_with_fused_loss_equals_the_plain_model(dtype):
     for fused in (False, True):
         model = tiny_model(fused)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            logits, loss = model(idx, targets)
+            logits, loss = model(idx, targets, return_logits=False)  # the training step's call
         loss.backward()
-        assert (logits is None) == fused  # the fused path forms no logits
+        assert logits is None
         results[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     (plain_loss, plain_grads), (fused_loss, fused_grads) = results[False], results[True]
     rtol = 1e-6 if dtype == "float32" else 1e-2
@@ -138,6 +140,55 @@ def test_sampling_and_plain_forward_still_return_logits():
     assert logits.shape == (3, 16, VOCAB) and loss is None
     out = model.generate(idx[:, :4], max_new_tokens=3, generator=torch.Generator().manual_seed(0))
     assert out.shape == (3, 7)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_model_x_y_returns_every_positions_logits_and_the_training_loss(fused):
+    """nanoGPT's `logits, loss = model(X, Y)`, with either loss setting: the logits of every position over the real
+    vocabulary (against a float64 copy of the model), and the loss and gradients of the training call
+    (return_logits=False, fused or plain as configured) and of the float64 cross-entropy of those logits."""
+    idx, targets = model_batch()
+    model = tiny_model(fused)
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad():
+        ref_logits, _ = reference(idx)  # (B, T, VOCAB) in float64
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+    logits, loss = model(idx, targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    _, train_loss = model(idx, targets, return_logits=False)
+    train_loss.backward()
+    assert logits.shape == (3, 16, VOCAB)
+    torch.testing.assert_close(logits.double(), ref_logits, rtol=0, atol=1e-5)  # float32 against float64
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, train_loss, rtol=1e-6, atol=0)  # the fused and plain paths: a few ulps
+    for n, p in model.named_parameters():
+        assert rel(grads[n], p.grad) < 1e-5, n
+
+
+def test_the_training_step_and_evaluation_form_no_logits_with_the_fused_loss(tmp_path):
+    """train_step and estimate_loss ask for the loss only: with fused_loss the head's (tokens x vocab) output is
+    never produced, so the lm_head module never runs (its weight goes to the fused loss); the plain model runs it."""
+    from helpers import make_char_dataset
+    from train import estimate_loss
+
+    make_char_dataset(tmp_path, n_chars=2_000)
+    splits = {split: str(tmp_path / f"{split}.bin") for split in ("train", "val")}
+    cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=2, grad_clip=0.0)
+    no_autocast = torch.autocast("cpu", enabled=False)
+    idx, targets = model_batch()
+    for fused in (True, False):
+        model = tiny_model(fused)
+        head_outputs = []
+        model.lm_head.register_forward_hook(lambda module, args, out: head_outputs.append(out.shape))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        loss, _, applied = train_step(model, opt, scaler, [(idx, targets)], no_autocast, cfg, Dist())
+        losses = estimate_loss(model, cfg, splits, Dist(), no_autocast)
+        assert applied and math.isfinite(loss) and all(math.isfinite(v) for v in losses.values())
+        assert (head_outputs == []) == fused, head_outputs  # plain: 1 step + 2 splits x 2 batches
+        assert fused or len(head_outputs) == 5
 
 
 def test_gradient_accumulation_with_fused_loss_equals_one_plain_batch():
@@ -162,7 +213,7 @@ def test_compiled_fused_loss_equals_eager_plain():
     compiled._orig_mod.config = dataclasses.replace(plain.config, fused_loss=True)
     grads = []
     for model in (plain, compiled):
-        _, loss = model(idx, targets)
+        _, loss = model(idx, targets, return_logits=False)
         loss.backward()
         grads.append((loss.detach(), {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters()}))
     assert compiled._orig_mod.config.fused_loss
@@ -202,6 +253,6 @@ def test_targets_with_any_strides_give_the_loss_of_contiguous_ones(fused):
     x, y = tokens[:, :-1], tokens[:, 1:]
     assert not y.is_contiguous()
     with torch.no_grad():
-        _, loss = model(x, y)
-        _, expected = model(x.contiguous(), y.contiguous())
+        _, loss = model(x, y, return_logits=False)
+        _, expected = model(x.contiguous(), y.contiguous(), return_logits=False)
     assert torch.equal(loss, expected)

@@ -15,18 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model as model_module
-from model import (
-    GPT,
-    GPTConfig,
-    GPTError,
-    KVCache,
-    device_peak_flops,
-    gpu_peak_flops,
-    sdpa_kernel_compiles,
-    sample_next_token,
-    top_k_filter,
-    top_p_filter,
-)
+from errors import GPTError
+from hardware import device_peak_flops, gpu_peak_flops, sdpa_kernel_compiles
+from model import GPT, GPTConfig, KVCache
+from sampling import sample_next_token, top_k_filter, top_p_filter
 
 VOCAB = 101  # not a multiple of 64: padding adds 27 rows
 SDPA_BACKENDS_ON_CPU = ("auto", "math", "flash")
@@ -783,7 +775,8 @@ def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
     (simulated here: the CPU cannot run the CUDA kernels)."""
     import torch.nn.functional as F
 
-    from model import GPT, GPTConfig, GPTError
+    from errors import GPTError
+    from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16, sdpa_backend="flash"))
 
@@ -799,7 +792,7 @@ def test_a_cuda_refusal_names_the_chosen_kernels_reasons_only():
     """The warnings an H100 gave (torch 2.11) when flash refused float32 with a mask: the refusal keeps the two
     reasons and drops the per-kernel headers, the kernels sdpa_kernel turned off and the source locations (the
     first version of the message began with "Memory efficient kernel not used because: (Triggered internally")."""
-    from model import sdpa_refusal_reasons
+    from hardware import sdpa_refusal_reasons
 
     at = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)"
     warned = [

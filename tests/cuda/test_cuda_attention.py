@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cuda_helpers import DTYPES, has_bf16, relative_error, requires_cuda
-from model import GPT, GPTConfig, GPTError, KVCache
+from errors import GPTError
+from model import GPT, GPTConfig, KVCache
 
 pytestmark = requires_cuda
 

@@ -6,7 +6,8 @@ import torch
 
 from common import resolve_dtype, synchronize
 from cuda_helpers import requires_cuda, requires_gpus
-from model import GPT, GPTConfig, PEAK_FLOPS, device_peak_flops, gpu_peak_flops
+from hardware import PEAK_FLOPS, device_peak_flops, gpu_peak_flops
+from model import GPT, GPTConfig
 
 pytestmark = requires_cuda
 
@@ -15,7 +16,7 @@ def test_this_gpu_has_a_peak_or_says_so():
     name = torch.cuda.get_device_name()
     peak = device_peak_flops("cuda")
     if peak is None:
-        pytest.skip(f"{name!r} is not in model.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}): MFU needs --peak_flops")
+        pytest.skip(f"{name!r} is not in hardware.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}): MFU needs --peak_flops")
     assert peak == gpu_peak_flops(name)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).cuda()
     assert model.estimate_mfu(4, 0.5) == model.estimate_mfu(4, 0.5, peak_flops=peak)

@@ -37,7 +37,7 @@ def _batch(B: int = 8, T: int = 64, seed: int = 1) -> tuple[torch.Tensor, torch.
 
 def _loss_and_grads(model, x, y, dtype: str = "float32"):
     with autocast_context("cuda", dtype):
-        _, loss = model(x, y)
+        _, loss = model(x, y, return_logits=False)
     loss.backward()
     raw = getattr(model, "_orig_mod", model)
     grads = {n: p.grad.detach().clone() for n, p in raw.named_parameters()}
@@ -70,7 +70,7 @@ def _adamw_steps(fused: bool, steps: int = 5) -> GPT:
     assert bool(opt.defaults.get("fused")) == fused
     for i in range(steps):
         x, y = _batch(seed=10 + i)
-        _, loss = model(x, y)
+        _, loss = model(x, y, return_logits=False)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

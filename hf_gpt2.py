@@ -1,0 +1,82 @@
+"""
+GPT-2 weights from HF transformers: loading a GPT2LMHeadModel (a GPT-2 name or a local folder), its config as
+GPTConfig's settings, and its weights copied into our layout. GPT.from_pretrained and GPT.from_hf_model (model.py)
+are the API and call these; export.py goes the other way.
+
+It must not import model.py (model.py imports it) nor any script; transformers is imported only to load a model.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from errors import GPTError
+
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# HF transformers' activation_function names of the two GELU forms (GPTConfig.gelu)
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+# HF's GPT-2 uses Conv1D modules whose weights are stored (in, out), where nn.Linear's are (out, in)
+CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+def load_hf_gpt2(model_type: str):
+    """HF's GPT2LMHeadModel of "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" (downloaded or from HF's cache), or of
+    a local folder written by `save_pretrained`."""
+    if model_type not in GPT2_MODELS and not os.path.isdir(model_type):
+        raise GPTError(f"unknown GPT-2 model {model_type!r}: use {', '.join(GPT2_MODELS)} or a local folder")
+    from transformers import GPT2LMHeadModel  # only needed here
+
+    try:
+        return GPT2LMHeadModel.from_pretrained(model_type)
+    except OSError as e:  # transformers' error for no network, no cache, or a folder without weights
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GPTError(
+            f"could not load GPT-2 weights {model_type!r} ({reason}): check your internet connection "
+            f"or pass a local folder written by save_pretrained"
+        ) from None
+
+
+def hf_config_args(hf_config) -> dict:
+    """GPTConfig's architecture arguments for an HF GPT2Config; options our model does not implement are refused."""
+    activation = getattr(hf_config, "activation_function", "gelu_new")
+    if activation not in HF_ACTIVATIONS:
+        raise GPTError(f"unsupported GPT-2 activation {activation!r}: this model supports {', '.join(HF_ACTIVATIONS)}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(hf_config, flag, False):
+            raise GPTError(f"unsupported GPT-2 option {flag}=True")
+    return dict(
+        block_size=hf_config.n_positions,
+        vocab_size=hf_config.vocab_size,
+        n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head,
+        n_embd=hf_config.n_embd,
+        bias=True,
+        gelu=HF_ACTIVATIONS[activation],
+    )
+
+
+def copy_hf_weights(model: nn.Module, hf_model) -> None:
+    """Copy hf_model's weights into `model`, our GPT built from hf_config_args: the same keys (a missing or extra
+    one is named), Conv1D weights transposed, every shape checked; of our padded embedding the real rows are
+    copied and the padding rows zeroed."""
+    vocab_size = model.config.vocab_size
+    sd = model.state_dict()
+    sd_hf = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
+    theirs = set(sd_hf) - {"lm_head.weight"}
+    if ours != theirs:
+        raise GPTError(
+            f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
+        )
+    with torch.no_grad():
+        for k in sorted(theirs):
+            src = sd_hf[k].t() if k.endswith(CONV1D_WEIGHTS) else sd_hf[k]  # (in, out) -> (out, in)
+            dst = sd[k]
+            if k == "transformer.wte.weight":  # our table may have extra (padding) rows: copy the real ones
+                dst = dst[:vocab_size]
+                sd[k][vocab_size:].zero_()
+            if src.shape != dst.shape:
+                raise GPTError(f"GPT-2 checkpoint key {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
