@@ -174,7 +174,7 @@ def help_text(usage: str | None, *configs: DataclassInstance, width: int = HELP_
                 if len(line) > len(indent):  # a long default or type: the comment goes under it
                     lines.append(line.rstrip())
                     line = indent
-                wrapped = textwrap.wrap(comment, max(width - len(indent), 40)) or [""]
+                wrapped = textwrap.wrap(comment, max(width - len(indent), 40), break_on_hyphens=False) or [""]
                 lines += [(line + wrapped[0]).rstrip(), *(indent + w for w in wrapped[1:])]
             blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
