@@ -38,6 +38,11 @@ def exit_on_user_error(main: Callable[[], object]) -> object:
         _fail(str(e))
 
 
+def plural(n: int, word: str) -> str:
+    """'1 sample', '2 samples': a count and its noun."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def _fail(msg: str) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)

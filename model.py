@@ -490,6 +490,7 @@ class GPT(nn.Module):
         use_cache: bool = True,
         vocab_size: int | None = None,
         compile: bool = False,
+        window_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """
         Extend idx (B, T) by max_new_tokens tokens, sampled from softmax(logits / temperature) after the optional
@@ -504,7 +505,10 @@ class GPT(nn.Module):
         (static cache, positions as a tensor), so it compiles once per batch size, dtype and cache size, for any
         depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own.
         The context is the last block_size tokens, exactly as without the cache: past block_size the window
-        slides, so every new position changes every position embedding and the cache is re-filled each step.
+        slides, so every new position changes every position embedding, and each step recomputes the whole window
+        (no cache; the head at its last position only). That is matrix-matrix work, unlike the one-token steps:
+        window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it under that autocast, and with
+        compile=True it is compiled too (one shape: (B, block_size)).
         The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
         """
         was_training = self.training
@@ -519,9 +523,17 @@ class GPT(nn.Module):
                 # tokens, 109 positions (319 MiB in float32) instead of block_size's 1024 (2.9 GiB)
                 size = min(idx.size(1) + max_new_tokens - 1, self.config.block_size)
                 cache = KVCache(self.config, idx.size(0), dtype, idx.device, static=compile, size=size)
-            step = _compiled_decode_step() if compile and use_cache else GPT._decode_step
+            step = _compiled("step") if compile and use_cache else GPT._decode_step
+            window = _compiled("window") if compile else GPT._window_logits
             for _ in range(max_new_tokens):
-                logits = self._next_token_logits(idx, cache, step)[:, :vocab_size]  # (B, vocab_size)
+                if idx.size(1) > self.config.block_size:  # the window slides: recompute it whole
+                    with (torch.autocast(idx.device.type, dtype=window_dtype) if window_dtype is not None
+                          else nullcontext()):  # else the caller's autocast, if any
+                        # contiguous: the same strides at every step, so the compiled window compiles once
+                        logits = window(self, idx[:, -self.config.block_size:].contiguous())
+                else:
+                    logits = self._next_token_logits(idx, cache, step)
+                logits = logits[:, :vocab_size]  # (B, vocab_size)
                 idx_next = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
                 idx = torch.cat((idx, idx_next), dim=1)
         finally:
@@ -538,10 +550,14 @@ class GPT(nn.Module):
             cache.length = cache.pos
             last = idx[:, -1:].clone(memory_format=torch.contiguous_format)  # (B, 1): the same strides every step
             return step(self, last, pos, cache)
-        else:  # prefill, or past block_size re-prefill: the last block_size tokens in one forward pass
+        else:  # the prompt (prefill): in one forward pass
             cache.reset()
             x = self._hidden(idx[:, -block_size:], kv_cache=cache)
         return self._last_logits(x)
+
+    def _window_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, vocab_size) of the next token after the window idx (B, block_size), no cache."""
+        return self._last_logits(self._hidden(idx))
 
     def _decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, vocab_size) of the next token after ids idx (B, 1) at position pos (1,), stored in cache."""
@@ -552,13 +568,14 @@ class GPT(nn.Module):
         return self.lm_head(x[:, -1, :])[:, : self.config.vocab_size].float()
 
 
-_COMPILED_DECODE_STEP = None
+_COMPILED: dict = {}
 
 
-def _compiled_decode_step():
-    """GPT._decode_step through torch.compile, made once per process: fullgraph (one graph for every layer, no
-    per-layer variants) and static shapes (a new batch size or dtype compiles a new variant, not a dynamic one)."""
-    global _COMPILED_DECODE_STEP
-    if _COMPILED_DECODE_STEP is None:
-        _COMPILED_DECODE_STEP = torch.compile(GPT._decode_step, fullgraph=True, dynamic=False)
-    return _COMPILED_DECODE_STEP
+def _compiled(name: str):
+    """GPT._decode_step ("step") or GPT._window_logits ("window") through torch.compile, made once per process:
+    fullgraph (one graph for every layer, no per-layer variants) and static shapes (a new batch size or dtype
+    compiles a new variant, not a dynamic one)."""
+    if name not in _COMPILED:
+        function = {"step": GPT._decode_step, "window": GPT._window_logits}[name]
+        _COMPILED[name] = torch.compile(function, fullgraph=True, dynamic=False)
+    return _COMPILED[name]

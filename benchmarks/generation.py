@@ -4,9 +4,14 @@ Generation speed of GPT.generate's modes side by side in one run, on a randomly 
     python benchmarks/generation.py                                  # 6 x 384 model, 256 and 1000 new tokens
     python benchmarks/generation.py --before=a8a8fbc --max_new_tokens 256 1000 --batch_size=10  # sample.py's 10
     python benchmarks/generation.py --max_new_tokens 100 --uncached  # and without the KV cache (slow)
+    python benchmarks/generation.py --nanogpt      # nanoGPT's sample command on its baby GPT, against its way
 
 Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
-weights and with the weights converted to bfloat16; `--uncached` adds generation without the cache, and
+weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 autocast past
+block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too);
+`--nanogpt` is nanoGPT's `python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65
+characters, 10 samples of 500 tokens from one), against nanoGPT's way of generating (no cache: the whole window
+per token, float32) as the first row; `--uncached` adds generation without the cache, and
 `--before=REV` the KV-cache generate of model.py at git revision REV (same weights, the batch's samples one after
 another, as sample.py generated them before it batched them), to measure a change side by side. In every round the modes run one after another, the order reversed each round so that a shared machine's
 drift favours none; each mode's figure is its best round. Compile time is measured apart: the first compiled
@@ -58,7 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uncached", action="store_true", help="also time generation without the KV cache")
     p.add_argument("--before", default=None, help="git revision whose model.py's generate (KV cache) to time too")
     p.add_argument("--seed", type=int, default=1337)
-    return p.parse_args(argv)
+    p.add_argument("--nanogpt", action="store_true", help="nanoGPT's sample command on its baby GPT (sets the shape, "
+                   "batch 10, prompt 1, 500 new tokens; its uncached way first)")
+    args = p.parse_args(argv)
+    if args.nanogpt:
+        args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size = 6, 6, 384, 256, 65
+        args.batch_size, args.prompt_len, args.max_new_tokens, args.uncached = 10, 1, [500], True
+    return args
 
 
 def model_at_revision(rev: str) -> types.ModuleType:
@@ -95,10 +106,15 @@ def build_modes(model: GPT, args: argparse.Namespace) -> dict:
 
         modes[f"before ({args.before}), fp32"] = (before, torch.float32, False)
     if args.uncached:
-        modes["no cache, fp32"] = (lambda p, n: model.generate(p, n, temperature=0.0, use_cache=False), torch.float32, False)
+        modes["no cache, fp32 (nanoGPT's way)"] = (lambda p, n: model.generate(p, n, temperature=0.0, use_cache=False),
+                                                   torch.float32, False)
     for name, m, dtype in (("fp32", model, torch.float32), ("bf16", bf16, torch.bfloat16)):
         modes[f"eager, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0), dtype, False)
         modes[f"compiled, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0, compile=True), dtype, True)
+    for compiled in (False, True):  # float32 steps, the window past block_size in bf16 autocast
+        modes[f"{'compiled' if compiled else 'eager'}, fp32, bf16 window"] = (
+            lambda p, n, c=compiled: model.generate(p, n, temperature=0.0, compile=c, window_dtype=torch.bfloat16),
+            torch.bfloat16, compiled)
     return modes
 
 

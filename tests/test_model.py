@@ -398,12 +398,15 @@ def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_match
         return out
 
     torch._dynamo.reset()
-    past = counted(lambda: model.generate(prompt, 30, temperature=0.0, compile=True))  # 16 positions, then slides
+    # 16 positions, then 19 steps of the sliding window: the step and the window compile once each
+    past = counted(lambda: model.generate(prompt, 30, temperature=0.0, compile=True))
     reaching = counted(lambda: sample(True, prompt[:, :3], 14))  # 3 + 14 = block_size + 1: 16 positions, no slide
     within = counted(lambda: model.generate(prompt, 6, temperature=0.0, compile=True))  # 10 positions
     within_sampled = counted(lambda: sample(True, prompt[:, :3], 8))  # another prompt length, 10 positions again
-    assert compiles == [1, 0, 1, 0]
+    longer = counted(lambda: model.generate(prompt, 40, temperature=0.0, compile=True))  # more window steps: none
+    assert compiles == [2, 0, 1, 0, 0]
     assert torch.equal(past, greedy_reference(model, prompt, 30))
+    assert torch.equal(longer, greedy_reference(model, prompt, 40))
     assert torch.equal(within, greedy_reference(model, prompt, 6))
     assert torch.equal(reaching, sample(False, prompt[:, :3], 14))
     assert torch.equal(within_sampled, sample(False, prompt[:, :3], 8))
@@ -871,3 +874,24 @@ def test_eager_cache_reads_only_the_slots_written_and_equals_the_static_one(atte
     layers = model.config.n_layer
     assert widths[False] == [n for n in [5, *range(6, 13)] for _ in range(layers)]
     assert set(widths[True]) == {model.config.block_size}
+
+
+def test_past_block_size_the_window_runs_in_the_window_dtype_and_the_steps_do_not() -> None:
+    """sample.py's dtype=auto on a CPU with bf16 matmuls: the one-token steps stay float32 (matrix-vector work,
+    where bf16 casts cost more than they save), the window recomputed past block_size runs in bf16 autocast
+    (matrix work). The tokens stay those of the float64 model up to near-ties (greedy, a model with clear
+    preferences: each chosen token is the float64 argmax or within bf16's rounding of it)."""
+    model = make_model(seed=40)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(41))
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: seen.append((o.size(1), o.dtype)))
+    out = model.generate(prompt, 20, temperature=0.0, window_dtype=torch.bfloat16)
+    steps = {dtype for length, dtype in seen if length < 16}  # prefill (5) and the one-token steps
+    windows = [dtype for length, dtype in seen if length == 16]
+    assert steps == {torch.float32} and len(windows) == 5 + 20 - 1 - 16 and set(windows) == {torch.bfloat16}
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad():
+        for t in range(5, out.size(1)):
+            logits = reference(out[:, max(0, t - 16):t])[0][:, -1]  # (B, V)
+            gap = logits.max(dim=1).values - logits.gather(1, out[:, t:t + 1]).squeeze(1)
+            assert (gap < 0.1).all(), (t, gap)

@@ -258,3 +258,17 @@ def test_the_device_is_resolved_once(char_run, monkeypatch, capsys):
     assert calls == ["auto"]  # once, in check_config; everything after takes the resolved device
     err = capsys.readouterr().err
     assert f"tokenizer: char ({meta['vocab_size']} tokens" in err and ", cpu, float32)" in err  # the resolved ones
+
+
+@pytest.mark.parametrize("native, dtype, window, expected", [
+    (True, "auto", None, "bfloat16"),  # the window's matrix work in bf16 where the CPU multiplies it in hardware
+    (False, "auto", None, None),  # emulated bf16 is slower than float32: the window stays float32
+    (True, "float32", None, None),  # an explicit dtype is the window's too
+    (True, "auto", "float32", "float32"),  # and an explicit window_dtype wins
+])
+def test_dtype_auto_chooses_the_window_dtype_by_the_cpu(monkeypatch, native, dtype, window, expected):
+    import sample as sample_module
+
+    monkeypatch.setattr(sample_module, "cpu_has_native_bf16", lambda: native)
+    cfg = sample_module.check_config(SampleConfig(device="cpu", dtype=dtype, window_dtype=window))
+    assert (cfg.dtype, cfg.window_dtype) == ("float32", expected)
