@@ -23,6 +23,7 @@ import inspect
 import itertools
 import json
 import math
+import netrc
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, NoReturn
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ from common import (
     dtype_reason,
     exit_on_user_error,
     keep_freed_memory,
+    optional_import,
     resolve_attention,
     resolve_fused_loss,
     resolve_device,
@@ -392,6 +395,36 @@ def resume_changes(
 # ----------------------------------------------------------------------------------------------- the run
 
 
+def wandb_problem(cfg: TrainConfig) -> str | None:
+    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
+    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
+    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
+    under way."""
+    if not cfg.wandb_log:
+        return None
+    try:
+        optional_import("wandb", "wandb_log=True")
+    except UserError as e:
+        return f"{e} (or --wandb_log=False)"
+    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
+    where = "no netrc file"
+    if path is not None:
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return None
+            where = f"no entry for {host} in {path}"
+        except (OSError, netrc.NetrcParseError) as e:
+            where = f"{path} is unreadable ({e})"
+    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
+            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")
+
+
 class Logger:
     """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
     appends to its run's file; a new run in a folder that has one starts its own, the old file kept as
@@ -518,6 +551,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
                         f"{cfg.eval_interval} (HellaSwag runs at evals)")
+    if (wandb := wandb_problem(cfg)) is not None:
+        problems.append(wandb)
     problems += parallel.config_problems(cfg)
     if cfg.optimizer == "muon" and cfg.parallelism == "fsdp":  # a rank holds shards, Muon needs whole matrices
         problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")

@@ -86,6 +86,13 @@ def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
+def hide_module(monkeypatch, name: str) -> None:
+    """Until the test ends, `import name` (and its submodules) fails as it does where the package is not installed:
+    ModuleNotFoundError naming it (a None in sys.modules stops the import system)."""
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")] + [name]:
+        monkeypatch.setitem(sys.modules, key, None)
+
+
 def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     """Wait until a running train.py has logged iteration `at_least` (to signal it at a known point)."""
     deadline = time.time() + timeout

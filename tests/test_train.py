@@ -13,7 +13,7 @@ import torch
 import dataio
 from common import set_deterministic
 from checkpoint import load_checkpoint, model_from_checkpoint
-from helpers import config_args, make_char_dataset, run_in_process, run_script, tiny_config
+from helpers import config_args, hide_module, make_char_dataset, run_in_process, run_script, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
@@ -280,6 +280,64 @@ def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message, caps
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def wandb_run(data_dir, tmp_path, monkeypatch, capsys):
+    """train.py --wandb_log=True, in this process, stopped with a test failure if it gets as far as the model."""
+    import train as train_module
+
+    monkeypatch.setattr(train_module, "init_model", lambda *a: pytest.fail("the model was built before wandb's check"))
+    return run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out")), "--wandb_log=True"],
+                          capsys)
+
+
+def no_wandb_login(monkeypatch, home) -> None:
+    """An environment where wandb has no key: a HOME without a netrc file, no key in the environment, online."""
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_wandb_log_without_wandb_installed_is_one_line_before_the_model(data_dir, tmp_path, monkeypatch, capsys):
+    hide_module(monkeypatch, "wandb")
+    r = wandb_run(data_dir, tmp_path, monkeypatch, capsys)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "error: wandb_log=True needs wandb, which is not installed: pip install wandb (or --wandb_log=False)"]
+
+
+def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    no_wandb_login(monkeypatch, tmp_path / "home")
+    r = wandb_run(data_dir, tmp_path, monkeypatch, capsys)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "error: wandb_log=True but wandb has no API key (no WANDB_API_KEY, no netrc file): run `wandb login` once, or "
+        "log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False"]
+
+
+def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from train import wandb_problem
+
+    home = tmp_path / "home"
+    no_wandb_login(monkeypatch, home)
+    cfg = TrainConfig(wandb_log=True)
+    assert "no netrc file" in wandb_problem(cfg)
+    assert wandb_problem(TrainConfig(wandb_log=False)) is None
+    (home / ".netrc").write_text("machine example.com\n  login user\n  password secret\n")  # another host's entry
+    assert f"no entry for api.wandb.ai in {home / '.netrc'}" in wandb_problem(cfg)
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")  # `wandb login`'s
+    assert wandb_problem(cfg) is None
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a self-hosted server: its own entry
+    assert f"no entry for wandb.example.com in {home / '.netrc'}" in wandb_problem(cfg)
+    for mode in ("offline", "disabled"):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert wandb_problem(cfg) is None
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert wandb_problem(cfg) is None
 
 
 def test_none_default_can_be_overridden_on_the_command_line(data_dir, tmp_path):
