@@ -629,6 +629,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training
     data_dir = data_paths(cfg)
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
+    for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
+        dataio.open_split(data_dir, split, meta=meta).check_window(cfg.block_size)
 
     # model
     check_shared_out_dir(cfg.out_dir, dist)

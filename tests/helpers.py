@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -59,6 +60,25 @@ def run_script(args: list[str], timeout: float = 300, env: dict | None = None, *
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=full_env, **kw)
+
+
+def run_script_timed(args: list[str], timeout: float = 300, env: dict | None = None,
+                     preload: str = "") -> tuple[subprocess.CompletedProcess, float]:
+    """run_script(args) for a script, and the seconds the script took once imported: it runs (runpy, as __main__) in
+    a process that imported it and `preload` (import statements) first, so a bound on the time is a bound on the
+    script's work, not on how long a busy machine takes to import torch. Its output is the script's own."""
+    fd, seconds_file = tempfile.mkstemp(suffix=".seconds")
+    os.close(fd)
+    module = args[0].removesuffix(".py").replace("/", ".")
+    code = (f"import runpy, time\n{preload}\nimport {module}\nt0 = time.perf_counter()\n"
+            f"try:\n    runpy.run_path({args[0]!r}, run_name='__main__')\n"
+            f"finally:\n    open({seconds_file!r}, 'w').write(str(time.perf_counter() - t0))\n")
+    try:
+        r = run_script(["-c", code, *args[1:]], timeout=timeout, env=env)
+        with open(seconds_file) as f:
+            return r, float(f.read())
+    finally:
+        os.remove(seconds_file)
 
 
 def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:

@@ -13,7 +13,8 @@ import torch
 import dataio
 from common import set_deterministic
 from checkpoint import load_checkpoint, model_from_checkpoint
-from helpers import config_args, hide_module, make_char_dataset, run_in_process, run_script, tiny_config
+from helpers import (config_args, hide_module, make_char_dataset, run_in_process, run_script, run_script_timed,
+                     tiny_config)
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
@@ -260,6 +261,20 @@ def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"error: missing {d / 'train.bin'}: run `python data/shakespeare_char/prepare.py` first"
     ]
+
+
+def test_a_split_too_short_for_block_size_fails_before_the_model_is_compiled(tmp_path):
+    d = tmp_path / "small"
+    make_char_dataset(d, n_chars=5000)  # val.bin: the last 10%, 500 tokens
+    r, seconds = run_script_timed(["train.py", *config_args(tiny_config(d, tmp_path / "out", compile=True,
+                                                                        block_size=600))])
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"error: the val split ({d / 'val.bin'}) has 500 tokens, too few for block_size=600 (a window is block_size "
+        f"+ 1 tokens): use --block_size=499 or smaller, or more data"]
+    assert seconds < 5  # compiling the model alone took ~30 s here, and the error came after it
+    x, y = get_batch(dataio.open_split(d, "val"), 1, 499, batch_generator(0, "eval_val", 0, 0))  # 499 does fit
+    assert x.shape == y.shape == (1, 499) and torch.equal(x[0, 1:], y[0, :-1])
 
 
 @pytest.mark.parametrize(
