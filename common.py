@@ -44,6 +44,12 @@ def _fail(msg: str) -> NoReturn:
     sys.exit(2)
 
 
+def plural(n: int, word: str) -> str:
+    """A count and its noun, for printed messages: '1 sample', '2 samples', '0 samples', '12,000 examples'.
+    `word` is the singular; the plural adds an s."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
 # ----------------------------------------------------------------------------------------------- optional packages
 
 

@@ -24,7 +24,7 @@ import torch
 
 import checkpoint
 import dataio
-from common import UserError, autocast_context, exit_on_user_error, resolve_device, resolve_dtype, synchronize
+from common import UserError, autocast_context, exit_on_user_error, plural, resolve_device, resolve_dtype, synchronize
 from configurator import configure
 from model import GPT
 
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         print(SEPARATOR, flush=True)
     log(
-        f"tokens/s: {result.tokens_per_s:.1f} ({result.new_tokens} new tokens in {result.seconds:.3f} s, "
-        f"{cfg.num_samples} samples, {cfg.device}, {cfg.dtype})"
+        f"tokens/s: {result.tokens_per_s:.1f} ({plural(result.new_tokens, 'new token')} in {result.seconds:.3f} s, "
+        f"{plural(cfg.num_samples, 'sample')}, {cfg.device}, {cfg.dtype})"
     )
 
 

@@ -52,6 +52,7 @@ from common import (
     exit_on_user_error,
     keep_freed_memory,
     optional_import,
+    plural,
     resolve_attention,
     resolve_fused_loss,
     resolve_device,
@@ -605,6 +606,7 @@ def train(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, dist: Dist) -> dict:
     check_config(cfg, dist.world_size)
+    config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
     device = dist.device
     device_type = device.split(":")[0]
     dtype, ctx, kept_memory = setup_device(cfg, device, dist.rank)
@@ -615,13 +617,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if dist.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
-    log.print(config_summary(cfg))
+    log.print(config_line)
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
     log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
-    log.print(f"tokens per iteration: {tokens_per_iter:,} ({accum_steps} micro-steps x {dist.world_size} ranks x "
-              f"{cfg.batch_size} x {cfg.block_size})")
+    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
+              f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
 
     if kept_memory:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -144,7 +145,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                     *config_args(ddp)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "tokens per iteration: 256 (1 micro-steps x 2 ranks" in r.stdout
+    assert "tokens per iteration: 256 (1 micro-step x 2 ranks" in r.stdout
     diff = max_param_diff(params_of(tmp_path / "single" / "ckpt.pt"), params_of(tmp_path / "ddp" / "ckpt.pt"))
     assert diff < 1e-5, diff
     # rank 0 alone logs: one line per step, and the logged loss (mean over ranks) equals the single process'
@@ -353,6 +354,23 @@ def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(t
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     assert wandb_problem(cfg) is None
+
+
+def test_the_log_lists_the_settings_that_differ_from_the_defaults_and_counts_in_words(data_dir, tmp_path, capsys):
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=0, eval_iters=1))
+    out = capsys.readouterr().out
+    assert not re.search(r"^\w+ = ", out, re.M)  # not a line per key (~50 of them)
+    assert out.startswith("config (differs from the defaults): ")
+    config = out[:out.index("\npython=")]  # the next line: versions and hardware
+    items = re.split(r",\s+(?=\w+=)", config.removeprefix("config (differs from the defaults): "))
+    # what tiny_config sets but wandb_log=False (the default), and max_iters and eval_iters (set here); not
+    # attention (set by no one, resolved from "auto" for the log's next lines)
+    assert {item.split("=")[0] for item in items} == {
+        "dataset", "data_dir", "out_dir", "n_layer", "n_head", "n_embd", "block_size", "batch_size",
+        "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters", "log_interval", "warmup_iters",
+        "learning_rate", "min_lr", "compile", "device", "dtype"}
+    assert "n_layer=2" in items and f"data_dir={str(data_dir)!r}" in items
+    assert "tokens per iteration: 128 (1 micro-step x 1 rank x 4 x 32)" in out
 
 
 def test_none_default_can_be_overridden_on_the_command_line(data_dir, tmp_path):
