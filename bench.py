@@ -208,9 +208,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     optimizer_timer = OptimizerTimer(run["optimizer"], device)
     memory.before_first_step()
     initial_loss = held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"])  # after: its memory counts
+    # Progress lines (a compiled warm-up takes a minute on a CPU): the studies read --result_json, not this text.
+    if cfg.warmup_steps:
+        print(f"warming up: {plural(cfg.warmup_steps, 'step')}{' (the first compiles the model)' if cfg.compile else ''}"
+              f"...", flush=True)
     for i in range(cfg.warmup_steps):
         step(i)
     memory.before_timed_steps()
+    print(f"timing {plural(cfg.timed_steps, 'step')}...", flush=True)
     ms = []
     profiler = step_profiler(device) if cfg.profile else contextlib.nullcontext()
     optimizer_timer.timing = True
@@ -223,6 +228,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             ms.append((time.perf_counter() - t0) * 1000)
     peak = memory.peak_mib()
     optimizer_timer.timing = False
+    print("measuring the matmul floor...", flush=True)
     optimizer_ms = {name: total / cfg.timed_steps for name, total in optimizer_timer.ms.items()}
 
     q1, median, q3 = (float(q) for q in np.percentile(ms, [25, 50, 75]))
