@@ -47,6 +47,7 @@ from common import (
     UserError,
     dtype_reason,
     exit_on_user_error,
+    plural,
     resolve_attention,
     resolve_device,
     run_peak_flops,
@@ -211,9 +212,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     optimizer_timer = OptimizerTimer(run["optimizer"], device)
     memory.before_first_step()
     initial_loss = held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"])  # after: its memory counts
+    # Progress lines (a compiled warm-up takes a minute on a CPU): the studies read --result_json, not this text.
+    if cfg.warmup_steps:
+        print(f"warming up: {plural(cfg.warmup_steps, 'step')}{' (the first compiles the model)' if cfg.compile else ''}"
+              f"...", flush=True)
     for i in range(cfg.warmup_steps):
         step(i)
     memory.before_timed_steps()
+    print(f"timing {plural(cfg.timed_steps, 'step')}...", flush=True)
     ms = []
     profiler = step_profiler(device) if cfg.profile else contextlib.nullcontext()
     optimizer_timer.timing = True
@@ -226,6 +232,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             ms.append((time.perf_counter() - t0) * 1000)
     peak = memory.peak_mib()
     optimizer_timer.timing = False
+    print("measuring the matmul floor...", flush=True)
     optimizer_ms = {name: total / cfg.timed_steps for name, total in optimizer_timer.ms.items()}
 
     q1, median, q3 = (float(q) for q in np.percentile(ms, [25, 50, 75]))
@@ -264,25 +271,26 @@ def print_run_header(cfg: BenchConfig, run: dict) -> None:
     adamw = "fused" if run["optimizer"].optimizers["adamw"].defaults.get("fused") else adamw
     print(f"machine: {machine_line(device)}")
     print(allocator_line(device))
-    print(f"model: {mc.n_layer} layers, {mc.n_head} heads, n_embd {mc.n_embd}, block {mc.block_size}, vocab "
-          f"{mc.vocab_size} (padded to {mc.padded_vocab_size}), {model.get_num_params() / 1e6:.2f}M params")
+    print(f"model: {plural(mc.n_layer, 'layer')}, {plural(mc.n_head, 'head')}, n_embd {mc.n_embd}, block "
+          f"{mc.block_size}, vocab {mc.vocab_size} (padded to {mc.padded_vocab_size}), "
+          f"{model.get_num_params() / 1e6:.2f}M params")
     print(f"settings: dtype={dtype_label(run['dtype'])}, attention={mc.attention}"
           f"{'/' + mc.sdpa_backend if mc.attention == 'sdpa' else ''}, compile={cfg.compile}, tf32={tf32}, "
           f"AdamW={adamw}, fused_loss={mc.fused_loss}")
     print(f"defaults: {run['defaults']}")
     data = f"{run['data_path']} (real data)" if run["data_path"] else f"random tokens (seed {cfg.seed})"
-    print(f"run: {cfg.gradient_accumulation_steps} micro-steps x {cfg.batch_size} x {cfg.block_size} tokens = "
-          f"{cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size:,} tokens/iter; "
-          f"{cfg.warmup_steps} warm-up + {cfg.timed_steps} timed steps; {data}", flush=True)
+    print(f"run: {plural(cfg.gradient_accumulation_steps, 'micro-step')} x {cfg.batch_size} x {cfg.block_size} "
+          f"tokens = {cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size:,} tokens/iter; "
+          f"{cfg.warmup_steps} warm-up + {plural(cfg.timed_steps, 'timed step')}; {data}", flush=True)
 
 
 def print_result(r: dict, profiling: bool) -> None:
     note = " (under the profiler: includes its overhead)" if profiling else ""
     print(f"ms/iter: median {r['ms_median']:.2f} (min {r['ms_min']:.2f}, IQR {r['ms_q1']:.2f}-{r['ms_q3']:.2f}, "
-          f"max {r['ms_max']:.2f}) over {len(r['ms'])} timed steps{note}")
+          f"max {r['ms_max']:.2f}) over {plural(len(r['ms']), 'timed step')}{note}")
     print(f"tokens/s: {r['tokens_per_s']:,.0f} ({r['tokens_per_iter']:,} tokens/iter at the median)")
-    print(f"matmul floor: {r['matmul_floor_ms']:.2f} ms ({r['matmuls']} matmuls of the step, alone back to back "
-          f"in its dtypes); the step takes {r['floor_multiple']:.2f}x its floor")
+    print(f"matmul floor: {r['matmul_floor_ms']:.2f} ms ({plural(r['matmuls'], 'matmul')} of the step, alone back to "
+          f"back in its dtypes); the step takes {r['floor_multiple']:.2f}x its floor")
     parts = ", ".join(f"{name} {t:.2f} ms" for name, t in r["optimizer_ms"].items())
     print(f"optimizer: {sum(r['optimizer_ms'].values()):.2f} ms per step ({parts}), {r['optimizer_share']:.1%} of "
           f"the mean step")

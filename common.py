@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, NoReturn
 
 import torch
@@ -38,14 +40,37 @@ def exit_on_user_error(main: Callable[[], object]) -> object:
         _fail(str(e))
 
 
-def plural(n: int, word: str) -> str:
-    """'1 sample', '2 samples': a count and its noun."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
 def _fail(msg: str) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+def plural(n: int, word: str) -> str:
+    """A count and its noun, for printed messages: '1 sample', '2 samples', '0 samples', '12,000 examples'.
+    `word` is the singular; the plural adds an s."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+# ----------------------------------------------------------------------------------------------- optional packages
+
+
+def optional_import(package: str, needed_by: str) -> ModuleType:
+    """Import a package that only some features use; missing, a UserError that names the pip command to install it.
+    `needed_by`: what the user asked for that needs it ("plot.py", "wandb_log=True")."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name == package
+        why = "which is not installed" if missing else f"which fails to import ({e})"
+        raise UserError(f"{needed_by} needs {package}, {why}: pip install {package}") from None
+
+
+def pyplot(needed_by: str) -> ModuleType:
+    """matplotlib.pyplot drawing into files only (no window); a UserError naming `pip install matplotlib` when
+    matplotlib is not installed. Scripts call it before their slow work, so a missing package fails first."""
+    matplotlib = optional_import("matplotlib", needed_by)
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
 
 
 # ----------------------------------------------------------------------------------------------- device, dtype

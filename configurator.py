@@ -98,9 +98,21 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
     return dataclasses.replace(config, **updates), set(updates)
 
 
-def config_summary(config: DataclassInstance) -> str:
-    """One `key = value` line per field, for the run log; the text is itself a valid config file."""
-    return "\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
+def config_summary(config: DataclassInstance, width: int = 120) -> str:
+    """The keys whose values differ from the dataclass's defaults, for the run log: `key=value` (a Python literal, so
+    each is a valid --key=value override) in field order, wrapped between keys at `width` columns. The whole config
+    is in the checkpoint."""
+    defaults = type(config)()
+    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(defaults, f.name)]
+    if not changed:
+        return f"config: the defaults ({type(config).__name__})"
+    lines = ["config (differs from the defaults):"]
+    for piece in [item + "," for item in changed[:-1]] + changed[-1:]:
+        if len(lines[-1]) + 1 + len(piece) > width and lines[-1].strip():
+            lines.append(" ")  # the next line, indented by two
+        lines[-1] += " " + piece
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- --help

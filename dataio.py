@@ -357,12 +357,17 @@ class TokenSplit:
         self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # stream offset of each file
         self.total = int(self.starts[-1])
 
-    def get_batch(self, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows of block_size tokens: x (B, T) and the next tokens y (B, T), int64 on the CPU."""
+    def check_window(self, block_size: int) -> None:
+        """A UserError unless the split holds one window: block_size tokens and the token after them."""
         if self.total <= block_size:
             raise UserError(
-                f"{self.name} has {self.total} tokens, too few for block_size={block_size}: lower block_size or add data"
+                f"{self.name} has {self.total} tokens, too few for block_size={block_size} (a window is block_size + 1 "
+                f"tokens): use --block_size={self.total - 1} or smaller, or more data"
             )
+
+    def get_batch(self, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows of block_size tokens: x (B, T) and the next tokens y (B, T), int64 on the CPU."""
+        self.check_window(block_size)
         ix = torch.randint(self.total - block_size, (batch_size,), generator=generator)
         # Maps for this batch only: a long-lived memmap keeps every page it touched mapped and the process grows
         # (https://stackoverflow.com/questions/45132940).
@@ -398,7 +403,7 @@ def open_split(
     if shards is None:
         path = data_dir / f"{split}.bin"
         open_tokens(path, vocab_size)
-        return TokenSplit([path], str(path))
+        return TokenSplit([path], f"the {split} split ({path})")
     names = shards.get(split) if isinstance(shards, dict) else None
     if not names:
         raise UserError(f"{data_dir / 'meta.json'} lists no {split} shards: {_rerun_hint(data_dir)}")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import checkpoint
 import dataio
 from common import Dist, UserError, autocast_context, cleanup_distributed, exit_on_user_error, resolve_dtype
-from common import setup_distributed
+from common import plural, setup_distributed
 from configurator import configure
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -98,7 +98,8 @@ def download(dest: str, url: str | None = None) -> None:
         with open(tmp, encoding="utf-8") as f:
             lines = sum(1 for line in f if line.strip())
         if lines != VAL_EXAMPLES:
-            raise UserError(f"{url} gave {lines} examples, not HellaSwag validation's {VAL_EXAMPLES}: try again later")
+            raise UserError(f"{url} gave {plural(lines, 'example')}, not HellaSwag validation's {VAL_EXAMPLES}: try "
+                            f"again later")
         os.replace(tmp, dest)
     except OSError as e:
         raise UserError(
@@ -171,7 +172,7 @@ def evaluate(model, encoded: list[Encoded], dist: Dist, ctx, examples_per_batch:
 
 def describe(result: dict[str, float]) -> str:
     acc, acc_norm, n = result["hellaswag_acc"], result["hellaswag_acc_norm"], result["hellaswag_n"]
-    return f"HellaSwag acc {acc:.4f}, acc_norm {acc_norm:.4f} ({n:,} examples)"
+    return f"HellaSwag acc {acc:.4f}, acc_norm {acc_norm:.4f} ({plural(n, 'example')})"
 
 
 # ----------------------------------------------------------------------------------------------- the script
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         result = evaluate(model, encode(examples, tokenizer, model.config.block_size), dist,
                           autocast_context(dist.device, dtype))
         if dist.master:
-            print(f"{describe(result)} in {time.time() - t0:.0f} s ({dist.device}, {dtype}, {dist.world_size} ranks)")
+            print(f"{describe(result)} in {time.time() - t0:.0f} s ({dist.device}, {dtype}, "
+                  f"{plural(dist.world_size, 'rank')})")
             if cfg.init_from in REFERENCE and result["hellaswag_n"] == VAL_EXAMPLES:
                 acc, acc_norm = REFERENCE[cfg.init_from]
                 print(f"build-nanogpt's figures for {cfg.init_from}: acc {acc:.4f}, acc_norm {acc_norm:.4f}")

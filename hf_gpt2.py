@@ -22,20 +22,44 @@ CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weigh
 
 
 def load_hf_gpt2(model_type: str):
-    """HF's GPT2LMHeadModel of "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" (downloaded or from HF's cache), or of
-    a local folder written by `save_pretrained`."""
+    """HF's GPT2LMHeadModel of "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" (from HF's cache, else downloaded), or of
+    a local folder written by `save_pretrained`. Without the network it fails in seconds, naming HF_HUB_OFFLINE."""
     if model_type not in GPT2_MODELS and not os.path.isdir(model_type):
         raise GPTError(f"unknown GPT-2 model {model_type!r}: use {', '.join(GPT2_MODELS)} or a local folder")
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
     from transformers import GPT2LMHeadModel  # only needed here
 
+    def first_line(e: Exception) -> str:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+    folder = "a local folder written by save_pretrained"
+    try:  # the folder, or the HF cache: no network
+        return GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+    except OSError as e:  # transformers' error for a folder without weights, or weights not in the cache
+        if os.path.isdir(model_type):
+            raise GPTError(f"could not load GPT-2 weights {model_type!r} ({first_line(e)}): pass {folder}") from None
+    cached = f"they are not in the HF cache {constants.HF_HUB_CACHE}"
+    if constants.HF_HUB_OFFLINE:
+        raise GPTError(f"could not load GPT-2 weights {model_type!r} ({cached}, and HF_HUB_OFFLINE is set): "
+                       f"download them once online, or pass {folder}")
+    # One request with a short timeout says whether the hub answers: unreachable, from_pretrained would retry
+    # each file 5 times with backoff (~30 s) before failing.
+    try:
+        get_hf_file_metadata(hf_hub_url(model_type, "config.json"), timeout=5)
+    except HfHubHTTPError:
+        pass  # the hub answered (with an error status): from_pretrained says what
+    except Exception as e:  # no answer; the transport's error classes (requests', httpx's) vary by version
+        raise GPTError(
+            f"could not load GPT-2 weights {model_type!r} ({constants.ENDPOINT} is unreachable ({type(e).__name__}: "
+            f"{first_line(e)}) and {cached}): connect once to download them, or pass {folder}; offline, set "
+            f"HF_HUB_OFFLINE=1 so that nothing waits on the network"
+        ) from None
     try:
         return GPT2LMHeadModel.from_pretrained(model_type)
-    except OSError as e:  # transformers' error for no network, no cache, or a folder without weights
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GPTError(
-            f"could not load GPT-2 weights {model_type!r} ({reason}): check your internet connection "
-            f"or pass a local folder written by save_pretrained"
-        ) from None
+    except OSError as e:  # transformers' error for no network, or no such files
+        raise GPTError(f"could not load GPT-2 weights {model_type!r} ({first_line(e)}): check your internet "
+                       f"connection or pass {folder}") from None
 
 
 def hf_config_args(hf_config) -> dict:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from common import UserError
+from common import UserError, plural
 
 OPTIMIZERS = ("adamw", "muon")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -161,12 +161,14 @@ def build_optimizer(model, cfg, device_type: str, verbose: bool = True) -> Optim
     ns_dtype = ns_dtype_for(cfg.muon_ns_dtype, device_type)
     muon = muon_type(hidden, ns_dtype=ns_dtype, lr=cfg.muon_learning_rate, weight_decay=cfg.muon_weight_decay,
                      momentum=cfg.muon_momentum, nesterov=True)
-    adamw = model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, betas, device_type, fused=cfg.fused_adamw, verbose=verbose,
-        params=rest,
+    adamw = model.configure_optimizers(  # quiet: its line would describe AdamW as if it were the optimizer
+        cfg.weight_decay, cfg.learning_rate, betas, device_type, fused=cfg.fused_adamw, verbose=False, params=rest,
     )
     if verbose:
+        impl = "fused" if adamw.defaults.get("fused") else ("foreach" if device_type == "cuda" else "for-loop")
         print(f"optimizer: Muon on {len(hidden)} block matrices ({sum(p.numel() for p in hidden):,} params) at lr "
-              f"{cfg.muon_learning_rate:g} (Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}), AdamW on the rest at lr {cfg.learning_rate:g}")
+              f"{cfg.muon_learning_rate:g} (Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}); AdamW ({impl}) "
+              f"on the other {plural(len(rest), 'tensor')} (the embeddings and 1-D weights: "
+              f"{sum(p.numel() for p in rest):,} params) at lr {cfg.learning_rate:g}")
     return Optimizers({"muon": muon, "adamw": adamw}, {"muon": cfg.muon_learning_rate / cfg.learning_rate,
                                                        "adamw": 1.0})

@@ -15,12 +15,7 @@ import argparse
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no window
-import matplotlib.pyplot as plt  # noqa: E402
-
-from common import UserError, exit_on_user_error  # noqa: E402
+from common import UserError, exit_on_user_error, pyplot
 
 
 def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
@@ -39,6 +34,7 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
 
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
     """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
+    plt = pyplot("plot.py")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for i, out_dir in enumerate(out_dirs):
         steps, evals = read_metrics(out_dir)

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         print(SEPARATOR, flush=True)
     log(
-        f"tokens/s: {result.tokens_per_s:.1f} ({result.new_tokens} new tokens in {result.seconds:.3f} s, "
+        f"tokens/s: {result.tokens_per_s:.1f} ({plural(result.new_tokens, 'new token')} in {result.seconds:.3f} s, "
         f"{plural(cfg.num_samples, 'sample')}, {cfg.device}, {cfg.dtype}"
         + (f", the window past block_size in {cfg.window_dtype})" if cfg.window_dtype else ")")
     )

@@ -23,6 +23,7 @@ import inspect
 import itertools
 import json
 import math
+import netrc
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, NoReturn
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -51,6 +53,8 @@ from common import (
     dtype_reason,
     exit_on_user_error,
     keep_freed_memory,
+    optional_import,
+    plural,
     resolve_attention,
     resolve_fused_loss,
     resolve_device,
@@ -417,6 +421,36 @@ def resume_changes(
 # ----------------------------------------------------------------------------------------------- the run
 
 
+def wandb_problem(cfg: TrainConfig) -> str | None:
+    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
+    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
+    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
+    under way."""
+    if not cfg.wandb_log:
+        return None
+    try:
+        optional_import("wandb", "wandb_log=True")
+    except UserError as e:
+        return f"{e} (or --wandb_log=False)"
+    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
+    where = "no netrc file"
+    if path is not None:
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return None
+            where = f"no entry for {host} in {path}"
+        except (OSError, netrc.NetrcParseError) as e:
+            where = f"{path} is unreadable ({e})"
+    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
+            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")
+
+
 class Logger:
     """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
     appends to its run's file; a new run in a folder that has one starts its own, the old file kept as
@@ -545,6 +579,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
                         f"{cfg.eval_interval} (HellaSwag runs at evals)")
+    if (wandb := wandb_problem(cfg)) is not None:
+        problems.append(wandb)
     problems += parallel.config_problems(cfg)
     if cfg.optimizer == "muon" and cfg.parallelism == "fsdp":  # a rank holds shards, Muon needs whole matrices
         problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
@@ -597,6 +633,7 @@ def train(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, dist: Dist) -> dict:
     check_config(cfg, dist.world_size)
+    config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
     device = dist.device
     device_type = device.split(":")[0]
     dtype, ctx, kept_memory = setup_device(cfg, device, dist.rank)
@@ -607,13 +644,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if dist.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
-    log.print(config_summary(cfg))
+    log.print(config_line)
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
     log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
-    log.print(f"tokens per iteration: {tokens_per_iter:,} ({accum_steps} micro-steps x {dist.world_size} ranks x "
-              f"{cfg.batch_size} x {cfg.block_size})")
+    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
+              f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
 
     if kept_memory:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
@@ -621,6 +658,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training
     data_dir = data_paths(cfg)
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
+    for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
+        dataio.open_split(data_dir, split, meta=meta).check_window(cfg.block_size)
 
     # model
     check_shared_out_dir(cfg.out_dir, dist)

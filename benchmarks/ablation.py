@@ -21,11 +21,6 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")  # files only, no window
-import matplotlib.pyplot as plt  # noqa: E402
-
 import bench  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
     allocator_line,
@@ -38,7 +33,9 @@ from benchmarks.measure import (  # noqa: E402
     study_config,
     write_json,
 )
-from common import UserError, exit_on_user_error, resolve_device, resolve_dtype  # noqa: E402
+from common import UserError, exit_on_user_error, pyplot, resolve_device, resolve_dtype  # noqa: E402
+
+CHART = "benchmarks/ablation.py (for ablation.png)"  # what needs matplotlib, for its error
 
 
 @dataclass
@@ -171,6 +168,7 @@ def ablation_table(results: list[dict]) -> str:
 
 def plot_ablation(results: list[dict], path: str) -> str:
     """A bar chart of tokens/s per row, one panel per study; rows that did not run show their reason."""
+    plt = pyplot(CHART)
     studies = list(dict.fromkeys(r["study"] for r in results))
     fig, axes = plt.subplots(len(studies), 1, figsize=(8, 1 + 0.45 * len(results)), squeeze=False)
     for ax, study in zip(axes[:, 0], studies):
@@ -193,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     own, argv = study_config(AblationConfig(), sys.argv[1:] if argv is None else argv, bench.BenchConfig())
     cfg, argv = bench.load_config(argv)  # checked once here, not in every child
     device = resolve_device(cfg.device)
+    pyplot(CHART)  # a missing matplotlib fails now, not after the rows have run
     results = run_ablation(selected_rows(own, device), argv, device)
     print(ablation_table(results))
     print("loss: on a held-out batch after the timed steps; every row trains the same weights on the same random "

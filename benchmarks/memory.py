@@ -21,19 +21,16 @@ from typing import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")  # files only, no window
-import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import bench  # noqa: E402
 from benchmarks.measure import markdown_table, run_child, study_config, write_json  # noqa: E402
-from common import Dist, UserError, exit_on_user_error, resolve_device  # noqa: E402
+from common import Dist, UserError, exit_on_user_error, pyplot, resolve_device  # noqa: E402
 from train import train_step  # noqa: E402
 
 PATHS = {"math": dict(attention="math"), "sdpa/auto": dict(attention="sdpa", sdpa_backend="auto")}
 MAX_BATCH = 65536  # the search's cap
+CHART = "benchmarks/memory.py (for memory.png)"  # what needs matplotlib, for its error
 
 
 @dataclass
@@ -133,6 +130,7 @@ def largest_batch(cfg: bench.BenchConfig, budget_gb: float | None) -> dict:
 
 def plot_memory(study: dict, path: str) -> str:
     """Peak MiB against sequence length, one line per attention path."""
+    plt = pyplot(CHART)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in PATHS:
         ok = [p for p in study["points"] if p["path"] == name and p["status"] == "ok"]
@@ -192,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.result_json:
             write_json(cfg.result_json, result)
         return
+    pyplot(CHART)  # a missing matplotlib fails now, not after the measurements
     report(own, cfg, memory_study(own, argv, resolve_device(cfg.device)))
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -61,6 +62,25 @@ def run_script(args: list[str], timeout: float = 300, env: dict | None = None, *
                           env=full_env, **kw)
 
 
+def run_script_timed(args: list[str], timeout: float = 300, env: dict | None = None,
+                     preload: str = "") -> tuple[subprocess.CompletedProcess, float]:
+    """run_script(args) for a script, and the seconds the script took once imported: it runs (runpy, as __main__) in
+    a process that imported it and `preload` (import statements) first, so a bound on the time is a bound on the
+    script's work, not on how long a busy machine takes to import torch. Its output is the script's own."""
+    fd, seconds_file = tempfile.mkstemp(suffix=".seconds")
+    os.close(fd)
+    module = args[0].removesuffix(".py").replace("/", ".")
+    code = (f"import runpy, time\n{preload}\nimport {module}\nt0 = time.perf_counter()\n"
+            f"try:\n    runpy.run_path({args[0]!r}, run_name='__main__')\n"
+            f"finally:\n    open({seconds_file!r}, 'w').write(str(time.perf_counter() - t0))\n")
+    try:
+        r = run_script(["-c", code, *args[1:]], timeout=timeout, env=env)
+        with open(seconds_file) as f:
+            return r, float(f.read())
+    finally:
+        os.remove(seconds_file)
+
+
 def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
     """`python SCRIPT.py ARGS...` (args as run_script takes them) run in this process, the way its __main__ runs
     it (common.exit_on_user_error(main)), from the repo root, with run_script's (returncode, stdout, stderr): for
@@ -84,6 +104,13 @@ def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
         os.chdir(cwd)
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def hide_module(monkeypatch, name: str) -> None:
+    """Until the test ends, `import name` (and its submodules) fails as it does where the package is not installed:
+    ModuleNotFoundError naming it (a None in sys.modules stops the import system)."""
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")] + [name]:
+        monkeypatch.setitem(sys.modules, key, None)
 
 
 def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -8,9 +8,11 @@ import matplotlib.image
 import pytest
 
 import common
+from benchmarks import ablation as ablation_script
 from benchmarks.ablation import AblationConfig, add_speedups, selected_rows
 from benchmarks.measure import detect_allocator
 from common import UserError
+from helpers import hide_module, run_in_process
 from test_bench import bench_script, number, table_rows
 
 # The rows train the same weights on the same random tokens for 4 steps at a high learning rate, which takes the
@@ -145,3 +147,12 @@ def test_a_gpu_without_bf16_runs_the_half_rows_in_float16_and_says_so(monkeypatc
     assert rows["bf16"].label == "+ float16 autocast (this GPU has no bf16)"
     monkeypatch.setattr(common, "_cuda_bf16", lambda *a, **k: True)
     assert selected_rows(AblationConfig(studies="cumulative"), "cuda")[-1].overrides["dtype"] == "bfloat16"
+
+
+def test_without_matplotlib_the_study_stops_before_its_first_row(monkeypatch, capsys, tmp_path):
+    hide_module(monkeypatch, "matplotlib")
+    monkeypatch.setattr(ablation_script, "run_ablation", lambda *a: pytest.fail("rows ran before matplotlib was checked"))
+    r = run_in_process(["benchmarks/ablation.py", "--device=cpu", f"--results_dir={tmp_path}"], capsys)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "error: benchmarks/ablation.py (for ablation.png) needs matplotlib, which is not installed: pip install matplotlib"]

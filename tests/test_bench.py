@@ -56,7 +56,12 @@ def test_a_run_prints_its_figures_and_writes_the_same_to_its_json(tmp_path):
     assert "device is cpu and no config file was given: loading config/bench_cpu.py" in out
     assert "allocator: glibc malloc" in out or re.search(r"allocator: (jemalloc|tcmalloc|mimalloc)", out)
     assert "2 layers, 2 heads, n_embd 64, block 64, vocab 300 (padded to 320)" in out  # overrides beat the file
-    assert "1 micro-steps x 2 x 64 tokens = 128 tokens/iter; 1 warm-up + 3 timed steps; random tokens" in out
+    assert "1 micro-step x 2 x 64 tokens = 128 tokens/iter; 1 warm-up + 3 timed steps; random tokens" in out
+    # progress while it works, before the figures (a compiled CPU run is silent for a minute otherwise)
+    lines = out.splitlines()
+    progress = [line for line in lines if line.endswith("...")]
+    assert progress == ["warming up: 1 step...", "timing 3 steps...", "measuring the matmul floor..."]
+    assert lines.index(progress[-1]) < next(i for i, line in enumerate(lines) if line.startswith("ms/iter:"))
     saved = json.loads((tmp_path / "run.json").read_text())
     ms = re.search(r"ms/iter: median ([\d.]+) \(min ([\d.]+), IQR ([\d.]+)-([\d.]+), max ([\d.]+)\) over 3", out)
     assert ms and [float(v) for v in ms.groups()] == pytest.approx(

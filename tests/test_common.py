@@ -193,3 +193,24 @@ def test_the_cpu_peak_matmul_shrinks_to_its_time_budget(monkeypatch, budget, siz
     monkeypatch.setattr(torch, "randn", randn)
     assert common._matmul_flops.__wrapped__("float32", torch.get_num_threads(), 1024, 1) > 0
     assert drawn == [s for s in sizes for _ in range(2)]  # two operands of each size tried
+
+
+def test_plural_says_one_thing_and_several_things():
+    assert [common.plural(n, "sample") for n in (0, 1, 2, 12000)] == [
+        "0 samples", "1 sample", "2 samples", "12,000 samples"]
+    assert common.plural(1, "micro-step") == "1 micro-step" and common.plural(3, "timed step") == "3 timed steps"
+
+
+def test_an_optional_package_missing_or_broken_is_a_user_error_naming_pip(tmp_path, monkeypatch):
+    (tmp_path / "broken_extra").mkdir()  # installed, but one of its own imports is missing
+    (tmp_path / "broken_extra" / "__init__.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError) as missing:
+        common.optional_import("no_such_package_xyz", "--feature=True")
+    assert str(missing.value) == ("--feature=True needs no_such_package_xyz, which is not installed: "
+                                  "pip install no_such_package_xyz")
+    with pytest.raises(UserError) as broken:
+        common.optional_import("broken_extra", "--feature=True")
+    assert str(broken.value) == ("--feature=True needs broken_extra, which fails to import (No module named "
+                                 "'no_such_dependency_xyz'): pip install broken_extra")
+    assert common.optional_import("json", "--feature=True") is json

@@ -3,6 +3,7 @@ from __future__ import annotations  # the scripts use it too: annotations arrive
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -284,14 +285,21 @@ def test_configure_rejects_a_non_dataclass() -> None:
         configure({"batch_size": 1}, [])  # type: ignore[type-var]
 
 
-def test_config_summary_lists_every_field_and_reads_back(tmp_path: Path) -> None:
-    config = dataclasses.replace(TrainConfig(), out_dir="out-x", lr_decay_iters=10)
-    summary = config_summary(config)
-    first_lines = ["out_dir = 'out-x'", "batch_size = 12", "learning_rate = 0.0006", "compile = True"]
-    assert summary.splitlines()[:4] == first_lines
-    assert len(summary.splitlines()) == len(FIELDS)
-    # The summary is itself a config file: applying it to the defaults rebuilds the config.
-    assert configure(TrainConfig(), [write(tmp_path, "summary.py", summary)]) == config
+def test_config_summary_lists_what_differs_from_the_defaults_and_reads_back() -> None:
+    assert config_summary(TrainConfig()) == "config: the defaults (TrainConfig)"
+    config = dataclasses.replace(TrainConfig(), out_dir="out-x", lr_decay_iters=10, compile=False)
+    assert config_summary(config) == "config (differs from the defaults): out_dir='out-x', compile=False, lr_decay_iters=10"
+    config = dataclasses.replace(config, init_from="a" * 60, betas=(0.8, 0.9), eval_iters=[3], seed=1)
+    summary = config_summary(config, width=60)
+    lines = summary.splitlines()
+    assert lines[0] == "config (differs from the defaults): out_dir='out-x',"
+    assert all(len(line) <= 60 for line in lines if "aaa" not in line)  # a value longer than a line has its own
+    assert [line for line in lines if "aaa" in line] == [f"  init_from='{'a' * 60}',"]
+    # each key=value is a --key=value override: applying them to the defaults rebuilds the config
+    items = re.split(r",\s+(?=\w+=)", summary.removeprefix("config (differs from the defaults):").strip())
+    assert [item.split("=")[0] for item in items] == [
+        "out_dir", "compile", "seed", "lr_decay_iters", "init_from", "betas", "eval_iters"]  # field order
+    assert configure(TrainConfig(), [f"--{item}" for item in items]) == config
 
 
 # Each field with a strategy for its valid values. Floats exclude nan (never equal to itself) and inf

@@ -423,7 +423,8 @@ def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
         expected = "not a whole number of uint16 tokens"
     elif case == "block_too_large":
         args.append("--block_size=600")  # val.bin has 500 tokens
-        expected = f"{d / 'val.bin'} has 500 tokens, too few for block_size=600: lower block_size or add data"
+        expected = (f"the val split ({d / 'val.bin'}) has 500 tokens, too few for block_size=600 (a window is "
+                    f"block_size + 1 tokens): use --block_size=499 or smaller, or more data")
     else:
         os.remove(d / "meta.json")
         expected = (f"no meta.json in {d}: a dataset folder holds train.bin and val.bin (uint16 token ids) and "

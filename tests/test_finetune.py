@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ import train as train_module
 from common import resolve_attention, resolve_device, resolve_dtype
 from checkpoint import load_checkpoint
 from configurator import configure
-from helpers import ROOT, run_script, tiny_config
+from helpers import ROOT, run_script, run_script_timed, tiny_config
+from model import GPT, GPTError
 from sample import SampleConfig, load_model
 from train import TrainConfig, init_model, train
 
@@ -112,11 +114,38 @@ def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkey
                       64)]
 
 
+def gpt2_token_files(data_dir) -> None:
+    """train.bin and val.bin of GPT-2 token ids, no meta.json (nanoGPT's openwebtext folder is so)."""
+    for split in ("train", "val"):
+        dataio.write_tokens(data_dir / f"{split}.bin", np.arange(3000) % 50257)
+
+
+def test_gpt2_name_with_the_hub_unreachable_fails_fast_naming_hf_hub_offline(tmp_path):
+    # Not offline mode, no cache, and a hub address that refuses connections (so no test machine downloads GPT-2).
+    # from_pretrained's own retries took ~30 s here (5 per file, with backoff) before the same error.
+    gpt2_token_files(tmp_path / "data")
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+           "HF_ENDPOINT": "http://127.0.0.1:1"}
+    args = ["train.py", "--init_from=gpt2", f"--out_dir={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}",
+            "--device=cpu", "--dtype=float32", "--compile=False", "--block_size=64"]
+    # transformers' import is not timed: it takes seconds on a busy machine, with or without the network
+    r, seconds = run_script_timed(args, timeout=180, env=env, preload="from transformers import GPT2LMHeadModel")
+    assert r.returncode == 2, r.stderr[-2000:]
+    [line] = r.stderr.splitlines()
+    assert re.fullmatch(  # the transport's reason (here "ConnectError: [Errno 111] Connection refused") varies
+        re.escape("error: could not load GPT-2 weights 'gpt2' (http://127.0.0.1:1 is unreachable (") + r"\w+: .+"
+        + re.escape(f") and they are not in the HF cache {tmp_path / 'hf-home' / 'hub'}): connect once to download "
+                    f"them, or pass a local folder written by save_pretrained; offline, set HF_HUB_OFFLINE=1 so that "
+                    f"nothing waits on the network"), line), line
+    assert seconds < 10
+
+
 def test_gpt2_name_offline_without_cache_is_a_one_line_error(tmp_path):
+    gpt2_token_files(tmp_path / "data")  # the data is checked first
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     r = run_script(
         ["train.py", "config/finetune_shakespeare.py", f"--out_dir={tmp_path / 'out'}",
-         f"--data_dir={tmp_path / 'no-data'}", "--device=cpu", "--dtype=float32", "--compile=False"],
+         f"--data_dir={tmp_path / 'data'}", "--device=cpu", "--dtype=float32", "--compile=False"],
         timeout=180, env=env,
     )
     assert r.returncode != 0
@@ -124,3 +153,14 @@ def test_gpt2_name_offline_without_cache_is_a_one_line_error(tmp_path):
     assert "Traceback" not in r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("error: could not load GPT-2 weights 'gpt2-xl' ("), line
+
+
+def test_a_folder_without_weights_is_a_one_line_error_naming_it(tmp_path):
+    from transformers import GPT2Config
+
+    folder = tmp_path / "config-only"
+    GPT2Config(n_layer=1, n_head=2, n_embd=32).save_pretrained(folder)  # config.json, no weights
+    with pytest.raises(GPTError) as e:
+        GPT.from_pretrained(str(folder))
+    assert str(e.value).startswith(f"could not load GPT-2 weights '{folder}' (")
+    assert str(e.value).endswith("): pass a local folder written by save_pretrained")

@@ -130,7 +130,8 @@ def test_fsdp_on_2_ranks_equals_one_process_with_the_same_global_batch(
     train(tiny_config(data_dir, tmp_path / "single", **run))
     r = torchrun(tiny_config(data_dir, tmp_path / "fsdp", **run, parallelism="fsdp",
                              activation_checkpointing=checkpointing), script=measuring_train)
-    assert f"tokens per iteration: {256 * micro_steps_per_rank:,} ({micro_steps_per_rank} micro-steps x 2 ranks" in r.stdout
+    steps = {1: "1 micro-step", 2: "2 micro-steps"}[micro_steps_per_rank]
+    assert f"tokens per iteration: {256 * micro_steps_per_rank:,} ({steps} x 2 ranks" in r.stdout
     diff = max_diff(load_checkpoint(str(tmp_path / "single" / "ckpt.pt"))["model"], sharded_params(tmp_path / "fsdp"))
     print(f"max |param diff| after 6 AdamW steps, {micro_steps_per_rank} micro-steps/rank, AC={checkpointing}: {diff:.2e}")
     assert diff < TOL, diff

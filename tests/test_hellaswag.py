@@ -116,7 +116,8 @@ def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path,
     # the standalone script on the run's checkpoint gives the same figures
     result = hellaswag.main([f"--out_dir={tmp_path / 'out'}", f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"])
     assert result == {k: last[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
-    assert "HellaSwag acc 1.0000" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "HellaSwag acc 1.0000" in out and "(8 examples) in " in out and "(cpu, float32, 1 rank)" in out
     # and so does it under torchrun: 2 ranks score 4 examples each, and the counts are summed
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
                     f"--out_dir={tmp_path / 'out'}", f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"])

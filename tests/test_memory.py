@@ -10,6 +10,7 @@ import torch
 import bench
 from benchmarks import memory
 from common import UserError
+from helpers import hide_module, run_in_process
 from test_bench import TINY, bench_script, table_rows
 
 
@@ -82,3 +83,12 @@ def test_the_largest_batch_search_is_cuda_only(tmp_path):
         memory.largest_batch(cfg, None)
     r = memory.run_child(TINY, {"find_max_batch": True}, str(tmp_path / "row.json"), script="benchmarks/memory.py")
     assert r["status"] == "n/a" and r["reason"].startswith("find_max_batch needs CUDA (the device is cpu)")
+
+
+def test_without_matplotlib_the_study_stops_before_its_first_measurement(monkeypatch, capsys, tmp_path):
+    hide_module(monkeypatch, "matplotlib")
+    monkeypatch.setattr(memory, "memory_study", lambda *a: pytest.fail("measured before matplotlib was checked"))
+    r = run_in_process(["benchmarks/memory.py", "--device=cpu", f"--results_dir={tmp_path}"], capsys)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "error: benchmarks/memory.py (for memory.png) needs matplotlib, which is not installed: pip install matplotlib"]

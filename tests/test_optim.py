@@ -40,6 +40,16 @@ def test_muon_takes_the_block_matrices_and_adamw_everything_else_once():
     assert all(p.dim() == 1 for g in opt.optimizers["adamw"].param_groups if g["weight_decay"] == 0 for p in g["params"])
 
 
+def test_muon_prints_one_optimizer_line_for_both_optimizers(capsys):
+    build_optimizer(_model(), TrainConfig(optimizer="muon", fused_adamw=False, muon_ns_dtype="float32"), "cpu")
+    # 2 blocks of n_embd 32: c_attn 32x96, attn.c_proj 32x32, c_fc 32x128, mlp.c_proj 128x32 = 12,288 params each;
+    # the rest: wte 64x32 (50 rows padded to 64), wpe 16x32, and per block 2 LayerNorms (weight, bias) and 4 biases
+    # (96 + 32 + 128 + 32), ln_f's weight and bias: 2 + 2 x 8 + 2 = 20 tensors, 2048 + 512 + 2 x 416 + 64 params
+    assert capsys.readouterr().out.splitlines() == [
+        "optimizer: Muon on 8 block matrices (24,576 params) at lr 0.02 (Newton-Schulz in float32); AdamW (for-loop) "
+        "on the other 20 tensors (the embeddings and 1-D weights: 3,456 params) at lr 0.0006"]
+
+
 def test_muon_step_is_torch_muon_and_adamw_stepped_by_hand_on_clipped_gradients():
     """train_step with optimizer=muon == the gradients clipped by hand, then torch.optim.Muon on the block matrices
     and torch.optim.AdamW on the rest, each at its own learning rate scaled by the schedule (half of the peak).

@@ -45,3 +45,12 @@ def test_the_command_line_writes_the_png_and_names_a_missing_run(two_runs, tmp_p
     r = run_script(["plot.py", str(tmp_path / "nope")], timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == f"error: no {tmp_path / 'nope' / 'metrics.jsonl'}: give the out_dir of a train.py run"
+
+
+def test_without_matplotlib_plot_py_is_one_line_naming_the_pip_command(tmp_path):
+    # a fresh process where matplotlib cannot be imported, as on a machine without it
+    hidden = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+              f"sys.argv = ['plot.py', {str(tmp_path)!r}]; runpy.run_path('plot.py', run_name='__main__')")
+    r = run_script(["-c", hidden], timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["error: plot.py needs matplotlib, which is not installed: pip install matplotlib"]

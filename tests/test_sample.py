@@ -11,7 +11,7 @@ import torch
 
 from common import UserError
 from checkpoint import load_checkpoint, save_checkpoint
-from helpers import make_char_dataset, run_script, tiny_config
+from helpers import make_char_dataset, run_in_process, run_script, tiny_config
 from sample import SEPARATOR, SampleConfig, check_config, load_model, sample
 from train import train
 
@@ -103,6 +103,17 @@ def test_prompt_from_file(char_run, tmp_path):
     texts = samples_of(r.stdout)
     assert len(texts) == 2
     assert all(t.startswith("The king\nspeaks ") and len(t) == 16 + 10 for t in texts), texts
+
+
+def test_the_speed_line_counts_in_words_one_sample_and_one_token_too(char_run, capsys):
+    out_dir, _ = char_run
+    for n, counts in ((1, "1 new token in {} s, 1 sample, cpu, float32)"),
+                      (2, "4 new tokens in {} s, 2 samples, cpu, float32)")):
+        r = run_in_process(["sample.py", f"--out_dir={out_dir}", "--start=The ", f"--num_samples={n}",
+                            f"--max_new_tokens={n}", *CPU], capsys)
+        assert r.returncode == 0, r.stderr[-2000:]
+        line = r.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(r"tokens/s: [\d.]+ \(" + re.escape(counts).replace(r"\{\}", r"[\d.]+"), line), line
 
 
 # ----------------------------------------------------------------------------------- a local HF GPT-2 folder
@@ -213,8 +224,9 @@ def test_missing_prompt_file(tmp_path):
 def test_gpt2_name_offline_without_cache(tmp_path):
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     line = one_line_error(run_sample("--init_from=gpt2-xl", *CPU, env=env))
-    assert line.startswith("error: could not load GPT-2 weights 'gpt2-xl' (")
-    assert line.endswith("): check your internet connection or pass a local folder written by save_pretrained")
+    assert line == (f"error: could not load GPT-2 weights 'gpt2-xl' (they are not in the HF cache "
+                    f"{tmp_path / 'hf-home' / 'hub'}, and HF_HUB_OFFLINE is set): download them once online, or pass "
+                    f"a local folder written by save_pretrained")
 
 
 def test_bad_numbers_are_listed_in_one_error():

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch
 import dataio
 from common import set_deterministic
 from checkpoint import load_checkpoint, model_from_checkpoint
-from helpers import config_args, make_char_dataset, run_in_process, run_script, tiny_config
+from helpers import (config_args, hide_module, make_char_dataset, run_in_process, run_script, run_script_timed,
+                     tiny_config)
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
@@ -143,7 +145,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                     *config_args(ddp)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "tokens per iteration: 256 (1 micro-steps x 2 ranks" in r.stdout
+    assert "tokens per iteration: 256 (1 micro-step x 2 ranks" in r.stdout
     diff = max_param_diff(params_of(tmp_path / "single" / "ckpt.pt"), params_of(tmp_path / "ddp" / "ckpt.pt"))
     assert diff < 1e-5, diff
     # rank 0 alone logs: one line per step, and the logged loss (mean over ranks) equals the single process'
@@ -262,6 +264,20 @@ def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
     ]
 
 
+def test_a_split_too_short_for_block_size_fails_before_the_model_is_compiled(tmp_path):
+    d = tmp_path / "small"
+    make_char_dataset(d, n_chars=5000)  # val.bin: the last 10%, 500 tokens
+    r, seconds = run_script_timed(["train.py", *config_args(tiny_config(d, tmp_path / "out", compile=True,
+                                                                        block_size=600))])
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"error: the val split ({d / 'val.bin'}) has 500 tokens, too few for block_size=600 (a window is block_size "
+        f"+ 1 tokens): use --block_size=499 or smaller, or more data"]
+    assert seconds < 5  # compiling the model alone took ~30 s here, and the error came after it
+    x, y = get_batch(dataio.open_split(d, "val"), 1, 499, batch_generator(0, "eval_val", 0, 0))  # 499 does fit
+    assert x.shape == y.shape == (1, 499) and torch.equal(x[0, 1:], y[0, :-1])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -280,6 +296,81 @@ def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message, caps
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def wandb_run(data_dir, tmp_path, monkeypatch, capsys):
+    """train.py --wandb_log=True, in this process, stopped with a test failure if it gets as far as the model."""
+    import train as train_module
+
+    monkeypatch.setattr(train_module, "init_model", lambda *a: pytest.fail("the model was built before wandb's check"))
+    return run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out")), "--wandb_log=True"],
+                          capsys)
+
+
+def no_wandb_login(monkeypatch, home) -> None:
+    """An environment where wandb has no key: a HOME without a netrc file, no key in the environment, online."""
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_wandb_log_without_wandb_installed_is_one_line_before_the_model(data_dir, tmp_path, monkeypatch, capsys):
+    hide_module(monkeypatch, "wandb")
+    r = wandb_run(data_dir, tmp_path, monkeypatch, capsys)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "error: wandb_log=True needs wandb, which is not installed: pip install wandb (or --wandb_log=False)"]
+
+
+def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    no_wandb_login(monkeypatch, tmp_path / "home")
+    r = wandb_run(data_dir, tmp_path, monkeypatch, capsys)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "error: wandb_log=True but wandb has no API key (no WANDB_API_KEY, no netrc file): run `wandb login` once, or "
+        "log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False"]
+
+
+def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from train import wandb_problem
+
+    home = tmp_path / "home"
+    no_wandb_login(monkeypatch, home)
+    cfg = TrainConfig(wandb_log=True)
+    assert "no netrc file" in wandb_problem(cfg)
+    assert wandb_problem(TrainConfig(wandb_log=False)) is None
+    (home / ".netrc").write_text("machine example.com\n  login user\n  password secret\n")  # another host's entry
+    assert f"no entry for api.wandb.ai in {home / '.netrc'}" in wandb_problem(cfg)
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")  # `wandb login`'s
+    assert wandb_problem(cfg) is None
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a self-hosted server: its own entry
+    assert f"no entry for wandb.example.com in {home / '.netrc'}" in wandb_problem(cfg)
+    for mode in ("offline", "disabled"):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert wandb_problem(cfg) is None
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert wandb_problem(cfg) is None
+
+
+def test_the_log_lists_the_settings_that_differ_from_the_defaults_and_counts_in_words(data_dir, tmp_path, capsys):
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=0, eval_iters=1))
+    out = capsys.readouterr().out
+    assert not re.search(r"^\w+ = ", out, re.M)  # not a line per key (~50 of them)
+    assert out.startswith("config (differs from the defaults): ")
+    config = out[:out.index("\npython=")]  # the next line: versions and hardware
+    items = re.split(r",\s+(?=\w+=)", config.removeprefix("config (differs from the defaults): "))
+    # what tiny_config sets but wandb_log=False (the default), and max_iters and eval_iters (set here); not
+    # attention (set by no one, resolved from "auto" for the log's next lines)
+    assert {item.split("=")[0] for item in items} == {
+        "dataset", "data_dir", "out_dir", "n_layer", "n_head", "n_embd", "block_size", "batch_size",
+        "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters", "log_interval", "warmup_iters",
+        "learning_rate", "min_lr", "compile", "device", "dtype"}
+    assert "n_layer=2" in items and f"data_dir={str(data_dir)!r}" in items
+    assert "tokens per iteration: 128 (1 micro-step x 1 rank x 4 x 32)" in out
 
 
 def test_none_default_can_be_overridden_on_the_command_line(data_dir, tmp_path):

@@ -34,7 +34,7 @@ def test_world_of_one_runs_nccl_no_sync_and_equals_one_process(char_data, tmp_pa
     cfg = tiny_config(data_dir, tmp_path / "ddp", **RUN)
     r = torchrun(["train.py", *config_args(cfg)], nproc=1, env={"NCCL_DEBUG": "INFO"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "world_size=1" in r.stdout and "(2 micro-steps x 1 ranks" in r.stdout  # no_sync on micro-step 1 of 2
+    assert "world_size=1" in r.stdout and "(2 micro-steps x 1 rank x" in r.stdout  # no_sync on micro-step 1 of 2
     assert "NCCL INFO" in r.stdout + r.stderr  # the process group is NCCL's
     a, b = _params(tmp_path / "single" / "ckpt.pt"), _params(tmp_path / "ddp" / "ckpt.pt")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
