@@ -3,8 +3,8 @@ The run report: at the end of a train.py run, out_dir/report.md says in one page
 command line, the machine, the settings that differ from the defaults, tokens/s and MFU, the loss picture (plot.py's
 PNG), the best val loss, HellaSwag when it was scored, and a short sample from the final weights.
 
-Reads the run's metrics.jsonl (what train.py logged, across resumes); imports plot.py for the picture (when
-matplotlib is installed) and nothing from train.py.
+Reads the run's metrics.jsonl (what train.py logged, across resumes); draws the picture with plot.py (when
+matplotlib is installed); imports nothing from train.py.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 import dataio
+import plot
+from common import UserError
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
 
@@ -99,8 +101,7 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
 
 def _loss_picture(out_dir: str) -> str:
     try:
-        import plot
-    except ImportError:  # matplotlib is optional
-        return f"(no picture: matplotlib is not installed; `pip install matplotlib`, then `python plot.py {out_dir}`)"
-    plot.plot_runs([out_dir], os.path.join(out_dir, PLOT_NAME))
+        plot.plot_runs([out_dir], os.path.join(out_dir, PLOT_NAME))
+    except UserError as e:  # matplotlib is optional: the report goes without the picture
+        return f"(no picture: {e}; then `python plot.py {out_dir}`)"
     return f"![train and val loss against steps and wall time]({PLOT_NAME})"
