@@ -368,7 +368,7 @@ def test_the_log_lists_the_settings_that_differ_from_the_defaults_and_counts_in_
     assert {item.split("=")[0] for item in items} == {
         "dataset", "data_dir", "out_dir", "n_layer", "n_head", "n_embd", "block_size", "batch_size",
         "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters", "log_interval", "warmup_iters",
-        "learning_rate", "min_lr", "compile", "device", "dtype"}
+        "learning_rate", "min_lr", "compile", "device", "dtype", "report"}
     assert "n_layer=2" in items and f"data_dir={str(data_dir)!r}" in items
     assert "tokens per iteration: 128 (1 micro-step x 1 rank x 4 x 32)" in out
 
