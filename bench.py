@@ -43,7 +43,6 @@ from benchmarks.measure import (
     write_profile,
 )
 from common import (
-    Dist,
     UserError,
     dtype_reason,
     exit_on_user_error,
@@ -53,6 +52,7 @@ from common import (
     run_peak_flops,
     synchronize,
 )
+from distributed import Dist
 from configurator import configure
 from model import GPT
 from train import (

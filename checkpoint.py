@@ -26,14 +26,15 @@ import pickle
 import re
 import shutil
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 import dataio
-from common import Dist, UserError, autocast_context, is_dtensor, resolve_dtype
+from common import UserError, autocast_context, resolve_dtype
+from distributed import Dist, is_dtensor
 from model import GPT, GPTConfig
 
 CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
@@ -664,6 +665,55 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
+
+
+def resume_changes(saved: dict, model_args: dict, cfg, world_size: int, saved_world_size: int,
+                   model_keys: tuple[str, ...]) -> list[str]:
+    """Settings of `cfg` (train.py's TrainConfig) that differ from the checkpoint's run (its config and
+    model_args). A different model shape (`model_keys`) or GELU cannot resume (UserError); anything else is
+    allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
+    load_training_state)."""
+    changed = [
+        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
+        for k in (f.name for f in fields(cfg))
+        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from", "gelu", "optimizer")
+    ]
+    model = [c for c in changed if c.split(":")[0] in model_keys]
+    saved_gelu = checkpoint_model_config(model_args).gelu
+    if cfg.gelu is not None and cfg.gelu != saved_gelu:
+        model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
+    if model:
+        raise UserError(
+            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
+            f"out_dir to start a new run"
+        )
+    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
+    if saved_optimizer != cfg.optimizer:
+        raise UserError(
+            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
+            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
+        )
+    if world_size != saved_world_size:
+        changed.append(f"world_size: {saved_world_size} -> {world_size}")
+    return changed
+
+
+# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
+NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
+
+
+def settings_of_the_run(cfg, given: set[str]):
+    """
+    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
+    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
+    settings, data, schedule), so the resume continues that run; returns the config (train.py's
+    TrainConfig) and the settings taken.
+    """
+    saved = find_checkpoint(cfg.out_dir).state.get("config") or {}
+    names = {f.name for f in fields(cfg)}
+    taken = {k: v for k, v in saved.items()
+             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
+    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()]
 
 
 def _optimizer_stepped(optim_sd: dict) -> bool:

@@ -17,7 +17,6 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, NoReturn
 
@@ -309,77 +308,6 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)  # that GPU: without an argument, the current one (GPU 0 unless set)
     elif device.startswith("mps"):
         torch.mps.synchronize()
-
-
-# ----------------------------------------------------------------------------------------------- distributed
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-    enabled: bool = False  # in a torch.distributed process group (set by setup_distributed only)
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = False) -> Dist:
-    """
-    Under torchrun (RANK in the environment) join the process group: nccl on CUDA (one GPU per local rank),
-    gloo on the CPU. Otherwise a single process on `device`, which with group_of_one is a process group of one
-    rank (FSDP needs a group even on one process).
-    """
-    device = resolve_device(device)
-    if "RANK" not in os.environ and not group_of_one:
-        return Dist(device=device)
-    import torch.distributed as dist
-
-    if "RANK" not in os.environ:
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    else:
-        env = os.environ
-    rank, local_rank, world_size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device_type = device.split(":")[0]
-    if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise UserError(f"backend={backend!r} is not one of auto, nccl, gloo")
-    if backend == "nccl" and device_type != "cuda":
-        raise UserError(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
-    if device_type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                f"use torchrun --nproc_per_node={torch.cuda.device_count()} or fewer"
-            )
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend=backend)
-    else:  # no torchrun: an in-memory store instead of its rendezvous
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: importing it and FSDP
-    made every sample.py start 1.2 s slower on 2 cores (3.9 -> 2.7 s for a tiny checkpoint). train.py and bench.py
-    import them anyway (a torch.optim optimizer imports torch._dynamo, which imports FSDP). No DTensor exists until
-    FSDP (or the DCP reader) has imported that module."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def cleanup_distributed(d: Dist) -> None:
-    if d.enabled:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------- run info

@@ -29,8 +29,10 @@ import torch.nn.functional as F
 
 import checkpoint
 import dataio
-from common import Dist, UserError, autocast_context, cleanup_distributed, exit_on_user_error, resolve_dtype
-from common import plural, setup_distributed
+from common import UserError, autocast_context, exit_on_user_error, resolve_dtype
+from distributed import Dist, cleanup_distributed
+from common import plural
+from distributed import setup_distributed
 from configurator import configure
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 import checkpoint
-from common import Dist, UserError, exit_on_user_error, is_dtensor
+from common import UserError, exit_on_user_error
+from distributed import Dist, is_dtensor
 from configurator import exit_on_help
 from model import GPT
 

@@ -12,24 +12,10 @@ included, so runs of different speed compare on the right panel.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from common import UserError, exit_on_user_error, pyplot
-
-
-def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
-    """The run's logged training steps (iter, loss, elapsed_s) and its evals (iter, val_loss, elapsed_s)."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise UserError(f"no {path}: give the out_dir of a train.py run")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "val_loss" in r]
-    if not steps and not evals:
-        raise UserError(f"{path} has no losses yet: plot after the first logged step")
-    return steps, evals
+from common import exit_on_user_error, pyplot
+from metrics import read_metrics
 
 
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:

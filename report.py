@@ -8,7 +8,6 @@ matplotlib is installed); imports nothing from train.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -21,18 +20,9 @@ import torch
 import dataio
 import plot
 from common import UserError
+from metrics import read_metrics
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
-
-
-def read_records(out_dir: str) -> tuple[list[dict], list[dict]]:
-    """metrics.jsonl's training steps and evals."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return [], []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
 def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
@@ -59,7 +49,7 @@ def sample_text(model, tokenizer: dataio.Tokenizer, device: str, n_tokens: int =
 def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str | None) -> str:
     """Write out_dir/report.md (and loss.png beside it); returns the report's path. `info`: the run's machine and
     versions (common.run_info) and world size."""
-    steps, evals = read_records(out_dir)
+    steps, evals = read_metrics(out_dir)
     lines = [f"# Run report: {os.path.basename(os.path.normpath(out_dir))}", ""]
     lines += [f"- command: `{' '.join(['python', *sys.argv])}`",
               f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
@@ -105,3 +95,17 @@ def _loss_picture(out_dir: str) -> str:
     except UserError as e:  # matplotlib is optional: the report goes without the picture
         return f"(no picture: {e}; then `python plot.py {out_dir}`)"
     return f"![train and val loss against steps and wall time]({PLOT_NAME})"
+
+
+def write_run_report(cfg, defaults, model, meta: dict | None, info: dict[str, str], log) -> str:
+    """write_report with a short sample from the final weights, with the dataset's tokenizer (`meta`; None: GPT-2
+    BPE); under FSDP no sample (a rank alone cannot run the sharded model: use sample.py). `log` prints a note.
+    Returns the report's path."""
+    sample = None
+    if cfg.parallelism != "fsdp":
+        try:
+            tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+            sample = sample_text(model, tokenizer, info["device"])
+        except UserError as e:  # e.g. no GPT-2 BPE files offline: the report goes without a sample
+            log(f"report: no sample ({e})")
+    return write_report(cfg.out_dir, cfg, defaults, info, sample)

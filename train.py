@@ -19,19 +19,12 @@ Config: the TrainConfig defaults below, then config files and --key=value overri
 """
 from __future__ import annotations
 
-import inspect
-import itertools
-import json
 import math
-import netrc
 import os
-import signal
-import socket
 import time
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable, NoReturn
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -44,16 +37,14 @@ import float8
 import hellaswag
 import parallel
 import report
+from metrics import Logger, wandb_problem
 from checkpoint import checkpoint_model_config
 from common import (
-    Dist,
     UserError,
     autocast_context,
-    cleanup_distributed,
     dtype_reason,
     exit_on_user_error,
     keep_freed_memory,
-    optional_import,
     plural,
     resolve_attention,
     resolve_fused_loss,
@@ -63,8 +54,8 @@ from common import (
     run_peak_flops,
     set_deterministic,
     set_tf32,
-    setup_distributed,
 )
+from distributed import DDP_SETTINGS, Dist, StopRequest, check_shared_out_dir, cleanup_distributed, setup_distributed
 from configurator import config_summary, configure_keys
 from model import GPT, GPTConfig
 from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
@@ -387,109 +378,7 @@ def train_step(
     return mean_loss, norm, applied
 
 
-def resume_changes(
-    saved: dict, model_args: dict, cfg: TrainConfig, world_size: int, saved_world_size: int
-) -> list[str]:
-    """Settings that differ from the checkpoint's run (its config and model_args). A different model shape or
-    GELU cannot resume (UserError); anything else is allowed and returned, to be printed: it applies from the
-    resume on (the optimizer's settings too: checkpoint.load_training_state)."""
-    changed = [
-        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
-        for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from", "gelu", "optimizer")
-    ]
-    model = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
-    saved_gelu = checkpoint_model_config(model_args).gelu
-    if cfg.gelu is not None and cfg.gelu != saved_gelu:
-        model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
-    if model:
-        raise UserError(
-            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
-            f"out_dir to start a new run"
-        )
-    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
-    if saved_optimizer != cfg.optimizer:
-        raise UserError(
-            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
-            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
-        )
-    if world_size != saved_world_size:
-        changed.append(f"world_size: {saved_world_size} -> {world_size}")
-    return changed
-
-
 # ----------------------------------------------------------------------------------------------- the run
-
-
-def wandb_problem(cfg: TrainConfig) -> str | None:
-    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
-    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
-    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
-    under way."""
-    if not cfg.wandb_log:
-        return None
-    try:
-        optional_import("wandb", "wandb_log=True")
-    except UserError as e:
-        return f"{e} (or --wandb_log=False)"
-    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
-        return None
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return None
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
-    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
-    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
-    where = "no netrc file"
-    if path is not None:
-        try:
-            if netrc.netrc(path).authenticators(host):
-                return None
-            where = f"no entry for {host} in {path}"
-        except (OSError, netrc.NetrcParseError) as e:
-            where = f"{path} is unreadable ({e})"
-    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
-            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")
-
-
-class Logger:
-    """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
-    appends to its run's file; a new run in a folder that has one starts its own, the old file kept as
-    metrics.<N>.jsonl (the first free N)."""
-
-    def __init__(self, cfg: TrainConfig, dist: Dist):
-        self.master = dist.master
-        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        if self.master and cfg.init_from != "resume" and os.path.exists(self.path):
-            names = (os.path.join(cfg.out_dir, f"metrics.{n}.jsonl") for n in itertools.count(1))
-            kept = next(name for name in names if not os.path.exists(name))
-            os.replace(self.path, kept)
-            self.print(f"a new run in {cfg.out_dir}: the previous run's metrics are kept in {kept}")
-        self.t_start = time.time()
-        self.wandb = None
-        if self.master and cfg.wandb_log:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
-
-    def continue_from(self, elapsed_s: float) -> None:
-        """A resumed run's wall time continues from its checkpoint's, so elapsed_s never runs backwards."""
-        self.t_start = time.time() - elapsed_s
-
-    def elapsed(self) -> float:
-        return time.time() - self.t_start
-
-    def print(self, msg: str) -> None:
-        if self.master:
-            print(msg, flush=True)
-
-    def metrics(self, record: dict) -> None:
-        if not self.master:
-            return
-        record = {**record, "elapsed_s": round(self.elapsed(), 3)}  # wall time since the run began, for time-to-loss
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(record, step=record["iter"])
 
 
 def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
@@ -530,16 +419,6 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
     return model
 
 
-# The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
-# PyTorch 2.13 renamed the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
-NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else {"broadcast_buffers": False}
-)
-# gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
-# gradient's size less memory (measured: README, "DDP settings").
-DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 
 def step_config_problems(cfg: StepConfig, world_size: int) -> list[str]:
@@ -586,40 +465,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
     if problems:
         raise UserError("; ".join(problems))
-
-
-def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
-    """
-    Under DDP every rank must see rank 0's out_dir: only rank 0 writes checkpoints, and a resume reads
-    out_dir/ckpt.pt on every rank. On several nodes without a shared file system the other nodes would find no
-    checkpoint (or an old one); say so at the start, naming the nodes. Rank 0 writes a marker file, every rank
-    looks for it.
-    """
-    if not dist.enabled:
-        return
-    token = [os.urandom(8).hex() if dist.master else None]
-    torch_dist.broadcast_object_list(token, src=0)
-    marker = os.path.join(out_dir, f".shared_check.{token[0]}")
-    if dist.master:
-        with open(marker, "w") as f:
-            f.write(token[0])
-    torch_dist.barrier()
-    seen = os.path.exists(marker)
-    node = f"{socket.gethostname()} (node rank {os.environ.get('GROUP_RANK', '?')})"
-    views: list = [None] * dist.world_size
-    torch_dist.all_gather_object(views, (node, dist.rank, seen))
-    if dist.master:
-        os.remove(marker)
-    blind = {}
-    for node_name, rank, ok in views:
-        if not ok:
-            blind.setdefault(node_name, []).append(rank)
-    if blind:
-        where = "; ".join(f"{n}: ranks {', '.join(map(str, r))}" for n, r in blind.items())
-        raise UserError(
-            f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only rank 0 writes "
-            f"checkpoints, every rank reads them to resume): put out_dir on a file system that every node mounts"
-        )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -671,7 +516,9 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
         saved_world_size = ckpt.get("world_size", 1)
-        for change in resume_changes(ckpt["config"], ckpt["model_args"], cfg, dist.world_size, saved_world_size):
+        changes = checkpoint.resume_changes(ckpt["config"], ckpt["model_args"], cfg, dist.world_size, saved_world_size,
+                                            MODEL_KEYS)
+        for change in changes:
             log.print(f"resuming with a changed setting (it applies from here on): {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
         log.continue_from(ckpt.get("elapsed_s", 0.0))
@@ -818,97 +665,10 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 stop_now(iter_num)
 
         if cfg.report and dist.master and not cfg.eval_only:
-            write_run_report(cfg, raw_model, meta, {**run_info(device), "world_size": str(dist.world_size)}, log)
+            info = {**run_info(device), "world_size": str(dist.world_size)}
+            log.print(f"report: {report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print)}")
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
-
-
-def write_run_report(cfg: TrainConfig, model: GPT, meta: dict | None, info: dict, log: Logger) -> None:
-    """out_dir/report.md (report.py) with a short sample from the final weights; under FSDP no sample (a rank
-    alone cannot run the sharded model: use sample.py)."""
-    sample = None
-    if cfg.parallelism != "fsdp":
-        try:
-            tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
-            sample = report.sample_text(model, tokenizer, info["device"])
-        except UserError as e:  # e.g. no GPT-2 BPE files offline: the report goes without a sample
-            log.print(f"report: no sample ({e})")
-    log.print(f"report: {report.write_report(cfg.out_dir, cfg, TrainConfig(), info, sample)}")
-
-
-class StopRequest:
-    """
-    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) ask the run to stop after the current micro-step (an
-    unfinished optimizer step is dropped) or eval, with a checkpoint: torchrun SIGKILLs its workers
-    --shutdown-timeout seconds (30 by default) after forwarding a SIGTERM, so the stop must be quick. A second
-    Ctrl-C exits at once. Under DDP every rank stops at the same micro-step: the ranks agree (all-reduce of the
-    flag) before acting, so no rank waits forever in a collective.
-    """
-
-    def __init__(self, dist: Dist):
-        self.dist = dist
-        self.signal: int | None = None
-        # The ranks agree over a gloo group on CPU tensors: asking between micro-steps never waits for the GPU
-        # (an NCCL all-reduce and .item() would sync with the queued kernels at every micro-step).
-        self._group = None
-        if dist.enabled:
-            self._group = torch_dist.new_group(backend="gloo") if torch_dist.get_backend() != "gloo" else None
-        self._first = 0.0
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. train() called from a thread): no handlers
-                pass
-
-    def _handle(self, signum, frame) -> None:
-        # A second Ctrl-C exits at once; one within a second of the first is the same Ctrl-C (torchrun forwards
-        # the terminal's SIGINT to workers that already got it).
-        now = time.monotonic()
-        if self.signal is not None and signum == signal.SIGINT and now - self._first > 1.0:
-            raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
-        if self.signal is None:
-            self.signal, self._first = signum, now
-
-    def signalled(self) -> bool:
-        """This rank's own flag (no collective)."""
-        return self.signal is not None
-
-    def requested(self) -> bool:
-        flag = self.signal is not None
-        if self.dist.enabled:
-            t = torch.tensor([1.0 if flag else 0.0])
-            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self._group)
-            flag = t.item() > 0
-        return flag
-
-    def message(self, iter_num: int) -> str:
-        name = signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
-        return f"stopped by {name} after iter {iter_num}; checkpoint saved: resume with --init_from=resume"
-
-    def __enter__(self) -> "StopRequest":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
-NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
-
-
-def settings_of_the_run(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, list[str]]:
-    """
-    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
-    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
-    settings, data, schedule), so the resume continues that run; returns the config and the settings taken.
-    """
-    saved = checkpoint.find_checkpoint(cfg.out_dir).state.get("config") or {}
-    names = {f.name for f in fields(cfg)}
-    taken = {k: v for k, v in saved.items()
-             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -916,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv)
     if cfg.init_from == "resume":
-        cfg, taken = settings_of_the_run(cfg, given)
+        cfg, taken = checkpoint.settings_of_the_run(cfg, given)
         if taken and int(os.environ.get("RANK", "0")) == 0:
             print(f"resuming the run's settings (not given here): {', '.join(taken)}", flush=True)
     try:

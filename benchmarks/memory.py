@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 from benchmarks.measure import markdown_table, run_child, study_config, write_json  # noqa: E402
-from common import Dist, UserError, exit_on_user_error, pyplot, resolve_device  # noqa: E402
+from common import UserError, exit_on_user_error, pyplot, resolve_device  # noqa: E402
+from distributed import Dist
 from train import train_step  # noqa: E402
 
 PATHS = {"math": dict(attention="math"), "sdpa/auto": dict(attention="sdpa", sdpa_backend="auto")}

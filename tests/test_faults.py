@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoint
-import common
+import distributed
 from common import UserError
 from checkpoint import load_checkpoint, save_checkpoint
 from helpers import (
@@ -390,9 +390,9 @@ def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, mon
     monkeypatch.setattr(checkpoint, "load_training_state", spy)
     changed = CHANGED_OPTIMIZER[optimizer]
     out = {}
-    for name, settings in (("same", {}), ("changed", changed)):
+    for name, changes in (("same", {}), ("changed", changed)):
         shutil.copytree(tmp_path / "out", tmp_path / name)
-        out[name] = train(tiny_config(data_dir, tmp_path / name, **{**run, "max_iters": 3}, **settings,
+        out[name] = train(tiny_config(data_dir, tmp_path / name, **{**run, "max_iters": 3}, **changes,
                                       init_from="resume"))
     groups, state = seen[2], seen[3]
     decayed = [g for g in groups if "betas" in g and g["weight_decay"] != 0.0]
@@ -466,7 +466,7 @@ def _step_with(loss_scale: float, scaler_enabled: bool, optimizer: str = "adamw"
 def _steps_with(loss_scales: list[float], scaler_enabled: bool, optimizer: str = "adamw"):
     """train_steps of one tiny model, optimizer and scaler, the i-th with its loss multiplied by loss_scales[i].
     Returns [(loss, norm, applied, parameters unchanged by the step)] per step, and the scaler."""
-    from common import Dist
+    from distributed import Dist
     from model import GPTConfig
     from optim import build_optimizer
     from train import TrainConfig
@@ -512,7 +512,7 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
     forwards the terminal's to workers that already got it); a later one exits at once; SIGTERMs never do."""
     now = {"t": 100.0}
     monkeypatch.setattr(train_module.time, "monotonic", lambda: now["t"])
-    with train_module.StopRequest(common.Dist()) as stop:
+    with distributed.StopRequest(distributed.Dist()) as stop:
         assert not stop.requested()
         stop._handle(signal.SIGINT, None)
         now["t"] += 0.1
@@ -521,7 +521,7 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
         now["t"] += 1.4
         with pytest.raises(KeyboardInterrupt, match="second Ctrl-C: exiting without a checkpoint"):
             stop._handle(signal.SIGINT, None)
-    with train_module.StopRequest(common.Dist()) as stop:
+    with distributed.StopRequest(distributed.Dist()) as stop:
         stop._handle(signal.SIGTERM, None)
         now["t"] += 5
         stop._handle(signal.SIGTERM, None)  # a scheduler repeating itself: never an exit without a checkpoint
@@ -590,8 +590,9 @@ def test_a_stop_between_micro_steps_drops_the_step_and_resumes_bitwise(data_dir,
 SHARED_PROBE = """
 import os, sys
 sys.path.insert(0, {root!r})
-from common import UserError, cleanup_distributed, setup_distributed
-from train import check_shared_out_dir
+from common import UserError
+from distributed import cleanup_distributed, setup_distributed
+from distributed import check_shared_out_dir
 d = setup_distributed("cpu")
 for case in ("shared", "local"):
     # "local": each rank gets its own folder, as nodes whose out_dir is on a local disk

@@ -285,7 +285,7 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
 
 
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_shards_and_grads():
-    from common import cleanup_distributed, setup_distributed
+    from distributed import cleanup_distributed, setup_distributed
 
     dist = setup_distributed("cpu", group_of_one=True)  # FSDP needs a process group, even of one
     try:
@@ -320,7 +320,7 @@ def test_the_xl_fsdp_config_states_the_memory_line_of_8_ranks():
     import torch.distributed as torch_dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from common import Dist
+    from distributed import Dist
     from configurator import configure
     from train import TrainConfig
 
@@ -421,15 +421,15 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tm
 def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_imported():
     """FSDP and DTensor took 1.2 s of every sample.py start on 2 cores: the scripts' modules import them only where
     a run shards (train.py and bench.py still get them through torch.optim, which imports torch._dynamo);
-    common.is_dtensor then still tells a shard from a tensor."""
-    probe = ("import sys, bench, sample, train, parallel, common, torch; "
+    distributed.is_dtensor then still tells a shard from a tensor."""
+    probe = ("import sys, bench, sample, train, parallel, distributed, torch; "
              "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') if m in sys.modules)); "
              "import torch.distributed as d; "
              "d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1); "
              "from torch.distributed.device_mesh import init_device_mesh; "
              "from torch.distributed.tensor import distribute_tensor; "
              "shard = distribute_tensor(torch.zeros(2), init_device_mesh('cpu', (1,))); "
-             "print(common.is_dtensor(torch.zeros(1)), common.is_dtensor(shard)); d.destroy_process_group()")
+             "print(distributed.is_dtensor(torch.zeros(1)), distributed.is_dtensor(shard)); d.destroy_process_group()")
     r = run_script(["-c", probe])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[:2] == ["[]", "False True"]

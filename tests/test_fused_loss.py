@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import Dist
+from distributed import Dist
 from helpers import config_args, make_char_dataset, run_script, tiny_config
 from fused_loss import fused_linear_cross_entropy
 from model import GPT, GPTConfig

@@ -11,7 +11,8 @@ import torch
 
 import dataio
 import hellaswag
-from common import Dist, UserError, exit_on_user_error
+from common import UserError, exit_on_user_error
+from distributed import Dist
 from helpers import run_script, tiny_config
 from model import GPT, GPTConfig
 from train import main as train_main

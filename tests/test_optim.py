@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from common import Dist, UserError
+from common import UserError
+from distributed import Dist
 from checkpoint import load_checkpoint
 from helpers import config_args, make_char_dataset, run_in_process, tiny_config
 from model import GPT, GPTConfig

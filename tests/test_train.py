@@ -113,7 +113,7 @@ def test_accumulation_equals_one_big_batch(ignore, optimizer):
         y[5, :10] = -1
         y[6:8] = -1  # and a micro-batch with no target at all (its loss must not be NaN)
     cfg = TrainConfig(grad_clip=0.0)
-    from common import Dist
+    from distributed import Dist
 
     results = []
     for batches in ([(x, y)], [(x[i : i + 2], y[i : i + 2]) for i in range(0, 8, 2)]):
@@ -335,7 +335,7 @@ def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, 
 
 def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from train import wandb_problem
+    from metrics import wandb_problem
 
     home = tmp_path / "home"
     no_wandb_login(monkeypatch, home)

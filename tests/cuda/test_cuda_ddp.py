@@ -79,7 +79,7 @@ BUCKET_VIEW_PROBE = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, ".")
 from torch.nn.parallel import DistributedDataParallel as DDP
-from common import setup_distributed
+from distributed import setup_distributed
 from model import GPT, GPTConfig
 d = setup_distributed("cuda")
 torch.manual_seed(0)

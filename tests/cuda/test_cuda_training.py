@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from common import Dist, autocast_context
+from common import autocast_context
+from distributed import Dist
 from checkpoint import load_checkpoint
 from cuda_helpers import MODEL_TOL, relative_error, requires_cuda
 from helpers import tiny_config

@@ -1,0 +1,195 @@
+"""
+Running on several processes, in one place: joining and leaving the process group (torchrun's DDP and FSDP ranks,
+or one process), DDP's wrapper settings, the signals that stop a run (SIGTERM, Ctrl-C) agreed on by every rank, and
+the check that every rank sees out_dir.
+
+Imports common.py only; never a script.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import UserError, resolve_device
+
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    enabled: bool = False  # in a torch.distributed process group (set by setup_distributed only)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = False) -> Dist:
+    """
+    Under torchrun (RANK in the environment) join the process group: nccl on CUDA (one GPU per local rank),
+    gloo on the CPU. Otherwise a single process on `device`, which with group_of_one is a process group of one
+    rank (FSDP needs a group even on one process).
+    """
+    device = resolve_device(device)
+    if "RANK" not in os.environ and not group_of_one:
+        return Dist(device=device)
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    else:
+        env = os.environ
+    rank, local_rank, world_size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device_type = device.split(":")[0]
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise UserError(f"backend={backend!r} is not one of auto, nccl, gloo")
+    if backend == "nccl" and device_type != "cuda":
+        raise UserError(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                f"use torchrun --nproc_per_node={torch.cuda.device_count()} or fewer"
+            )
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:  # no torchrun: an in-memory store instead of its rendezvous
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: importing it and FSDP
+    made every sample.py start 1.2 s slower on 2 cores (3.9 -> 2.7 s for a tiny checkpoint). train.py and bench.py
+    import them anyway (a torch.optim optimizer imports torch._dynamo, which imports FSDP). No DTensor exists until
+    FSDP (or the DCP reader) has imported that module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def cleanup_distributed(d: Dist) -> None:
+    if d.enabled:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
+# PyTorch 2.13 renamed the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+# gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
+# gradient's size less memory (measured: README, "DDP settings").
+DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
+
+
+def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
+    """
+    Under DDP every rank must see rank 0's out_dir: only rank 0 writes checkpoints, and a resume reads
+    out_dir/ckpt.pt on every rank. On several nodes without a shared file system the other nodes would find no
+    checkpoint (or an old one); say so at the start, naming the nodes. Rank 0 writes a marker file, every rank
+    looks for it.
+    """
+    if not dist.enabled:
+        return
+    token = [os.urandom(8).hex() if dist.master else None]
+    torch_dist.broadcast_object_list(token, src=0)
+    marker = os.path.join(out_dir, f".shared_check.{token[0]}")
+    if dist.master:
+        with open(marker, "w") as f:
+            f.write(token[0])
+    torch_dist.barrier()
+    seen = os.path.exists(marker)
+    node = f"{socket.gethostname()} (node rank {os.environ.get('GROUP_RANK', '?')})"
+    views: list = [None] * dist.world_size
+    torch_dist.all_gather_object(views, (node, dist.rank, seen))
+    if dist.master:
+        os.remove(marker)
+    blind = {}
+    for node_name, rank, ok in views:
+        if not ok:
+            blind.setdefault(node_name, []).append(rank)
+    if blind:
+        where = "; ".join(f"{n}: ranks {', '.join(map(str, r))}" for n, r in blind.items())
+        raise UserError(
+            f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only rank 0 writes "
+            f"checkpoints, every rank reads them to resume): put out_dir on a file system that every node mounts"
+        )
+
+
+class StopRequest:
+    """
+    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) ask the run to stop after the current micro-step (an
+    unfinished optimizer step is dropped) or eval, with a checkpoint: torchrun SIGKILLs its workers
+    --shutdown-timeout seconds (30 by default) after forwarding a SIGTERM, so the stop must be quick. A second
+    Ctrl-C exits at once. Under DDP every rank stops at the same micro-step: the ranks agree (all-reduce of the
+    flag) before acting, so no rank waits forever in a collective.
+    """
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+        self.signal: int | None = None
+        # The ranks agree over a gloo group on CPU tensors: asking between micro-steps never waits for the GPU
+        # (an NCCL all-reduce and .item() would sync with the queued kernels at every micro-step).
+        self._group = None
+        if dist.enabled:
+            self._group = torch_dist.new_group(backend="gloo") if torch_dist.get_backend() != "gloo" else None
+        self._first = 0.0
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. train() called from a thread): no handlers
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        # A second Ctrl-C exits at once; one within a second of the first is the same Ctrl-C (torchrun forwards
+        # the terminal's SIGINT to workers that already got it).
+        now = time.monotonic()
+        if self.signal is not None and signum == signal.SIGINT and now - self._first > 1.0:
+            raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
+        if self.signal is None:
+            self.signal, self._first = signum, now
+
+    def signalled(self) -> bool:
+        """This rank's own flag (no collective)."""
+        return self.signal is not None
+
+    def requested(self) -> bool:
+        flag = self.signal is not None
+        if self.dist.enabled:
+            t = torch.tensor([1.0 if flag else 0.0])
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self._group)
+            flag = t.item() > 0
+        return flag
+
+    def message(self, iter_num: int) -> str:
+        name = signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
+        return f"stopped by {name} after iter {iter_num}; checkpoint saved: resume with --init_from=resume"
+
+    def __enter__(self) -> "StopRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
