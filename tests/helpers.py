@@ -16,6 +16,13 @@ from train import TrainConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def doc_files() -> list[str]:
+    """README.md and every docs/*.md: the files whose commands the README-commands tests check."""
+    import glob
+
+    return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+
 def make_char_dataset(data_dir, n_chars: int = 60_000, seed: int = 0) -> dict:
     """A learnable character corpus: words from a small vocabulary in a random but repetitive order."""
     rng = np.random.default_rng(seed)

@@ -187,31 +187,59 @@ def test_padding_rows_do_not_change_the_initial_weights():
 
 
 def readme_commands(scripts: tuple[str, ...]) -> list[tuple[str, str, list[str]]]:
-    """(line, script, arguments) of every `python SCRIPT ...` line in the README's sh code blocks."""
+    """(line, script, arguments) of every `python SCRIPT ...` command in the sh code blocks of README.md and
+    docs/*.md, one per `&&`-joined command of a line."""
     import shlex
 
-    from helpers import ROOT
+    from helpers import doc_files
 
-    commands, in_code = [], False
-    for line in open(f"{ROOT}/README.md"):
-        if line.startswith("```"):
-            in_code = line.strip() == "```sh"
-            continue
-        words = shlex.split(line.split("  #")[0].strip()) if in_code else []
-        if len(words) >= 2 and words[0] == "python" and words[1] in scripts:
-            commands.append((line.strip(), words[1], words[2:]))
+    commands = []
+    for path in doc_files():
+        in_code = False
+        for line in open(path):
+            if line.startswith("```"):
+                in_code = line.strip() == "```sh"
+                continue
+            words = shlex.split(line.split("  #")[0].strip()) if in_code else []
+            while words:
+                end = words.index("&&") if "&&" in words else len(words)
+                command, words = words[:end], words[end + 1:]
+                if len(command) >= 2 and command[0] == "python" and command[1] in scripts:
+                    commands.append((line.strip(), command[1], command[2:]))
     return commands
 
 
-def test_every_readme_bench_and_study_command_is_a_valid_config():
-    from benchmarks import ablation, memory
-    from benchmarks.measure import study_config
+STUDIES = ("bench.py", "benchmarks/ablation.py", "benchmarks/numerics.py", "benchmarks/memory.py",
+           "benchmarks/time_to_loss.py", "benchmarks/generation.py", "benchmarks/gpu.py")
 
-    commands = readme_commands(("bench.py", "benchmarks/ablation.py", "benchmarks/numerics.py", "benchmarks/memory.py"))
-    assert {script for _, script, _ in commands} == {
-        "bench.py", "benchmarks/ablation.py", "benchmarks/numerics.py", "benchmarks/memory.py"}
+
+def test_every_readme_bench_and_study_command_is_a_valid_config():
+    """Every bench.py and study command of the README and docs/ parses: bench.py's keys (and a study's own), the
+    argparse studies' arguments, and time_to_loss's --args/--variant as train.py arguments of its recipes."""
+    import shlex
+
+    from benchmarks import ablation, generation, gpu, memory, time_to_loss
+    from benchmarks.measure import study_config
+    from configurator import configure
+    from train import TrainConfig
+
+    commands = readme_commands(STUDIES)
+    assert {script for _, script, _ in commands} == set(STUDIES)
     for line, script, args in commands:
         try:
+            if script == "benchmarks/time_to_loss.py":
+                parsed = time_to_loss.parse_args(args)
+                extra = shlex.split(parsed.args)
+                configure(TrainConfig(), [*time_to_loss.NANOGPT_CPU, *extra])
+                for variant in parsed.variant:
+                    configure(TrainConfig(), [*time_to_loss.OURS, *extra, *shlex.split(variant)])
+                continue
+            if script == "benchmarks/generation.py":
+                generation.parse_args(args)
+                continue
+            if script == "benchmarks/gpu.py":
+                gpu.parse_args(args)
+                continue
             if script == "benchmarks/ablation.py":
                 own, args = study_config(ablation.AblationConfig(), args, bench.BenchConfig())
                 ablation.selected_rows(own, "cpu")
@@ -219,7 +247,9 @@ def test_every_readme_bench_and_study_command_is_a_valid_config():
                 own, args = study_config(memory.MemoryConfig(), args, bench.BenchConfig())
             bench.load_config(args)
         except UserError as e:
-            pytest.fail(f"README command `{line}`: {e}")
+            pytest.fail(f"README/docs command `{line}`: {e}")
+        except SystemExit as e:  # argparse's usage error
+            pytest.fail(f"README/docs command `{line}`: argparse exited with {e.code}")
 
 
 def test_matmul_floor_replays_every_matmul_of_the_forward_and_backward():

@@ -382,25 +382,28 @@ def test_none_default_can_be_overridden_on_the_command_line(data_dir, tmp_path):
 
 def readme_train_commands() -> list[tuple[str, list[str], int]]:
     """(line, train.py arguments, world size) of every `python train.py` / `torchrun ... train.py` command in the
-    README's code blocks."""
+    sh code blocks of README.md and docs/*.md."""
     import re
     import shlex
 
-    from helpers import ROOT
+    from helpers import doc_files
 
-    commands, in_code = [], False
-    for line in open(os.path.join(ROOT, "README.md")):
-        if line.startswith("```"):
-            in_code = line.strip() == "```sh"
-            continue
-        if not in_code:
-            continue
-        words = shlex.split(line.split("  #")[0].strip())
-        for i, word in enumerate(words):
-            if word == "train.py" and i > 0 and (words[i - 1] == "python" or words[0] == "torchrun"):
-                args = list(itertools.takewhile(lambda w: w != "&&", words[i + 1:]))
-                flags = dict(re.findall(r"--(nnodes|nproc_per_node)=(\d+)", " ".join(words[:i])))
-                commands.append((line.strip(), args, int(flags.get("nnodes", 1)) * int(flags.get("nproc_per_node", 1))))
+    commands = []
+    for path in doc_files():
+        in_code = False
+        for line in open(path):
+            if line.startswith("```"):
+                in_code = line.strip() == "```sh"
+                continue
+            if not in_code:
+                continue
+            words = shlex.split(line.split("  #")[0].strip())
+            for i, word in enumerate(words):
+                if word == "train.py" and i > 0 and (words[i - 1] == "python" or words[0] == "torchrun"):
+                    args = list(itertools.takewhile(lambda w: w != "&&", words[i + 1:]))
+                    flags = dict(re.findall(r"--(nnodes|nproc_per_node)=(\d+)", " ".join(words[:i])))
+                    world_size = int(flags.get("nnodes", 1)) * int(flags.get("nproc_per_node", 1))
+                    commands.append((line.strip(), args, world_size))
     return commands
 
 
@@ -410,12 +413,14 @@ def test_every_readme_train_command_is_a_valid_config_for_its_world_size():
 
     commands = readme_train_commands()
     assert len(commands) >= 7  # quickstart, one GPU, overrides, 8 GPUs, CPU DDP, two multi-node lines
+    optimizers = {a for _, args, _ in commands for a in args if a.startswith("--optimizer=")}
+    assert optimizers >= {"--optimizer=adamw", "--optimizer=muon"}  # the measured AdamW/Muon runs (docs/performance.md)
     for line, args, world_size in commands:
         cfg = configure(TrainConfig(), args)
         try:
             check_config(cfg, world_size)
         except UserError as e:
-            pytest.fail(f"README command `{line}`: {e}")
+            pytest.fail(f"README/docs command `{line}`: {e}")
 
 
 def test_resume_at_or_past_max_iters_evaluates_in_one_line_and_saves_nothing(data_dir, tmp_path, capsys):
