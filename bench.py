@@ -14,6 +14,9 @@ One run times train.train_step, the real training step, after warm-up steps that
 kernel choice, compile); data loading is not timed. Every run draws the same batches and starts from the same
 weights whatever the vocabulary padding, so runs with different techniques train the same model on the same data
 and their losses compare. On a shared CPU each run says what share of the CPUs other processes took meanwhile.
+
+Imports the model, train.py's step (train_step, StepConfig, setup), and benchmarks/measure.py's tools; the studies in
+benchmarks/ build on this script (through its command line and --result_json), never the reverse.
 """
 from __future__ import annotations
 

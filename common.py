@@ -2,8 +2,8 @@
 The one place for what train.py, sample.py and bench.py share: user errors, device and precision setup,
 distributed setup, and run information. Checkpoints live in checkpoint.py.
 
-Imports model.py only (its GPU peak-FLOPs table); never a script, and never checkpoint.py or dataio.py (which
-import this module).
+Imports errors.py and hardware.py only; never the model, a script, or the modules that import this one
+(checkpoint.py, dataio.py, distributed.py, metrics.py, configurator.py, optim.py).
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ defaults, and all problems are reported together in one ConfigError before anyth
 
 `--help` (or `-h`) anywhere prints the script's usage and every key with its type, default and the comment
 beside it in the dataclass's source, then exits 0 (help_text).
+
+Imports common.py only (UserError); every script imports this module, so it imports none of them.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padde
 GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
 
 Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
+
+Reads checkpoints through checkpoint.py; imports nothing from train.py or sample.py.
 """
 from __future__ import annotations
 

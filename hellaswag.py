@@ -13,6 +13,9 @@ The validation set (10,042 examples, 11 MB) is downloaded once to data/hellaswag
 or any file in its format: JSON lines with "ctx" (text), "endings" (4 texts) and "label" (0-3).
 
 Config: the HellaSwagConfig defaults below, then config files and --key=value overrides in the order given.
+
+Reads checkpoints through checkpoint.py; train.py imports this module, so it imports nothing from train.py or
+sample.py.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ A run's metrics, in one place: out_dir/metrics.jsonl (a JSON line per logged ste
 time, which continues across resumes), written by train.py through Logger (which also prints on rank 0 and logs to
 wandb when asked) and read by plot.py and report.py.
 
-Imports common.py only; never a script.
+Imports common.py and distributed.py only; never a script.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ rank writes its own shards into a folder, so no rank ever holds the whole model;
 sample.py, export.py, hellaswag.py and init_from read a sharded folder as they read a ckpt.pt. To make a ckpt.pt of
 it anyway (model, optimizer and train state, written beside it), e.g. to resume on a machine without DCP:
 $ python parallel.py out/ckpt_sharded
+
+Imports checkpoint.py (for the conversion), distributed.py and the model; never train.py or another script.
 """
 from __future__ import annotations
 

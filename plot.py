@@ -8,6 +8,8 @@ $ python plot.py out-a out-b --out=compare.png               # two runs, one pic
 The thin line is the training loss logged every log_interval steps (one micro-batch's, so noisy); the thick line
 with dots is the val loss of each eval. Wall time is train.py's elapsed_s: seconds since the run started, evals
 included, so runs of different speed compare on the right panel.
+
+Reads metrics.jsonl through metrics.py; imports no other script.
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ stdout holds only the samples, each followed by a line of dashes. stderr has the
 last, one line to parse: `tokens/s: <float> (...)`, the new tokens over the generation wall time.
 
 Config: the SampleConfig defaults below, then config files and --key=value overrides in the order given.
+
+Reads checkpoints and GPT-2 weights through checkpoint.py; imports nothing from train.py.
 """
 from __future__ import annotations
 

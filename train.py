@@ -16,6 +16,9 @@ FSDP instead of DDP, for models whose weights, gradients and AdamW state do not 
 $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 
 Config: the TrainConfig defaults below, then config files and --key=value overrides in the order given.
+
+Imports the model, checkpoint.py, distributed.py, parallel.py, metrics.py, report.py, hellaswag.py and the data
+and config modules; only bench.py and benchmarks/ (for the training step) and the tests import train.py.
 """
 from __future__ import annotations
 

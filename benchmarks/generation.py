@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uncached", action="store_true", help="also time generation without the KV cache")
     p.add_argument("--before", default=None, help="git revision whose model.py's generate (KV cache) to time too")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--modes", default=None, help="only the modes whose names contain one of these comma-separated "
+                   "words, e.g. 'nanoGPT,bf16 window'")
     p.add_argument("--nanogpt", action="store_true", help="nanoGPT's sample command on its baby GPT (sets the shape, "
                    "batch 10, prompt 1, 500 new tokens; its uncached way first)")
     args = p.parse_args(argv)
@@ -167,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     reference = copy.deepcopy(model).double()
     prompt = torch.randint(0, config.vocab_size, (args.batch_size, args.prompt_len), device=device)
     modes = build_modes(model, args)
+    if args.modes:
+        words = [w.strip() for w in args.modes.split(",") if w.strip()]
+        modes = {name: mode for name, mode in modes.items() if any(w in name for w in words)}
+        if not modes:
+            raise UserError(f"--modes={args.modes!r} matches no mode: the modes are named as the table shows them")
     print(
         f"model: {config.n_layer} layers, {config.n_head} heads, n_embd {config.n_embd}, block {config.block_size}, "
         f"vocab {config.vocab_size}, {model.get_num_params() / 1e6:.1f}M params"

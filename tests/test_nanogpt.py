@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 import dataio
-import train as train_module
 from checkpoint import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
