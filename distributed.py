@@ -7,6 +7,7 @@ Imports common.py only; never a script.
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import signal
@@ -45,7 +46,10 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
     device = resolve_device(device)
     if "RANK" not in os.environ and not group_of_one:
         return Dist(device=device)
-    import torch.distributed as dist
+    # torch.distributed.nn and FSDP bind the default group as default arguments when first imported, and a run
+    # imports them after this point (torch._dynamo does, on the first optimizer): the group would then never be
+    # freed, and gloo's threads would outlive it (see cleanup_distributed). Imported now, they bind None.
+    from torch.distributed import fsdp, nn as distributed_nn  # noqa: F401
 
     if "RANK" not in os.environ:
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
@@ -68,9 +72,9 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group(backend=backend)
+        torch_dist.init_process_group(backend=backend)
     else:  # no torchrun: an in-memory store instead of its rendezvous
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        torch_dist.init_process_group(backend=backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
 
 
@@ -83,12 +87,38 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def cleanup_distributed(d: Dist) -> None:
-    if d.enabled:
-        import torch.distributed as dist
+def cleanup_distributed(d: Dist, barrier: bool = False) -> None:
+    """
+    The end of a process group, in one order on every path: the last save is done (the caller's), then with
+    `barrier` every rank waits for the others, so none exits while another still writes; then the group is
+    destroyed, once. `barrier` only where every rank is known to get here (a finished run, or a stop that all ranks
+    agreed on): after an error the others may never come, and torchrun stops them when this rank exits.
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    Destroying must free the group, since only its destructor stops gloo's worker threads. A worker left running
+    into interpreter exit frees the work of the last collective there, which takes the GIL: Python then ends that
+    thread inside a C++ destructor and the process aborts ("terminate called without an active exception"). So
+    whatever holds the group (a DDP wrapper, an FSDP model, another group's owner) is released before this call;
+    the collection here frees those that only reference cycles kept (FSDP's).
+    """
+    if not d.enabled or not torch_dist.is_initialized():
+        return
+    if barrier:
+        torch_dist.barrier()
+    _forget_device_mesh_groups()
+    gc.collect()
+    torch_dist.destroy_process_group()
+
+
+def _forget_device_mesh_groups() -> None:
+    """FSDP's DeviceMesh holds its process groups (DeviceMesh._pg_registry), and torch's DTensor caches keep the
+    mesh alive past the run (torch 2.13, with no public way to release it): the meshes let go of their groups here,
+    at the end, after which no mesh can be used anyway."""
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    if device_mesh is None:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, device_mesh.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
 
 
 # The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
@@ -193,3 +223,8 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._group = None  # destroyed with the default group at the run's end, which must hold the last reference
+
+
+class Stopped(SystemExit):
+    """A stop by a signal, with a checkpoint: every rank raises it at the same step. Exits 1 with its message."""

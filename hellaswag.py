@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.max_examples < 0:
         raise UserError(f"max_examples={cfg.max_examples} must be >= 0 (0: all)")
     dist = setup_distributed(cfg.device)
+    finished = False
     try:
         dtype = resolve_dtype(cfg.dtype, dist.device, training=False)
         examples = load_examples(cfg.path)[: cfg.max_examples or None]
@@ -216,9 +217,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if cfg.init_from in REFERENCE and result["hellaswag_n"] == VAL_EXAMPLES:
                 acc, acc_norm = REFERENCE[cfg.init_from]
                 print(f"build-nanogpt's figures for {cfg.init_from}: acc {acc:.4f}, acc_norm {acc_norm:.4f}")
+        finished = True
         return result
     finally:
-        cleanup_distributed(dist)
+        cleanup_distributed(dist, barrier=finished)  # no barrier after an error: the other ranks may never get there
 
 
 if __name__ == "__main__":

@@ -58,7 +58,15 @@ from common import (
     set_deterministic,
     set_tf32,
 )
-from distributed import DDP_SETTINGS, Dist, StopRequest, check_shared_out_dir, cleanup_distributed, setup_distributed
+from distributed import (
+    DDP_SETTINGS,
+    Dist,
+    Stopped,
+    StopRequest,
+    check_shared_out_dir,
+    cleanup_distributed,
+    setup_distributed,
+)
 from configurator import config_summary, configure_keys
 from model import GPT, GPTConfig
 from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
@@ -471,12 +479,24 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run the training that `cfg` describes; returns the final figures (for tests and scripts)."""
+    """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
+    sharded: FSDP's shards need the process group, which the end of the run destroys."""
     dist = setup_distributed(cfg.device, cfg.backend, group_of_one=cfg.parallelism == "fsdp")
+    stopped = None
     try:
-        return _train(cfg, dist)
-    finally:
-        cleanup_distributed(dist)
+        result = _train(cfg, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
+    except Stopped as e:
+        stopped = Stopped(e.code)  # a new one: e's traceback holds the run's frames, and so the group
+    except BaseException:
+        cleanup_distributed(dist)  # no barrier: after an error the other ranks may never get there
+        raise
+    else:
+        if cfg.parallelism == "fsdp":
+            result["model"] = None
+    cleanup_distributed(dist, barrier=True)  # every rank gets here, the last save done: the end, or the same stop
+    if stopped is not None:
+        raise stopped
+    return result
 
 
 def _train(cfg: TrainConfig, dist: Dist) -> dict:
@@ -593,9 +613,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     def stop_now(iter_num: int) -> NoReturn:
         save(iter_num, best_val_loss, improved=False)
-        if dist.enabled:  # every rank exits only once rank 0's checkpoint is on disk
-            torch_dist.barrier()
-        raise SystemExit(stop.message(iter_num))
+        raise Stopped(stop.message(iter_num))  # train() ends the ranks together, once rank 0's checkpoint is on disk
 
     with StopRequest(dist) as stop:
         running_mfu = -1.0
