@@ -117,7 +117,8 @@ def _forget_device_mesh_groups() -> None:
     if device_mesh is None:
         return
     for obj in gc.get_objects():
-        if isinstance(obj, device_mesh.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+        # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises ReferenceError
+        if issubclass(type(obj), device_mesh.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()
 
 
