@@ -23,6 +23,21 @@ def doc_files() -> list[str]:
     return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 
 
+def doc_shell_lines() -> list[tuple[str, list[str]]]:
+    """(line, its words before a `  #` comment) of every line in the ```sh blocks of doc_files()."""
+    import shlex
+
+    lines = []
+    for path in doc_files():
+        in_code = False
+        for line in open(path):
+            if line.startswith("```"):
+                in_code = line.strip() == "```sh"
+            elif in_code:
+                lines.append((line.strip(), shlex.split(line.split("  #")[0].strip())))
+    return lines
+
+
 def make_char_dataset(data_dir, n_chars: int = 60_000, seed: int = 0) -> dict:
     """A learnable character corpus: words from a small vocabulary in a random but repetitive order."""
     rng = np.random.default_rng(seed)

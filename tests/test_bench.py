@@ -189,23 +189,15 @@ def test_padding_rows_do_not_change_the_initial_weights():
 def readme_commands(scripts: tuple[str, ...]) -> list[tuple[str, str, list[str]]]:
     """(line, script, arguments) of every `python SCRIPT ...` command in the sh code blocks of README.md and
     docs/*.md, one per `&&`-joined command of a line."""
-    import shlex
-
-    from helpers import doc_files
+    from helpers import doc_shell_lines
 
     commands = []
-    for path in doc_files():
-        in_code = False
-        for line in open(path):
-            if line.startswith("```"):
-                in_code = line.strip() == "```sh"
-                continue
-            words = shlex.split(line.split("  #")[0].strip()) if in_code else []
-            while words:
-                end = words.index("&&") if "&&" in words else len(words)
-                command, words = words[:end], words[end + 1:]
-                if len(command) >= 2 and command[0] == "python" and command[1] in scripts:
-                    commands.append((line.strip(), command[1], command[2:]))
+    for line, words in doc_shell_lines():
+        while words:
+            end = words.index("&&") if "&&" in words else len(words)
+            command, words = words[:end], words[end + 1:]
+            if len(command) >= 2 and command[0] == "python" and command[1] in scripts:
+                commands.append((line, command[1], command[2:]))
     return commands
 
 

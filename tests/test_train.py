@@ -384,26 +384,17 @@ def readme_train_commands() -> list[tuple[str, list[str], int]]:
     """(line, train.py arguments, world size) of every `python train.py` / `torchrun ... train.py` command in the
     sh code blocks of README.md and docs/*.md."""
     import re
-    import shlex
 
-    from helpers import doc_files
+    from helpers import doc_shell_lines
 
     commands = []
-    for path in doc_files():
-        in_code = False
-        for line in open(path):
-            if line.startswith("```"):
-                in_code = line.strip() == "```sh"
-                continue
-            if not in_code:
-                continue
-            words = shlex.split(line.split("  #")[0].strip())
-            for i, word in enumerate(words):
-                if word == "train.py" and i > 0 and (words[i - 1] == "python" or words[0] == "torchrun"):
-                    args = list(itertools.takewhile(lambda w: w != "&&", words[i + 1:]))
-                    flags = dict(re.findall(r"--(nnodes|nproc_per_node)=(\d+)", " ".join(words[:i])))
-                    world_size = int(flags.get("nnodes", 1)) * int(flags.get("nproc_per_node", 1))
-                    commands.append((line.strip(), args, world_size))
+    for line, words in doc_shell_lines():
+        for i, word in enumerate(words):
+            if word == "train.py" and i > 0 and (words[i - 1] == "python" or words[0] == "torchrun"):
+                args = list(itertools.takewhile(lambda w: w != "&&", words[i + 1:]))
+                flags = dict(re.findall(r"--(nnodes|nproc_per_node)=(\d+)", " ".join(words[:i])))
+                world_size = int(flags.get("nnodes", 1)) * int(flags.get("nproc_per_node", 1))
+                commands.append((line, args, world_size))
     return commands
 
 
