@@ -156,14 +156,18 @@ class CausalSelfAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         pos: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """pos: (T,) the positions of x's rows, where kv_cache stores their keys and values."""
+        """pos: (T,) the positions of x's rows, where kv_cache stores their keys and values.
+        last_only: the output of the last position only, (B, 1, C): every row's key and value, one query."""
         B, T, C = x.size()  # batch, sequence length, n_embd
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if last_only:  # the last query sees every key: no mask
+            q, T = q[:, -1:], 1
+        q = q.reshape(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, -1, self.n_head, hs).transpose(1, 2)  # (B, nh, S, hs)
+        v = v.view(B, -1, self.n_head, hs).transpose(1, 2)  # (B, nh, S, hs)
 
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, pos)  # (B, nh, S, hs): S = cache size, or slots written
@@ -199,10 +203,13 @@ class CausalSelfAttention(nn.Module):
 
     def _math_attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         T = q.size(-2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
-        if mask is None:
+        q = q * (1.0 / math.sqrt(k.size(-1)))  # scaled before the product: (T, hs) numbers, not (T, S)
+        att = q @ k.transpose(-2, -1)  # (B, nh, T, S)
+        if mask is None and T > 1:  # plain causal (one query, a window's last or a cached step's, sees every key)
             mask = causal_mask(T, q.device)  # (T, T)
-        att = att.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            # the mask as 0 / -inf to add: the scores masked_fill gives, ~5x faster on a CPU than filling every head
+            att = att + torch.zeros(mask.shape, dtype=att.dtype, device=att.device).masked_fill_(~mask, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
         return att @ v  # (B, nh, T, S) x (B, nh, S, hs) -> (B, nh, T, hs)
@@ -254,8 +261,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, key_padding_mask=None, kv_cache=None, pos=None):
-        x = x + self.attn(self.ln_1(x), key_padding_mask, kv_cache, pos)
+    def forward(self, x, key_padding_mask=None, kv_cache=None, pos=None, last_only=False):
+        """last_only: the last position's output only (B, 1, C), which needs every position's keys and values but
+        one query, one attention row and one MLP row (the last block of a window whose next token is wanted)."""
+        h = self.attn(self.ln_1(x), key_padding_mask, kv_cache, pos, last_only)  # (B, T or 1, C)
+        x = (x[:, -1:] if last_only else x) + h
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -355,12 +365,15 @@ class GPT(nn.Module):
             kv_cache.pos += T
         return x
 
-    def _blocks(self, idx, pos, attention_mask=None, kv_cache=None) -> torch.Tensor:
+    def _blocks(self, idx, pos, attention_mask=None, kv_cache=None, last_only=False) -> torch.Tensor:
         """The hidden states (B, T, C) after ln_f of ids idx (B, T) at positions pos (T,), a tensor: the
-        compiled decoding step calls this with the same shapes at every position."""
+        compiled decoding step calls this with the same shapes at every position. last_only: (B, 1, C), the last
+        position's, whose last block runs for that position alone."""
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
+        *blocks, last = self.transformer.h
+        for block in blocks:
             x = block(x, attention_mask, kv_cache, pos)
+        x = last(x, attention_mask, kv_cache, pos, last_only)  # (B, T, C), or (B, 1, C) if last_only
         return self.transformer.ln_f(x)
 
     def crop_block_size(self, block_size: int) -> None:
@@ -506,9 +519,9 @@ class GPT(nn.Module):
         depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own.
         The context is the last block_size tokens, exactly as without the cache: past block_size the window
         slides, so every new position changes every position embedding, and each step recomputes the whole window
-        (no cache; the head at its last position only). That is matrix-matrix work, unlike the one-token steps:
-        window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it under that autocast, and with
-        compile=True it is compiled too (one shape: (B, block_size)).
+        (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
+        one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it under that autocast,
+        and with compile=True it is compiled too (one shape: (B, block_size)).
         The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
         """
         was_training = self.training
@@ -525,17 +538,21 @@ class GPT(nn.Module):
                 cache = KVCache(self.config, idx.size(0), dtype, idx.device, static=compile, size=size)
             step = _compiled("step") if compile and use_cache else GPT._decode_step
             window = _compiled("window") if compile else GPT._window_logits
-            for _ in range(max_new_tokens):
-                if idx.size(1) > self.config.block_size:  # the window slides: recompute it whole
-                    with (torch.autocast(idx.device.type, dtype=window_dtype) if window_dtype is not None
-                          else nullcontext()):  # else the caller's autocast, if any
-                        # contiguous: the same strides at every step, so the compiled window compiles once
-                        logits = window(self, idx[:, -self.config.block_size:].contiguous())
-                else:
-                    logits = self._next_token_logits(idx, cache, step)
+
+            def append_next(idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
                 logits = logits[:, :vocab_size]  # (B, vocab_size)
-                idx_next = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
-                idx = torch.cat((idx, idx_next), dim=1)
+                return torch.cat((idx, sample_next_token(logits, temperature, top_k, top_p, generator)), dim=1)
+
+            new = 0
+            while new < max_new_tokens and idx.size(1) <= self.config.block_size:  # within the block: the cache
+                idx, new = append_next(idx, self._next_token_logits(idx, cache, step)), new + 1
+            # past block_size the window slides: each step recomputes it whole, under one autocast context for the
+            # whole phase (it casts each weight once, not once a step), else under the caller's, if any
+            with torch.autocast(idx.device.type, dtype=window_dtype) if window_dtype is not None else nullcontext():
+                while new < max_new_tokens:
+                    # contiguous: the same strides at every step, so the compiled window compiles once
+                    logits = window(self, idx[:, -self.config.block_size:].contiguous())
+                    idx, new = append_next(idx, logits), new + 1
         finally:
             self.train(was_training)
         return idx
@@ -556,8 +573,10 @@ class GPT(nn.Module):
         return self._last_logits(x)
 
     def _window_logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, vocab_size) of the next token after the window idx (B, block_size), no cache."""
-        return self._last_logits(self._hidden(idx))
+        """Logits (B, vocab_size) of the next token after the window idx (B, block_size), no cache: the last block
+        for the last position only (every position's keys and values, one query, one MLP row)."""
+        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+        return self._last_logits(self._blocks(idx, pos, last_only=True))
 
     def _decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, vocab_size) of the next token after ids idx (B, 1) at position pos (1,), stored in cache."""

@@ -27,7 +27,7 @@ import torch
 import checkpoint
 import dataio
 from common import (DTYPES, UserError, autocast_context, cpu_has_native_bf16, exit_on_user_error, plural,
-                    resolve_device, resolve_dtype, synchronize)
+                    resolve_attention, resolve_device, resolve_dtype, synchronize)
 from configurator import configure
 from model import GPT
 
@@ -51,10 +51,11 @@ class SampleConfig:
     seed: int = 1337
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
-    window_dtype: str | None = None  # past block_size every token recomputes the whole window: its dtype (None: dtype's;
-    # with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is ~3x faster than float32)
+    window_dtype: str | None = None  # past block_size every token recomputes the whole window: its autocast dtype
+    # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is ~2x float32's speed)
     compile: bool = False  # torch.compile the one-token decoding step (compiles once, ~1 min on a CPU: long runs only)
-    attention: str | None = None  # None: the model's setting; else "math" or "sdpa"
+    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
+    # block_size), where its plain bf16 matmuls beat the CPU flash kernel, else sdpa (common.resolve_attention)
     sdpa_backend: str | None = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
 
 
@@ -99,8 +100,9 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
             window = "bfloat16"
         if window is not None:
             window = resolve_dtype(window, device, training=False)
-        cfg = dataclasses.replace(cfg, device=device, dtype=resolve_dtype(cfg.dtype, device, training=False),
-                                  window_dtype=window)
+        dtype = resolve_dtype(cfg.dtype, device, training=False)
+        attention = resolve_attention(cfg.attention, device, window or dtype)[0]  # the window is the heavy work
+        cfg = dataclasses.replace(cfg, device=device, dtype=dtype, window_dtype=window, attention=attention)
     except UserError as e:
         problems.append(str(e))
     if problems:
@@ -123,8 +125,10 @@ def read_prompt(start: str) -> str:
 
 
 def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
-    """The model for init_from, in eval mode on cfg.device (resolved), and the tokenizer it was trained with."""
-    overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend)) if v is not None}
+    """The model for init_from, in eval mode on cfg.device (resolved), and the tokenizer it was trained with.
+    cfg.attention as check_config resolved it; an unresolved "auto" keeps the model's own."""
+    overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend))
+                 if v is not None and (k, v) != ("attention", "auto")}
     return checkpoint.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
                                          cfg.compile, log)
 

@@ -8,14 +8,17 @@ Generation speed of GPT.generate's modes side by side in one run, on a randomly 
 
 Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
 weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 autocast past
-block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too);
-`--nanogpt` is nanoGPT's `python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65
-characters, 10 samples of 500 tokens from one), against nanoGPT's way of generating (no cache: the whole window
-per token, float32) as the first row; `--uncached` adds generation without the cache, and
-`--before=REV` the KV-cache generate of model.py at git revision REV (same weights, the batch's samples one after
-another, as sample.py generated them before it batched them), to measure a change side by side. In every round the modes run one after another, the order reversed each round so that a shared machine's
-drift favours none; each mode's figure is its best round. Compile time is measured apart: the first compiled
-call's time minus the next one's, on a few tokens.
+block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each
+mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work (math on a CPU under
+bf16, else SDPA). `--nanogpt` is nanoGPT's `python sample.py --out_dir=out-shakespeare-char` on its baby GPT
+(6 x 384, block 256, 65 characters, the exact GELU as nanoGPT and train.py from scratch use, 10 samples of 500
+tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
+after another, each token a whole forward pass over the last block_size tokens, no cache, float32, SDPA).
+`--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git revision REV (same
+weights, the batch's samples one after another, as sample.py generated them before it batched them), to measure
+a change side by side. In every round the modes run one after another, the order reversed each round so that a
+shared machine's drift favours none; each mode's figure is its best round. Compile time is measured apart: the
+first compiled call's time minus the next one's, on a few tokens.
 
 Every mode decodes greedily from the same random prompt. Its tokens are checked against a float64 forward pass
 over its own output: each chosen token's float64 logit must be within the mode's tolerance of the best one (a
@@ -37,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
-from common import UserError, exit_on_user_error, resolve_device, synchronize  # noqa: E402
+from common import UserError, exit_on_user_error, resolve_attention, resolve_device, synchronize  # noqa: E402
 from errors import GPTError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -54,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n_embd", type=int, default=384)
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--vocab_size", type=int, default=50257)
-    p.add_argument("--attention", default="sdpa", help="math or sdpa")
+    p.add_argument("--attention", default="auto", help="math, sdpa, or auto: each mode's as sample.py resolves it "
+                   "(math on a CPU under bf16, else sdpa)")
+    p.add_argument("--gelu", default="tanh", help="tanh (GPT-2's) or erf (nanoGPT's, and train.py's from scratch)")
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, nargs="+", default=[256, 1000], help="one table per length")
     p.add_argument("--batch_size", type=int, default=1)
@@ -70,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nanogpt:
         args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size = 6, 6, 384, 256, 65
+        args.gelu = "erf"
         args.batch_size, args.prompt_len, args.max_new_tokens, args.uncached = 10, 1, [500], True
     return args
 
@@ -88,18 +94,43 @@ def model_at_revision(rev: str) -> types.ModuleType:
     return module
 
 
-def build_modes(model: GPT, args: argparse.Namespace) -> dict:
-    """name -> (generate(prompt, n) function, weights dtype, compiled?)."""
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+def nanogpt_generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """nanoGPT's sample.py, greedy: the samples one after another (its loop over num_samples), each by its
+    GPT.generate: for every new token a whole forward pass over the last block_size tokens."""
+    samples = []
+    for idx in prompt.split(1):  # (1, T) each
+        for _ in range(max_new_tokens):
+            logits, _ = model(idx[:, -model.config.block_size:])  # (1, T, vocab_size)
+            idx = torch.cat((idx, logits[:, -1].argmax(dim=-1, keepdim=True)), dim=1)
+        samples.append(idx)
+    return torch.cat(samples)
+
+
+def with_attention(model: GPT, attention: str) -> GPT:
+    """model itself if it uses `attention`, else a copy that does (the same weights)."""
+    if model.config.attention == attention:
+        return model
+    other = GPT(dataclasses.replace(model.config, attention=attention)).to(model.lm_head.weight.device).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def build_modes(model: GPT, args: argparse.Namespace, device: str) -> dict:
+    """name -> (generate(prompt, n) function, weights dtype, compiled?). model: float32, SDPA attention."""
+    # each mode's attention as sample.py resolves it for the dtype its heavy work runs in
+    fp32 = with_attention(model, resolve_attention(args.attention, device, "float32")[0])
+    bf16_attention = resolve_attention(args.attention, device, "bfloat16")[0]
+    bf16 = copy.deepcopy(with_attention(model, bf16_attention)).to(torch.bfloat16)
+    bf16_window = with_attention(model, bf16_attention)
     modes = {}
     if args.before:
         old_module = model_at_revision(args.before)
         # the settings that revision knows (later ones, e.g. fused_loss, only change how training computes)
         known = {f.name for f in dataclasses.fields(old_module.GPTConfig)}
-        dropped = sorted(set(vars(model.config)) - known)
+        dropped = sorted(set(vars(fp32.config)) - known)
         if dropped:
             print(f"--before={args.before}: its GPTConfig has no {', '.join(dropped)}: built without")
-        old_config = old_module.GPTConfig(**{k: v for k, v in vars(model.config).items() if k in known})
+        old_config = old_module.GPTConfig(**{k: v for k, v in vars(fp32.config).items() if k in known})
         old = old_module.GPT(old_config).to(args.device).eval()
         old.load_state_dict(model.state_dict())
         # as sample.py ran before batching: the samples one after another
@@ -108,14 +139,14 @@ def build_modes(model: GPT, args: argparse.Namespace) -> dict:
 
         modes[f"before ({args.before}), fp32"] = (before, torch.float32, False)
     if args.uncached:
-        modes["no cache, fp32 (nanoGPT's way)"] = (lambda p, n: model.generate(p, n, temperature=0.0, use_cache=False),
-                                                   torch.float32, False)
-    for name, m, dtype in (("fp32", model, torch.float32), ("bf16", bf16, torch.bfloat16)):
+        modes["no cache, fp32 (nanoGPT's way)"] = (lambda p, n: nanogpt_generate(model, p, n), torch.float32, False)
+    for name, m, dtype in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
         modes[f"eager, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0), dtype, False)
         modes[f"compiled, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0, compile=True), dtype, True)
     for compiled in (False, True):  # float32 steps, the window past block_size in bf16 autocast
         modes[f"{'compiled' if compiled else 'eager'}, fp32, bf16 window"] = (
-            lambda p, n, c=compiled: model.generate(p, n, temperature=0.0, compile=c, window_dtype=torch.bfloat16),
+            lambda p, n, c=compiled: bf16_window.generate(p, n, temperature=0.0, compile=c,
+                                                          window_dtype=torch.bfloat16),
             torch.bfloat16, compiled)
     return modes
 
@@ -157,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             n_layer=args.n_layer,
             n_head=args.n_head,
             n_embd=args.n_embd,
-            attention=args.attention,
+            gelu=args.gelu,
         )
     except GPTError as e:
         raise UserError(str(e)) from None
@@ -168,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(config).to(device).eval()
     reference = copy.deepcopy(model).double()
     prompt = torch.randint(0, config.vocab_size, (args.batch_size, args.prompt_len), device=device)
-    modes = build_modes(model, args)
+    modes = build_modes(model, args, device)
     if args.modes:
         words = [w.strip() for w in args.modes.split(",") if w.strip()]
         modes = {name: mode for name, mode in modes.items() if any(w in name for w in words)}
@@ -179,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         f"vocab {config.vocab_size}, {model.get_num_params() / 1e6:.1f}M params"
     )
     print(
-        f"run: {device}, {torch.get_num_threads()} threads, attention={config.attention}, batch {args.batch_size}, "
-        f"prompt {args.prompt_len}, greedy, best of {args.repeats}, torch {torch.__version__}"
+        f"run: {device}, {torch.get_num_threads()} threads, gelu={config.gelu}, attention={args.attention}, "
+        f"batch {args.batch_size}, prompt {args.prompt_len}, greedy, best of {args.repeats}, torch {torch.__version__}"
     )
 
     compile_s = {}
@@ -204,17 +235,27 @@ def main(argv: list[str] | None = None) -> None:
             order = list(modes) if r % 2 == 0 else list(reversed(modes))
             for name in order:
                 out, dt = timed(modes[name][0], prompt, n, device)
+                print(f"  round {r + 1}, {name}: {dt:.2f} s", flush=True)
                 best[name] = min(best[name], dt)
                 outputs[name] = out
         base = next(iter(modes))
         print(f"\n{n} new tokens x batch {args.batch_size}; speed-up against '{base}'")
-        print(f"{'mode':<28} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check")
+        if n + args.prompt_len > config.block_size:
+            past = n + args.prompt_len - config.block_size
+            print(f"(the float64 check: a forward pass for each of the {past} tokens past block_size, per distinct "
+                  f"output)", flush=True)
+        print(f"{'mode':<32} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check", flush=True)
+        checked = {}  # modes that chose the same tokens share one check
         for name, (_, dtype, _) in modes.items():
-            why = first_divergence(reference, outputs[name], args.prompt_len, TOLERANCE[dtype])
+            key = (outputs[name].cpu().numpy().tobytes(), TOLERANCE[dtype])
+            if key not in checked:
+                checked[key] = first_divergence(reference, outputs[name], args.prompt_len, TOLERANCE[dtype])
+            why = checked[key]
             failed |= why is not None
             check = f"DIVERGES at {why}" if why else f"ok (tol {TOLERANCE[dtype]:g})"
             tokens_per_s = args.batch_size * n / best[name]
-            print(f"{name:<28} {best[name]:>9.2f} {tokens_per_s:>10.1f} {best[base] / best[name]:>8.2f}x  {check}")
+            print(f"{name:<32} {best[name]:>9.2f} {tokens_per_s:>10.1f} {best[base] / best[name]:>8.2f}x  {check}",
+                  flush=True)
     if failed:
         print("MISMATCH: a mode chose a token that the float64 model ranks clearly below the best", file=sys.stderr)
         sys.exit(1)

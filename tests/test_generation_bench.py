@@ -10,7 +10,7 @@ import torch
 from helpers import ROOT
 
 sys.path.insert(0, f"{ROOT}/benchmarks")
-from generation import build_modes, first_divergence  # noqa: E402
+from generation import build_modes, first_divergence, nanogpt_generate  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -52,10 +52,42 @@ def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch, c
     monkeypatch.setattr(generation.subprocess, "run", git_show)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
-    modes = build_modes(model, argparse.Namespace(before="abc123", uncached=False, device="cpu"))
+    modes = build_modes(model, argparse.Namespace(before="abc123", uncached=False, device="cpu", attention="auto"),
+                        "cpu")
     assert shown == [["git", "show", "abc123:model.py"]]
     assert "--before=abc123: its GPTConfig has no fused_loss: built without" in capsys.readouterr().out
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
     before, dtype, compiled = modes["before (abc123), fp32"]
     assert (dtype, compiled) == (torch.float32, False)
     assert torch.equal(before(prompt, 20), model.generate(prompt, 20, temperature=0.0))
+
+
+def test_nanogpt_rows_way_and_the_modes_give_the_tokens_of_generate_without_the_cache() -> None:
+    """--nanogpt's first row is nanoGPT's sample loop (one sample after another, a whole forward pass per token
+    through the public forward); it and the float32 modes (SDPA, the cache, the trimmed window past block_size) choose the same greedy
+    tokens, here past block_size 8 too; the bf16 window mode runs its model with math attention (sample.py's
+    attention=auto on a CPU under bf16)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=2, n_head=2, n_embd=16, gelu="erf")).eval()
+    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, 12, temperature=0.0, use_cache=False)
+    with torch.no_grad():
+        assert torch.equal(nanogpt_generate(model, prompt, 12), expected)
+    modes = build_modes(model, argparse.Namespace(before=None, uncached=True, device="cpu", attention="auto"), "cpu")
+    for name in ("no cache, fp32 (nanoGPT's way)", "eager, fp32"):
+        with torch.no_grad():
+            assert torch.equal(modes[name][0](prompt, 12), expected), name
+    from model import CausalSelfAttention
+
+    def attention_paths(mode: str) -> set[str]:
+        seen = set()
+        hook = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: seen.add(m.attention) if isinstance(m, CausalSelfAttention) else None)
+        try:
+            modes[mode][0](prompt, 12)
+        finally:
+            hook.remove()
+        return seen
+
+    assert attention_paths("eager, fp32") == {"sdpa"}
+    assert attention_paths("eager, fp32, bf16 window") == {"math"}

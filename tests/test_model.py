@@ -895,3 +895,39 @@ def test_past_block_size_the_window_runs_in_the_window_dtype_and_the_steps_do_no
             logits = reference(out[:, max(0, t - 16):t])[0][:, -1]  # (B, V)
             gap = logits.max(dim=1).values - logits.gather(1, out[:, t:t + 1]).squeeze(1)
             assert (gap < 0.1).all(), (t, gap)
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_the_window_runs_its_last_block_for_the_last_position_alone_and_gives_the_forward_passs_logits(attention):
+    """Past block_size each new token's logits come from the whole window; the last block needs every position's
+    keys and values but only the last position's query, attention row and MLP row. The trimmed window gives the
+    full forward pass's last logits (float64: to the last bits), and its last block's MLP sees one row."""
+    model = make_model(seed=50, attention=attention, n_layer=3).double()
+    idx = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(51))
+    rows = []
+    for block in model.transformer.h:
+        block.mlp.c_fc.register_forward_hook(lambda m, i, o: rows.append(o.size(1)))
+    with torch.no_grad():
+        window = model._window_logits(idx)  # (B, vocab_size)
+        assert rows == [16, 16, 1]
+        full = model(idx)[0][:, -1]  # (B, vocab_size), float64
+    torch.testing.assert_close(window, full.float(), atol=1e-7, rtol=0)  # _window_logits returns float32
+
+
+def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a_step() -> None:
+    """The window past block_size runs under one autocast context for the whole phase, which keeps its casts of
+    the weights: 9 window steps cast the (128, 32) weights (each block's c_fc, the head) to bf16 as often as 2 steps
+    do (a context per step cast them once a step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_model(seed=52)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(53))
+
+    def weight_casts(window_steps: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = model.generate(prompt, 8 + window_steps, temperature=0.0, window_dtype=torch.bfloat16)
+        assert out.size(1) == 16 + window_steps
+        return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                   and tuple(e.input_shapes[0]) == (128, 32))
+
+    assert weight_casts(9) == weight_casts(2) > 0

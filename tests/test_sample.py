@@ -284,3 +284,25 @@ def test_dtype_auto_chooses_the_window_dtype_by_the_cpu(monkeypatch, native, dty
     monkeypatch.setattr(sample_module, "cpu_has_native_bf16", lambda: native)
     cfg = sample_module.check_config(SampleConfig(device="cpu", dtype=dtype, window_dtype=window))
     assert (cfg.dtype, cfg.window_dtype) == ("float32", expected)
+
+
+
+@pytest.mark.parametrize("native, dtype, attention, expected", [
+    (True, "auto", "auto", "math"),  # the window in bf16 on a CPU: math attention's plain bf16 matmuls
+    (False, "auto", "auto", "sdpa"),  # float32 throughout: SDPA's kernel
+    (False, "bfloat16", "auto", "math"),  # bf16 autocast throughout
+    (True, "auto", "sdpa", "sdpa"),  # an explicit choice is kept
+])
+def test_attention_auto_follows_the_dtype_of_the_heavy_work(monkeypatch, native, dtype, attention, expected):
+    import sample as sample_module
+
+    monkeypatch.setattr(sample_module, "cpu_has_native_bf16", lambda: native)
+    cfg = sample_module.check_config(SampleConfig(device="cpu", dtype=dtype, attention=attention))
+    assert cfg.attention == expected
+
+
+def test_an_unknown_attention_is_one_line_before_any_weight_is_read(tmp_path):
+    # the out_dir is empty: a check after reading weights would report the missing checkpoint instead
+    assert one_line_error(run_sample(f"--out_dir={tmp_path}", "--attention=flash", *CPU)) == (
+        "error: attention='flash' is not one of auto, math, sdpa"
+    )

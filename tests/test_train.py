@@ -285,7 +285,7 @@ def test_a_split_too_short_for_block_size_fails_before_the_model_is_compiled(tmp
         (["--batch_size=big"], "batch_size: expected int, got str 'big'"),
         (["config/no_such_file.py"], "config file not found: 'config/no_such_file.py'"),
         (["--init_from=gpt3"], "init_from='gpt3' is not one of scratch, resume"),
-        (["--attention=fast"], "attention='fast' is not one of math, sdpa"),
+        (["--attention=fast"], "attention='fast' is not one of auto, math, sdpa"),
         (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be at least 1"),
         (["--optimizer=sgd"], "optimizer='sgd' is not one of adamw, muon"),
         (["--optimizer=muon", "--parallelism=fsdp"], "optimizer='muon' needs whole matrices, and parallelism='fsdp'"),
