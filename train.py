@@ -509,6 +509,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     cfg = replace(cfg, attention=attention)  # the checkpoint records the path that ran
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
     tokens_per_iter = accum_steps * dist.world_size * cfg.batch_size * cfg.block_size
+    # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training, and
+    # before out_dir or its metrics are touched
+    data_dir = data_paths(cfg)
+    meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
+    for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
+        dataio.open_split(data_dir, split, meta=meta).check_window(cfg.block_size)
+
     if dist.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
@@ -522,12 +529,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     if kept_memory:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
-
-    # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training
-    data_dir = data_paths(cfg)
-    meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
-    for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
-        dataio.open_split(data_dir, split, meta=meta).check_window(cfg.block_size)
 
     # model
     check_shared_out_dir(cfg.out_dir, dist)

@@ -431,6 +431,21 @@ def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
                     "meta.json (dataio.write_meta) or nanoGPT's meta.pkl; for GPT-2 BPE tokens (nanoGPT's "
                     'openwebtext) write meta.json as {"vocab_size": 50257, "tokenizer": "gpt2"}')  # no such script
     assert expected in _error_line(run_in_process(args, capsys))
+    # checked before out_dir is made; ids against the model's vocabulary, once it is built (it may be GPT-2's)
+    assert (tmp_path / "out").exists() == (case == "ids_beyond_vocab")
+
+
+def test_a_start_refused_for_its_data_leaves_the_folder_of_an_earlier_run_as_it_was(tmp_path, capsys):
+    """A new run in a folder that holds a run's metrics moves them to metrics.1.jsonl; a start that fails on its
+    data must not (nor make an out_dir that was not there)."""
+    d = tmp_path / "mydata"
+    make_char_dataset(d, n_chars=5000)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"iter": 1, "loss": 4.0}\n')
+    os.remove(d / "meta.json")
+    assert "no meta.json" in _error_line(run_in_process(["train.py", *config_args(tiny_config(d, out))], capsys))
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]
 
 
 def test_keep_last_keeps_the_newest_checkpoints(data_dir, tmp_path):
