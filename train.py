@@ -510,11 +510,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
     tokens_per_iter = accum_steps * dist.world_size * cfg.batch_size * cfg.block_size
     # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training, and
-    # before out_dir or its metrics are touched
+    # before out_dir or its metrics are touched. The ids are checked here against the dataset's own vocabulary
+    # (scratch); against other weights' (GPT-2's, a checkpoint's) once those are read
     data_dir = data_paths(cfg)
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
+    data_vocab = meta["vocab_size"] if cfg.init_from == "scratch" else None
     for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
-        dataio.open_split(data_dir, split, meta=meta).check_window(cfg.block_size)
+        dataio.open_split(data_dir, split, data_vocab, meta).check_window(cfg.block_size)
 
     if dist.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -559,7 +561,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
-    splits = {s: dataio.open_split(data_dir, s, model.config.vocab_size, meta) for s in ("train", "val")}
+    weights_vocab = None if data_vocab is not None else model.config.vocab_size  # ids not yet checked
+    splits = {s: dataio.open_split(data_dir, s, weights_vocab, meta) for s in ("train", "val")}
     if cfg.hellaswag:  # encoded once, with the dataset's tokenizer (GPT-2 BPE for GPT-2's weights without one)
         tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
         hellaswag_examples = hellaswag.encode(hellaswag.load_examples(cfg.hellaswag_path), tokenizer, cfg.block_size)

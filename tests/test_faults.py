@@ -431,8 +431,21 @@ def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
                     "meta.json (dataio.write_meta) or nanoGPT's meta.pkl; for GPT-2 BPE tokens (nanoGPT's "
                     'openwebtext) write meta.json as {"vocab_size": 50257, "tokenizer": "gpt2"}')  # no such script
     assert expected in _error_line(run_in_process(args, capsys))
-    # checked before out_dir is made; ids against the model's vocabulary, once it is built (it may be GPT-2's)
-    assert (tmp_path / "out").exists() == (case == "ids_beyond_vocab")
+    assert not (tmp_path / "out").exists()  # checked before out_dir is made
+
+
+def test_ids_beyond_a_checkpoints_vocabulary_are_refused_on_resume(tmp_path, capsys):
+    """Resumed weights bring their own vocabulary: the ids are checked against it once the checkpoint is read."""
+    d = tmp_path / "mydata"
+    meta = make_char_dataset(d, n_chars=5000)
+    cfg = tiny_config(d, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    ids = np.fromfile(d / "train.bin", dtype=np.uint16)
+    ids[3] = 999
+    ids.tofile(d / "train.bin")
+    r = run_in_process(["train.py", *config_args(dataclasses.replace(cfg, init_from="resume", max_iters=4))], capsys)
+    assert f"{d / 'train.bin'} holds token id 999 but the vocab size is {meta['vocab_size']}" in _error_line(r)
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 2  # nothing saved over
 
 
 def test_a_start_refused_for_its_data_leaves_the_folder_of_an_earlier_run_as_it_was(tmp_path, capsys):
