@@ -467,12 +467,14 @@ def check_tokenizer(model_vocab: int, model_meta: dict | None, meta: dict, sourc
 
 def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,
                        overrides: dict[str, Any], compile: bool = False,
-                       log: Callable[[str], None] = print) -> tuple[GPT, dataio.Tokenizer]:
+                       log: Callable[[str], None] = print,
+                       attention_for: Callable[[GPTConfig], str] | None = None) -> tuple[GPT, dataio.Tokenizer]:
     """
     The model to sample or score with (sample.py, hellaswag.py), in eval mode on `device`, and the tokenizer it was
     trained with. init_from: "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded
-    folder or run folder, GPT-2's name or a HF folder. `overrides`: attention, sdpa_backend. The attention kernel is
-    checked for `dtype` here, so a refusal is one line before any generation.
+    folder or run folder, GPT-2's name or a HF folder. `overrides`: attention, sdpa_backend. `attention_for`: the
+    attention for the model's config, where it depends on the model's shape (sample.py's attention=auto). The
+    attention kernel is checked for `dtype` here, so a refusal is one line before any generation.
     """
     found = find_checkpoint(out_dir, name) if init_from == "resume" else None
     path = found.path if found is not None else checkpoint_path(init_from)
@@ -496,6 +498,8 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
             f"{model.config.vocab_size}: the model was trained on another dataset; point its run config's dataset "
             f"(or data_dir) at the data it was trained on"
         )
+    if attention_for is not None:
+        model.set_attention(attention_for(model.config))
     model.eval().to(device)
     model.check_attention_kernel(autocast_context(device, resolve_dtype(dtype, device, training=False)), compile)
     log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")

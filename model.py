@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -164,6 +164,7 @@ class CausalSelfAttention(nn.Module):
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
         if last_only:  # the last query sees every key: no mask
+            assert key_padding_mask is None and kv_cache is None, "last_only is a whole window's last position"
             q, T = q[:, -1:], 1
         q = q.reshape(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, -1, self.n_head, hs).transpose(1, 2)  # (B, nh, S, hs)
@@ -207,7 +208,9 @@ class CausalSelfAttention(nn.Module):
         att = q @ k.transpose(-2, -1)  # (B, nh, T, S)
         if mask is None and T > 1:  # plain causal (one query, a window's last or a cached step's, sees every key)
             mask = causal_mask(T, q.device)  # (T, T)
-        if mask is not None:
+        if mask is not None and att.dtype == torch.float16:  # a masked score may overflow to inf: replace it
+            att = att.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
             # the mask as 0 / -inf to add: the scores masked_fill gives, ~5x faster on a CPU than filling every head
             att = att + torch.zeros(mask.shape, dtype=att.dtype, device=att.device).masked_fill_(~mask, float("-inf"))
         att = F.softmax(att, dim=-1)
@@ -385,6 +388,12 @@ class GPT(nn.Module):
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
         self.transformer.wpe.num_embeddings = block_size
 
+    def set_attention(self, attention: str) -> None:
+        """Run every layer's attention through `attention` ("math" or "sdpa"): the same weights, another path."""
+        self.config = replace(self.config, attention=attention)  # GPTConfig checks the name
+        for block in self.transformer.h:
+            block.attn.attention = attention
+
     def check_attention_kernel(self, ctx: AbstractContextManager | None = None, compile: bool = False) -> None:
         """
         Where sdpa_backend forces one kernel, raise now the GPTError of a kernel that refuses this model's case
@@ -548,7 +557,7 @@ class GPT(nn.Module):
                 idx, new = append_next(idx, self._next_token_logits(idx, cache, step)), new + 1
             # past block_size the window slides: each step recomputes it whole, under one autocast context for the
             # whole phase (it casts each weight once, not once a step), else under the caller's, if any
-            with torch.autocast(idx.device.type, dtype=window_dtype) if window_dtype is not None else nullcontext():
+            with _autocast_to(idx.device.type, window_dtype):
                 while new < max_new_tokens:
                     # contiguous: the same strides at every step, so the compiled window compiles once
                     logits = window(self, idx[:, -self.config.block_size:].contiguous())
@@ -585,6 +594,15 @@ class GPT(nn.Module):
     def _last_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits (B, vocab_size) over the real vocabulary at the last position of x (B, T, C)."""
         return self.lm_head(x[:, -1, :])[:, : self.config.vocab_size].float()
+
+
+def _autocast_to(device_type: str, dtype: torch.dtype | None) -> AbstractContextManager:
+    """Autocast to dtype (float32: autocast off, the model's float32 itself); None: the caller's context, if any."""
+    if dtype is None:
+        return nullcontext()
+    if dtype == torch.float32:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
 
 
 _COMPILED: dict = {}

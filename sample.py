@@ -27,9 +27,9 @@ import torch
 import checkpoint
 import dataio
 from common import (DTYPES, UserError, autocast_context, cpu_has_native_bf16, exit_on_user_error, plural,
-                    resolve_attention, resolve_device, resolve_dtype, synchronize)
+                    resolve_attention, resolve_device, resolve_dtype, resolve_sampling_attention, synchronize)
 from configurator import configure
-from model import GPT
+from model import GPT, GPTConfig
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SEPARATOR = "---------------"
@@ -55,7 +55,8 @@ class SampleConfig:
     # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is ~2x float32's speed)
     compile: bool = False  # torch.compile the one-token decoding step (compiles once, ~1 min on a CPU: long runs only)
     attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
-    # block_size), where its plain bf16 matmuls beat the CPU flash kernel, else sdpa (common.resolve_attention)
+    # block_size) for windows up to 256 positions, where its plain bf16 matmuls beat the CPU flash kernel, else sdpa
+    # (common.resolve_sampling_attention)
     sdpa_backend: str | None = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
 
 
@@ -93,6 +94,9 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
         problems.append(f"top_k={cfg.top_k} must be at least 1 (or None)")
     if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
         problems.append(f"top_p={cfg.top_p} must be in (0, 1] (or None)")
+    if cfg.attention == "math" and cfg.sdpa_backend is not None:
+        problems.append(f"sdpa_backend={cfg.sdpa_backend!r} chooses a kernel of attention=sdpa, not of math: "
+                        "use --attention=sdpa (or auto), or drop sdpa_backend")
     try:
         device = resolve_device(cfg.device)
         window = cfg.window_dtype
@@ -101,8 +105,8 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
         if window is not None:
             window = resolve_dtype(window, device, training=False)
         dtype = resolve_dtype(cfg.dtype, device, training=False)
-        attention = resolve_attention(cfg.attention, device, window or dtype)[0]  # the window is the heavy work
-        cfg = dataclasses.replace(cfg, device=device, dtype=dtype, window_dtype=window, attention=attention)
+        resolve_attention(cfg.attention, device, dtype)  # the name, now; "auto" once the model's shape is known
+        cfg = dataclasses.replace(cfg, device=device, dtype=dtype, window_dtype=window)
     except UserError as e:
         problems.append(str(e))
     if problems:
@@ -125,12 +129,17 @@ def read_prompt(start: str) -> str:
 
 
 def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
-    """The model for init_from, in eval mode on cfg.device (resolved), and the tokenizer it was trained with.
-    cfg.attention as check_config resolved it; an unresolved "auto" keeps the model's own."""
+    """The model for init_from, in eval mode on cfg.device and cfg.dtype (as check_config resolved them), and the
+    tokenizer it was trained with; attention="auto" resolved for the model's block_size."""
     overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend))
                  if v is not None and (k, v) != ("attention", "auto")}
+
+    def auto_attention(config: GPTConfig) -> str:  # the window past block_size is the heavy work
+        return resolve_sampling_attention("auto", cfg.device, cfg.window_dtype or cfg.dtype, config.block_size,
+                                          cfg.sdpa_backend)[0]
+
     return checkpoint.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
-                                         cfg.compile, log)
+                                         cfg.compile, log, auto_attention if cfg.attention == "auto" else None)
 
 
 def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], int]:

@@ -9,8 +9,8 @@ Generation speed of GPT.generate's modes side by side in one run, on a randomly 
 Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
 weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 autocast past
 block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each
-mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work (math on a CPU under
-bf16, else SDPA). `--nanogpt` is nanoGPT's `python sample.py --out_dir=out-shakespeare-char` on its baby GPT
+mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work and the block (math on
+a CPU under bf16 for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's `python sample.py --out_dir=out-shakespeare-char` on its baby GPT
 (6 x 384, block 256, 65 characters, the exact GELU as nanoGPT and train.py from scratch use, 10 samples of 500
 tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
 after another, each token a whole forward pass over the last block_size tokens, no cache, float32, SDPA).
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
-from common import UserError, exit_on_user_error, resolve_attention, resolve_device, synchronize  # noqa: E402
+from common import UserError, exit_on_user_error, resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
 from errors import GPTError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--vocab_size", type=int, default=50257)
     p.add_argument("--attention", default="auto", help="math, sdpa, or auto: each mode's as sample.py resolves it "
-                   "(math on a CPU under bf16, else sdpa)")
+                   "(math on a CPU under bf16 for a block of at most 256, else sdpa)")
     p.add_argument("--gelu", default="tanh", help="tanh (GPT-2's) or erf (nanoGPT's, and train.py's from scratch)")
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, nargs="+", default=[256, 1000], help="one table per length")
@@ -118,8 +118,9 @@ def with_attention(model: GPT, attention: str) -> GPT:
 def build_modes(model: GPT, args: argparse.Namespace, device: str) -> dict:
     """name -> (generate(prompt, n) function, weights dtype, compiled?). model: float32, SDPA attention."""
     # each mode's attention as sample.py resolves it for the dtype its heavy work runs in
-    fp32 = with_attention(model, resolve_attention(args.attention, device, "float32")[0])
-    bf16_attention = resolve_attention(args.attention, device, "bfloat16")[0]
+    block_size = model.config.block_size
+    fp32 = with_attention(model, resolve_sampling_attention(args.attention, device, "float32", block_size)[0])
+    bf16_attention = resolve_sampling_attention(args.attention, device, "bfloat16", block_size)[0]
     bf16 = copy.deepcopy(with_attention(model, bf16_attention)).to(torch.bfloat16)
     bf16_window = with_attention(model, bf16_attention)
     modes = {}
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
                 outputs[name] = out
         base = next(iter(modes))
         print(f"\n{n} new tokens x batch {args.batch_size}; speed-up against '{base}'")
-        if n + args.prompt_len > config.block_size:
-            past = n + args.prompt_len - config.block_size
+        if n + args.prompt_len > config.block_size + 1:  # the token after a full block is the first past it
+            past = n + args.prompt_len - config.block_size - 1
             print(f"(the float64 check: a forward pass for each of the {past} tokens past block_size, per distinct "
                   f"output)", flush=True)
         print(f"{'mode':<32} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check", flush=True)

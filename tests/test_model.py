@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -931,3 +932,37 @@ def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a
                    and tuple(e.input_shapes[0]) == (128, 32))
 
     assert weight_casts(9) == weight_casts(2) > 0
+
+
+def test_float16_math_attention_ignores_a_masked_key_whose_score_overflows() -> None:
+    """A future key's score past float16's range is inf; the mask must replace it, not add -inf to it (NaN)."""
+    attn = make_model(seed=54, attention="math").transformer.h[0].attn
+    q, k = torch.ones(1, 1, 3, 4, dtype=torch.float16), torch.ones(1, 1, 3, 4, dtype=torch.float16)
+    v = torch.arange(12, dtype=torch.float16).view(1, 1, 3, 4)
+    k[..., 2, :] = 60000  # only the last query may see it: 4 * 60000 overflows
+    y = attn._math_attention(q, k, v, None)  # (1, 1, 3, 4)
+    assert torch.equal(y[0, 0, :2], torch.stack([v[0, 0, 0], v[0, 0, :2].mean(0)]))  # equal scores: a mean
+
+
+def test_a_float32_window_dtype_runs_the_window_in_float32_without_warnings() -> None:
+    """window_dtype=torch.float32 (sample.py --window_dtype=float32) turns the caller's autocast off for the
+    window, with no autocast warning (autocast to float32 is not supported: it warns and turns itself off)."""
+    model = make_model(seed=55)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(56))
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: seen.append((o.size(1), o.dtype)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(prompt, 3, window_dtype=torch.float32)  # within the block
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.generate(prompt, 20, temperature=0.0, window_dtype=torch.float32)
+    assert {dtype for length, dtype in seen if length == 16} == {torch.float32}
+    assert {dtype for length, dtype in seen if length < 16} == {torch.bfloat16}  # the caller's autocast
+
+
+def test_last_only_refuses_a_padding_mask_or_a_cache() -> None:
+    block = make_model(seed=57).transformer.h[0]
+    x = torch.randn(2, 4, 32)
+    with pytest.raises(AssertionError, match="last_only"):
+        block.attn(x, key_padding_mask=torch.ones(2, 4), last_only=True)

@@ -287,18 +287,44 @@ def test_dtype_auto_chooses_the_window_dtype_by_the_cpu(monkeypatch, native, dty
 
 
 
-@pytest.mark.parametrize("native, dtype, attention, expected", [
-    (True, "auto", "auto", "math"),  # the window in bf16 on a CPU: math attention's plain bf16 matmuls
-    (False, "auto", "auto", "sdpa"),  # float32 throughout: SDPA's kernel
-    (False, "bfloat16", "auto", "math"),  # bf16 autocast throughout
-    (True, "auto", "sdpa", "sdpa"),  # an explicit choice is kept
+@pytest.mark.parametrize("native, dtype, attention, sdpa_backend, expected", [
+    (True, "auto", "auto", None, "math"),  # the window in bf16 on a CPU: math attention's plain bf16 matmuls
+    (False, "auto", "auto", None, "sdpa"),  # float32 throughout: SDPA's kernel
+    (False, "bfloat16", "auto", None, "math"),  # bf16 autocast throughout
+    (True, "auto", "auto", "auto", "sdpa"),  # an sdpa_backend asked for is SDPA's
+    (True, "auto", "sdpa", None, "sdpa"),  # an explicit choice is kept
+    (False, "auto", "math", None, "math"),
 ])
-def test_attention_auto_follows_the_dtype_of_the_heavy_work(monkeypatch, native, dtype, attention, expected):
+def test_attention_auto_follows_the_dtype_of_the_heavy_work(char_run, monkeypatch, native, dtype, attention,
+                                                             sdpa_backend, expected):
     import sample as sample_module
 
     monkeypatch.setattr(sample_module, "cpu_has_native_bf16", lambda: native)
-    cfg = sample_module.check_config(SampleConfig(device="cpu", dtype=dtype, attention=attention))
-    assert cfg.attention == expected
+    cfg = sample_module.check_config(SampleConfig(out_dir=char_run[0], device="cpu", dtype=dtype,
+                                                  attention=attention, sdpa_backend=sdpa_backend))
+    model, _ = sample_module.load_model(cfg)
+    assert model.config.attention == expected and {b.attn.attention for b in model.transformer.h} == {expected}
+
+
+def test_attention_auto_takes_sdpa_for_a_block_longer_than_math_wins_at(char_run, monkeypatch):
+    """Math attention wins on a CPU under bf16 for windows up to 256 positions; past that SDPA's kernel does (and
+    far more on a long float32 prefill), so auto looks at the model's block_size, known once it is read."""
+    import common
+    import sample as sample_module
+
+    monkeypatch.setattr(sample_module, "cpu_has_native_bf16", lambda: True)
+    cfg = sample_module.check_config(SampleConfig(out_dir=char_run[0], device="cpu"))
+    model = sample_module.load_model(cfg)[0]
+    assert model.config.attention == "math" and model.config.block_size <= common.MATH_SAMPLING_MAX_BLOCK
+    monkeypatch.setattr(common, "MATH_SAMPLING_MAX_BLOCK", model.config.block_size - 1)
+    assert sample_module.load_model(cfg)[0].config.attention == "sdpa"
+
+
+def test_math_attention_with_an_sdpa_backend_is_one_line(tmp_path):
+    assert one_line_error(run_sample(f"--out_dir={tmp_path}", "--attention=math", "--sdpa_backend=flash", *CPU)) == (
+        "error: sdpa_backend='flash' chooses a kernel of attention=sdpa, not of math: use --attention=sdpa (or auto), "
+        "or drop sdpa_backend"
+    )
 
 
 def test_an_unknown_attention_is_one_line_before_any_weight_is_read(tmp_path):
