@@ -2,7 +2,7 @@
 Generation speed of GPT.generate's modes side by side in one run, on a randomly initialised GPT.
 
     python benchmarks/generation.py                                  # 6 x 384 model, 256 and 1000 new tokens
-    python benchmarks/generation.py --before=a8a8fbc --max_new_tokens 256 1000 --batch_size=10  # sample.py's 10
+    python benchmarks/generation.py --before=HEAD~1 --max_new_tokens 256 1000 --batch_size=10  # against the last commit
     python benchmarks/generation.py --max_new_tokens 100 --uncached  # and without the KV cache (slow)
     python benchmarks/generation.py --nanogpt      # nanoGPT's sample command on its baby GPT, against its way
 
