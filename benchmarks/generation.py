@@ -10,8 +10,8 @@ Modes: the static KV cache eager and compiled (torch.compile of the one-token st
 weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 autocast past
 block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each
 mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work and the block (math on
-a CPU under bf16 for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's `python sample.py --out_dir=out-shakespeare-char` on its baby GPT
-(6 x 384, block 256, 65 characters, the exact GELU as nanoGPT and train.py from scratch use, 10 samples of 500
+a CPU under bf16 for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's
+`python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65 characters, the exact GELU as nanoGPT and train.py from scratch use, 10 samples of 500
 tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
 after another, each token a whole forward pass over the last block_size tokens, no cache, float32, SDPA).
 `--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git revision REV (same
