@@ -110,8 +110,8 @@ def with_attention(model: GPT, attention: str) -> GPT:
     """model itself if it uses `attention`, else a copy that does (the same weights)."""
     if model.config.attention == attention:
         return model
-    other = GPT(dataclasses.replace(model.config, attention=attention)).to(model.lm_head.weight.device).eval()
-    other.load_state_dict(model.state_dict())
+    other = copy.deepcopy(model)
+    other.set_attention(attention)
     return other
 
 
