@@ -190,7 +190,8 @@ def setup_run(cfg: BenchConfig) -> dict:
         dataio.open_tokens(data_path, vocab_size=cfg.vocab_size)  # a missing file or a bad id fails here
     model = build_model(cfg).to(device)
     if cfg.fp8:  # setup_device refused it where float8 matmuls cannot run
-        float8.convert_to_fp8(model, cfg.fp8_recipe)
+        print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
+        float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
     model.check_attention_kernel(ctx, compile=cfg.compile)  # one line, not compile's trace
     optimizer, scaler = optimizer_and_scaler(model, cfg, device, dtype, verbose=False)
     defaults = f"dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})"

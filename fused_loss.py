@@ -102,6 +102,12 @@ def fused_linear_cross_entropy(
     rows from vocab_size on (vocabulary padding) excluded, without forming the (N, Vp) logits.
     x (N, C), weight (Vp, C), targets (N,). Under autocast the matmuls run in its dtype (bf16), as F.linear would.
     """
+    if x.device.type == "cuda":
+        return _fused_eagerly(x, weight, targets, vocab_size, chunk_rows)
+    return _fused(x, weight, targets, vocab_size, chunk_rows)
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk_rows: int):
     device_type = x.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     # Our own casts decide each op's dtype: autocast must not recast the float32 softmax statistics.
@@ -109,3 +115,9 @@ def fused_linear_cross_entropy(
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _FusedLinearCrossEntropy.apply(x, weight, targets, vocab_size, compute_dtype, chunk_rows)
         return _loss_chunks(x, weight, targets, vocab_size, compute_dtype, chunk_rows, with_grad=False)[0]
+
+
+# On a GPU the loss runs eagerly inside a compiled model: traced, its chunk loop is unrolled and inductor gives every
+# chunk's logits block a buffer of its own, all alive at once (more memory than the plain loss). On a CPU the traced
+# loss is faster and keeps most of the saving.
+_fused_eagerly = torch.compiler.disable(_fused)

@@ -8,6 +8,8 @@ matplotlib is installed); imports nothing from train.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import statistics
 import sys
@@ -31,14 +33,16 @@ def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
             if getattr(cfg, f.name) != getattr(defaults, f.name)]
 
 
-def sample_text(model, tokenizer: dataio.Tokenizer, device: str, n_tokens: int = 200, seed: int = 1337) -> str:
+def sample_text(model, tokenizer: dataio.Tokenizer, device: str, ctx=contextlib.nullcontext(), n_tokens: int = 200,
+                seed: int = 1337) -> str:
     """A short sample from the final weights (temperature 0.8, top-k 200, as sample.py's defaults), from a newline
-    for a char-level model or from <|endoftext|> for BPE."""
+    for a char-level model or from <|endoftext|> for BPE, under the run's autocast context `ctx` (the attention
+    kernel the run chose may not run outside it, e.g. flash in float32 on a GPU)."""
     start = [tokenizer.eot] if tokenizer.eot is not None else tokenizer.encode("\n")
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
+    with torch.no_grad(), ctx:
         x = torch.tensor([start], dtype=torch.long, device=device)
         y = model.generate(x, n_tokens, temperature=0.8, top_k=200, generator=generator,
                            vocab_size=tokenizer.vocab_size)
@@ -97,15 +101,16 @@ def _loss_picture(out_dir: str) -> str:
     return f"![train and val loss against steps and wall time]({PLOT_NAME})"
 
 
-def write_run_report(cfg, defaults, model, meta: dict | None, info: dict[str, str], log) -> str:
+def write_run_report(cfg, defaults, model, meta: dict | None, info: dict[str, str], log,
+                     ctx=contextlib.nullcontext()) -> str:
     """write_report with a short sample from the final weights, with the dataset's tokenizer (`meta`; None: GPT-2
-    BPE); under FSDP no sample (a rank alone cannot run the sharded model: use sample.py). `log` prints a note.
+    BPE), under the run's autocast context `ctx`; under FSDP no sample (a rank alone cannot run the sharded model: use sample.py). `log` prints a note.
     Returns the report's path."""
     sample = None
     if cfg.parallelism != "fsdp":
         try:
             tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
-            sample = sample_text(model, tokenizer, info["device"])
+            sample = sample_text(model, tokenizer, info["device"], ctx)
         except UserError as e:  # e.g. no GPT-2 BPE files offline: the report goes without a sample
             log(f"report: no sample ({e})")
     return write_report(cfg.out_dir, cfg, defaults, info, sample)

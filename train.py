@@ -121,6 +121,7 @@ class StepConfig:
     # "reduce-overhead" add CUDA graphs (CUDA only)
     fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
     fp8_recipe: str = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
+    fp8_layers: str = "auto"  # "auto": only the layers large enough for float8 to pay (float8.py); "all": every one
     deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
     peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
@@ -198,7 +199,7 @@ def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, Abst
     algorithms and TF32 (CUDA).
     """
     dtype = resolve_dtype(cfg.dtype, device)
-    problems = float8.fp8_problems(cfg.fp8, cfg.fp8_recipe, device, dtype)
+    problems = float8.fp8_problems(cfg.fp8, cfg.fp8_recipe, device, dtype, cfg.fp8_layers)
     if cfg.compile_mode in CUDA_GRAPH_MODES and device.split(":")[0] != "cuda":
         problems.append(f"compile_mode={cfg.compile_mode!r} records CUDA graphs, which need a CUDA device, not "
                         f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
@@ -570,8 +571,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         n = parallel.checkpoint_activations(model, cfg.activation_checkpointing)
         log.print(f"activation checkpointing: {n} of {model.config.n_layer} blocks recompute in the backward")
     if cfg.fp8:  # before sharding and compiling (setup_device refused it where float8 matmuls cannot run)
-        n = float8.convert_to_fp8(model, cfg.fp8_recipe)
-        log.print(f"fp8: {n} block linear layers train in float8 ({cfg.fp8_recipe} scaling), the head in bf16")
+        log.print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
+        float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
     if cfg.parallelism == "fsdp":
         model = parallel.shard_model(model, dist, dtype, compile=cfg.compile,  # moves each rank's shard to device
                                      compile_mode=cfg.compile_mode)
@@ -691,7 +692,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
         if cfg.report and dist.master and not cfg.eval_only:
             info = {**run_info(device), "world_size": str(dist.world_size)}
-            log.print(f"report: {report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print)}")
+            path = report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print, ctx)
+            log.print(f"report: {path}")
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
 

@@ -11,7 +11,8 @@ Parts (in this order; --parts picks some):
              flash, padded vocabulary, bias): the headline row of tokens/s, MFU, the step's multiple of its matmul
              floor and peak memory, with a profile (the top CUDA kernels, in results_dir/profile), then a row per
              speed key: compile_mode=max-autotune-no-cudagraphs, compile_mode=max-autotune (CUDA graphs), and
-             fp8=True with tensorwise and rowwise scaling (float8.py; the loss after the timed steps beside bf16's).
+             fp8=True: tensorwise with fp8_layers=auto, then every layer tensorwise and rowwise (float8.py; the
+             loss after the timed steps beside bf16's).
   headline   GPT-2 124M at nanoGPT's bench settings (batch 12 x 1024, bf16 autocast, torch.compile, SDPA, padded
              vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (hardware.PEAK_FLOPS, by the
              name CUDA reports; an unknown GPU says so and takes --peak_flops).
@@ -54,8 +55,11 @@ RECIPE = [
     ("bf16", "bf16, compile (the recipe)", {}, None),
     ("autotune", "compile_mode=max-autotune-no-cudagraphs", {"compile_mode": "max-autotune-no-cudagraphs"}, None),
     ("cudagraphs", "compile_mode=max-autotune (+ CUDA graphs)", {"compile_mode": "max-autotune"}, None),
-    ("fp8", "fp8=True, tensorwise", {"fp8": True, "fp8_recipe": "tensorwise"}, None),
-    ("fp8-rowwise", "fp8=True, rowwise", {"fp8": True, "fp8_recipe": "rowwise"}, None),
+    ("fp8", "fp8=True, tensorwise (fp8_layers=auto)", {"fp8": True, "fp8_recipe": "tensorwise"}, None),
+    ("fp8-all", "fp8=True, tensorwise, every layer", {"fp8": True, "fp8_recipe": "tensorwise", "fp8_layers": "all"},
+     None),
+    ("fp8-rowwise-all", "fp8=True, rowwise, every layer",
+     {"fp8": True, "fp8_recipe": "rowwise", "fp8_layers": "all"}, None),
 ]
 # nanoGPT's bench settings: GPT-2 124M (bench.py's defaults), batch 12 x 1024, bf16 autocast, compiled
 BENCH = ["--device=cuda", "--batch_size=12", "--block_size=1024", "--gradient_accumulation_steps=1",

@@ -305,9 +305,27 @@ class MatmulRecorder(TorchDispatchMode):
             return ("tensor", tuple(value.shape), value.stride(), value.dtype)
         return value
 
+    def __enter__(self):
+        # float8 matmuls (torchao's float8 tensors) reach torch._scaled_mm inside their own dispatch, below this
+        # mode: record them where torchao calls them, with their float8 operands and scales as passed
+        self._scaled_mm = torch._scaled_mm
+
+        def scaled_mm(*args, **kwargs):
+            self.calls.append((torch.ops.aten._scaled_mm.default, [self._spec(a) for a in args],
+                               {k: self._spec(v) for k, v in kwargs.items()}))
+            return self._scaled_mm(*args, **kwargs)
+
+        torch._scaled_mm = scaled_mm
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch._scaled_mm = self._scaled_mm
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.OPS:
+        float8 = any(hasattr(a, "_data") and hasattr(a, "_scale") for a in args)  # torchao's Float8TrainingTensor
+        if func in self.OPS and not float8:  # a float8 tensor's mm is recorded as its torch._scaled_mm
             self.calls.append((func, [self._spec(a) for a in args], {k: self._spec(v) for k, v in kwargs.items()}))
         return func(*args, **kwargs)
 
@@ -327,7 +345,11 @@ def _fresh(spec, device: str, made: dict):
     _, shape, stride, dtype = spec
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     # fill the whole storage: an operand with a zero stride (an expanded bias) overlaps itself
-    t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,)).normal_()
+    flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,))
+    if dtype.itemsize == 1 and dtype.is_floating_point:  # float8: no random fill of its own
+        flat.copy_(torch.randn(flat.shape, device=device))
+    else:
+        flat.normal_()
     if t.untyped_storage().nbytes() > SHARED_OPERAND_BYTES:
         made[spec] = t
     return t

@@ -124,7 +124,8 @@ def test_the_recipe_rows_change_one_key_each_and_report_floor_loss_and_speedup(t
     gpu.run_rows(gpu.RECIPE, gpu.RECIPE_BENCH, [], gpu.Budget(10), "", "recipe", report)
     assert [sorted(set(a) - set(gpu.RECIPE_BENCH)) for a in calls] == [
         [], ["--compile_mode='max-autotune-no-cudagraphs'"], ["--compile_mode='max-autotune'"],
-        ["--fp8=True", "--fp8_recipe='tensorwise'"], ["--fp8=True", "--fp8_recipe='rowwise'"]]
+        ["--fp8=True", "--fp8_recipe='tensorwise'"], ["--fp8=True", "--fp8_layers='all'", "--fp8_recipe='tensorwise'"],
+        ["--fp8=True", "--fp8_layers='all'", "--fp8_recipe='rowwise'"]]
     assert "--batch_size=64" in calls[0]
     md = gpu.markdown(report.machine, report.parts)
-    assert "| fp8=True, tensorwise | 100.0 | 655,360 | 40.0% | 1.50x | 30000 | 7.0000 | 1.40x |  |" in md
+    assert "| fp8=True, tensorwise (fp8_layers=auto) | 100.0 | 655,360 | 40.0% | 1.50x | 30000 | 7.0000 | 1.40x |  |" in md

@@ -1,6 +1,8 @@
 """benchmarks/measure.py: what bench.py and the studies share."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from bench import BenchConfig
@@ -35,3 +37,28 @@ def test_a_study_takes_its_own_keys_and_passes_the_rest_to_bench():
     own, rest = measure.study_config(AblationConfig(), ["config/bench_cpu.py", "--studies=attention", "--batch_size=2"],
                                      BenchConfig())
     assert own.studies == "attention" and rest == ["config/bench_cpu.py", "--batch_size=2"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (pip install "
+                    "torchao): float8 layers cannot be made")
+def test_the_matmul_floor_of_a_float8_model_replays_its_scaled_matmuls():
+    """A float8 layer's matmuls are torch._scaled_mm calls on float8 data inside torchao's tensors: the floor records
+    those (with their float8 operands), not the float8 tensors' mm, which cannot be replayed on plain tensors."""
+    import torch
+
+    import float8
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=100))
+    float8.convert_to_fp8(model, "tensorwise", "all")
+    x = torch.randint(0, 100, (2, 16))
+    recorder = measure.MatmulRecorder()
+    with recorder, torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, x, return_logits=False)
+        loss.backward()
+    scaled = [call for call in recorder.calls if call[0] == torch.ops.aten._scaled_mm.default]
+    assert len(scaled) == 12  # 4 layers x (forward, grad of input, grad of weight)
+    assert all(call[1][0][3] in (torch.float8_e4m3fn, torch.float8_e5m2) for call in scaled)
+    assert len(recorder.calls) == 15  # and the head's three, in bf16
+    ms, n = measure.matmul_floor(model, [(x, x)], torch.autocast("cpu", dtype=torch.bfloat16), "cpu")
+    assert n == 15 and ms > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import matplotlib.image
+import torch
 
 from helpers import make_char_dataset, tiny_config
 from train import train
@@ -24,3 +25,23 @@ def test_a_run_ends_with_a_report_of_its_settings_results_picture_and_a_sample(t
     assert "![train and val loss" in text and matplotlib.image.imread(out / "loss.png").shape[2] in (3, 4)
     sample = text.split("```text\n")[1].split("\n```")[0]
     assert len(sample) > 50 and set(sample) <= set(meta["itos"])  # the dataset's characters, decoded
+
+
+def test_the_reports_sample_runs_under_the_runs_autocast(tmp_path, monkeypatch):
+    """The sample at the end of a run uses the run's precision: outside its autocast, a kernel the run chose can
+    refuse (flash attention in float32 on a GPU ended the FineWeb recipe's run with an error after its last save)."""
+    import model as model_module
+
+    seen = []
+    generate = model_module.GPT.generate
+
+    def recording(self, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.GPT, "generate", recording)
+    data_dir = tmp_path / "data"
+    make_char_dataset(data_dir)
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2, dtype="bfloat16", report=True))
+    assert seen == [(True, torch.bfloat16)]
+    assert "## A sample from the final weights" in (tmp_path / "out" / "report.md").read_text()

@@ -78,5 +78,7 @@ def test_fused_model_equals_plain_model_on_cuda_and_saves_logits_memory(compile)
     assert relative_error(fl, pl) < MODEL_TOL[torch.bfloat16]
     for n in pg:
         assert relative_error(fg[n], pg[n]) < MODEL_TOL[torch.bfloat16], n
-    # 2048 tokens x 50304 logits: bf16 logits, their float32 copy, log-softmax and its gradient (~1 GB) are gone
-    assert fpeak < 0.6 * ppeak, (fpeak, ppeak)
+    # 2048 tokens x 50304 logits: eager, the bf16 logits, their float32 copy, log-softmax and its gradient (~1 GB)
+    # are gone; compiled, inductor already fuses the plain loss's float32 steps, so the bf16 logits are what is left
+    # to save (the fused loss runs eagerly inside the compiled model: traced, its chunks' buffers all lived at once)
+    assert fpeak < (0.7 if compile else 0.6) * ppeak, (fpeak, ppeak)
