@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 import dataio
+import run_dir
 from common import UserError, autocast_context, resolve_dtype
 from distributed import Dist, is_dtensor
 from model import GPT, GPTConfig
@@ -152,10 +153,12 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
 
 
 def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, cfg, dist: Dist, elapsed_s: float,
-                meta: dict | None) -> dict:
+                meta: dict | None, run_id: str | None = None) -> dict:
     """A checkpoint's entries other than the model and optimizer tensors. `cfg` is the run's TrainConfig; `meta`
-    the dataset's tokenizer description (dataio), so the checkpoint names the tokenizer it was trained with."""
+    the dataset's tokenizer description (dataio), so the checkpoint names the tokenizer it was trained with;
+    `run_id` the run's (run_dir.py), so that a checkpoint of another run is never taken for this one's."""
     return {
+        "run_id": run_id,
         "scaler": scaler.state_dict(),
         "iter_num": iter_num,
         "best_val_loss": best_val_loss,
@@ -344,14 +347,22 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
                             + (hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder "
                                "in out_dir, or leave it out for the newest"))
         return _found(path)
-    found = []
+    found, foreign = [], []
+    run_id = run_dir.run_id_of(out_dir)
     for candidate in (SHARDED_NAME, CKPT_NAME) if prefer_sharded else (CKPT_NAME, SHARDED_NAME):
         path = os.path.join(out_dir, candidate)
         if os.path.exists(path):
-            found.append(_found(path))
+            f = _found(path)
+            # a checkpoint of another run (copied in, or left by a version without run ids beside a new run's)
+            (foreign if run_id and f.state.get("run_id") not in (None, run_id) else found).append(f)
     if not found:
-        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT_NAME} nor {SHARDED_NAME}; {_listing(out_dir)}): "
-                        f"train first, or set --out_dir to the run's folder")
+        other = (f"; {', '.join(f.name for f in foreign)} belongs to another run than {run_dir.RUN_FILE}'s"
+                 if foreign else "")
+        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT_NAME} nor {SHARDED_NAME}{other}; "
+                        f"{_listing(out_dir)}): train first, or set --out_dir to the run's folder")
+    for f in found:
+        if foreign:
+            f.note = f"{', '.join(g.name for g in foreign)} belongs to another run: not read"
     if len(found) == 1:
         return found[0]
     newest = max(found, key=lambda f: f.iter_num)  # max keeps the first (preferred) one of a tie

@@ -207,7 +207,10 @@ class StopRequest:
         return self.signal is not None
 
     def requested(self) -> bool:
-        flag = self.signal is not None
+        return self.agree(self.signal is not None)
+
+    def agree(self, flag: bool) -> bool:
+        """Whether any rank's flag is set (every rank must ask): the ranks act on a decision together."""
         if self.dist.enabled:
             t = torch.tensor([1.0 if flag else 0.0])
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self._group)

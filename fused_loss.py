@@ -103,7 +103,7 @@ def fused_linear_cross_entropy(
     x (N, C), weight (Vp, C), targets (N,). Under autocast the matmuls run in its dtype (bf16), as F.linear would.
     """
     if x.device.type == "cuda":
-        return _fused_eagerly(x, weight, targets, vocab_size, chunk_rows)
+        return _eager()(x, weight, targets, vocab_size, chunk_rows)
     return _fused(x, weight, targets, vocab_size, chunk_rows)
 
 
@@ -117,7 +117,14 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_s
         return _loss_chunks(x, weight, targets, vocab_size, compute_dtype, chunk_rows, with_grad=False)[0]
 
 
-# On a GPU the loss runs eagerly inside a compiled model: traced, its chunk loop is unrolled and inductor gives every
-# chunk's logits block a buffer of its own, all alive at once (more memory than the plain loss). On a CPU the traced
-# loss is faster and keeps most of the saving.
-_fused_eagerly = torch.compiler.disable(_fused)
+_EAGER: list = []
+
+
+def _eager():
+    """_fused, run eagerly inside a compiled model (made on first use: torch.compiler imports torch._dynamo, which
+    a script that never compiles should not pay for). On a GPU, traced, the chunk loop is unrolled and inductor gives
+    every chunk's logits block a buffer of its own, all alive at once (more memory than the plain loss); on a CPU
+    the traced loss is faster and keeps most of the saving."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_fused))
+    return _EAGER[0]

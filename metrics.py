@@ -1,16 +1,17 @@
 """
 A run's metrics, in one place: out_dir/metrics.jsonl (a JSON line per logged step and per eval, with the run's wall
-time, which continues across resumes), written by train.py through Logger (which also prints on rank 0 and logs to
-wandb when asked) and read by plot.py and report.py.
+time, which continues across resumes, and a line per start of the run), written by train.py through Logger (which
+also prints on rank 0 and logs to wandb when asked) and read by plot.py and report.py. A line cut short (a kill or a
+full disk during the append) is skipped by the readers with one warning, and the next append starts a new line.
 
 Imports common.py and distributed.py only; never a script.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import netrc
 import os
+import sys
 import time
 from dataclasses import asdict
 from urllib.parse import urlsplit
@@ -53,17 +54,13 @@ def wandb_problem(cfg) -> str | None:
 
 class Logger:
     """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
-    appends to its run's file; a new run in a folder that has one starts its own, the old file kept as
-    metrics.<N>.jsonl (the first free N)."""
+    appends to its run's file (a new run finds none: run_dir.py moved the previous run's aside)."""
 
     def __init__(self, cfg, dist: Dist):
         self.master = dist.master
         self.path = os.path.join(cfg.out_dir, METRICS_NAME)
-        if self.master and cfg.init_from != "resume" and os.path.exists(self.path):
-            names = (os.path.join(cfg.out_dir, f"metrics.{n}.jsonl") for n in itertools.count(1))
-            kept = next(name for name in names if not os.path.exists(name))
-            os.replace(self.path, kept)
-            self.print(f"a new run in {cfg.out_dir}: the previous run's metrics are kept in {kept}")
+        if self.master:
+            _end_torn_line(self.path)
         self.t_start = time.time()
         self.wandb = None
         if self.master and cfg.wandb_log:
@@ -86,10 +83,50 @@ class Logger:
         if not self.master:
             return
         record = {**record, "elapsed_s": round(self.elapsed(), 3)}  # wall time since the run began, for time-to-loss
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         if self.wandb is not None:
             self.wandb.log(record, step=record["iter"])
+
+    def start(self, run_id: str | None, iter_num: int, init_from: str) -> None:
+        """A line for this start of the run: its id, the iteration it starts at, how, and the command."""
+        if self.master:
+            self._append({"start": {"run_id": run_id, "iter": iter_num, "init_from": init_from,
+                                    "command": " ".join(["python", *sys.argv]), "time": round(time.time(), 3)},
+                          "elapsed_s": round(self.elapsed(), 3)})
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _end_torn_line(path: str) -> None:
+    """A file whose last line was cut short (no newline) gets one, so the next record starts a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+    except FileNotFoundError:
+        pass
+
+
+def read_records(path: str) -> list[dict]:
+    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) is skipped with one warning."""
+    records, bad = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    bad.append(n)
+    if bad:
+        print(f"warning: {path}: skipped {len(bad)} unreadable line{'s' if len(bad) > 1 else ''} (line "
+              f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}: cut short by a kill or a full disk?)",
+              file=sys.stderr)
+    return records
 
 
 def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
@@ -97,8 +134,7 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
     path = os.path.join(out_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise UserError(f"no {path}: give the out_dir of a train.py run")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_records(path)
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     if not steps and not evals:

@@ -40,6 +40,7 @@ import float8
 import hellaswag
 import parallel
 import report
+import run_dir
 from metrics import Logger, wandb_problem
 from checkpoint import checkpoint_model_config
 from common import (
@@ -138,9 +139,13 @@ class TrainConfig(StepConfig):
     eval_iters: int = 200
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
-    init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "gpt2", "gpt2-medium", ... a HF
-    # folder, or a checkpoint (this repo's or nanoGPT's ckpt.pt, or a sharded folder) whose weights start a new run
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "auto" (resume if out_dir holds a
+    # checkpoint, else scratch), "gpt2", "gpt2-medium", ... a HF folder, or a checkpoint (this repo's or nanoGPT's
+    # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (run_dir.py)
     keep_last: int = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
+    checkpoint_interval: int = 0  # also save every this many iterations between evals (0: at evals only): a hard kill
+    # (no SIGTERM) loses at most this many
+    checkpoint_minutes: float = 0.0  # also save once this many minutes passed since the last save (0: off)
     report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
     # logging
     wandb_log: bool = False
@@ -462,9 +467,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
     if cfg.max_iters < 0:
         problems.append(f"max_iters={cfg.max_iters} must be >= 0")
-    if cfg.init_from not in ("scratch", "resume", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
+    if cfg.checkpoint_interval < 0 or cfg.checkpoint_minutes < 0:
+        problems.append(f"checkpoint_interval={cfg.checkpoint_interval} and checkpoint_minutes={cfg.checkpoint_minutes} "
+                        f"must be >= 0 (0: save at evals only)")
+    if cfg.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
         problems.append(
-            f"init_from={cfg.init_from!r} is not one of scratch, resume, {', '.join(GPT2_NAMES)}, a folder with a HF "
+            f"init_from={cfg.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder with a HF "
             f"GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
         )
     if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
@@ -502,6 +510,8 @@ def train(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, dist: Dist) -> dict:
     check_config(cfg, dist.world_size)
+    init_from, start_why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)  # every rank, before rank 0 moves files
+    cfg = replace(cfg, init_from=init_from)
     config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
     device = dist.device
     device_type = device.split(":")[0]
@@ -519,10 +529,20 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
         dataio.open_split(data_dir, split, data_vocab, meta).check_window(cfg.block_size)
 
+    if dist.enabled:
+        torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
+    moved = None
     if dist.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
+        if cfg.init_from != "resume":  # a new run: the one in out_dir, if any, moves aside whole
+            moved = run_dir.move_previous_run(cfg.out_dir)
     log = Logger(cfg, dist)
     log.print(config_line)
+    if start_why:
+        log.print(start_why)
+    if moved:
+        log.print(f"a new run in {cfg.out_dir}: the previous run's files moved to {moved} (it resumes from there with "
+                  f"--out_dir={moved})")
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
@@ -549,6 +569,11 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             log.print(f"resuming with a changed setting (it applies from here on): {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
         log.continue_from(ckpt.get("elapsed_s", 0.0))
+    run_id = None
+    if dist.master:
+        run_id = (run_dir.continue_run(cfg.out_dir, ckpt.get("run_id")) if ckpt is not None
+                  else run_dir.begin_run(cfg.out_dir))
+    log.start(run_id, iter_num, cfg.init_from)
     nothing_to_train = ckpt is not None and iter_num >= cfg.max_iters
     if nothing_to_train:
         log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
@@ -599,22 +624,37 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
 
+    last_save = {"iter": iter_num, "time": time.time()}  # where a hard kill would resume from
+
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         nonlocal best_file
-        state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist, log.elapsed(), meta)
+        t_save = time.time()
+        state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist, log.elapsed(), meta,
+                                       run_id)
         if cfg.parallelism == "fsdp":  # every rank writes its shards
             checkpoint.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist, improved,
                                     keep_best=not cfg.always_save_checkpoint)
-            log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME}"
-                      + ("" if improved or cfg.always_save_checkpoint else
+            log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME} in "
+                      f"{time.time() - t_save:.1f} s" + ("" if improved or cfg.always_save_checkpoint else
                          f" (the best val loss's weights stay in {checkpoint.SHARDED_BEST_NAME})"))
         elif dist.master:
             state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}
             best_file = checkpoint.save_run_checkpoint(state, cfg.out_dir, improved, best_file,
                                                        cfg.always_save_checkpoint, cfg.keep_last)
-            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir}" + (
+            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir} in {time.time() - t_save:.1f} s" + (
                 f" (the best val loss's weights stay in {checkpoint.BEST_NAME})"
                 if best_file == checkpoint.BEST_NAME else ""))
+        last_save.update(iter=iter_num, time=time.time())
+
+    def periodic_save_due(iter_num: int) -> bool:
+        """checkpoint_interval / checkpoint_minutes: the ranks agree (rank 0's clock decides the minutes)."""
+        if last_save["iter"] == iter_num or eval_only:
+            return False
+        due = cfg.checkpoint_interval > 0 and iter_num % cfg.checkpoint_interval == 0
+        if cfg.checkpoint_minutes > 0:
+            late = dist.master and time.time() - last_save["time"] >= 60 * cfg.checkpoint_minutes
+            due = stop.agree(due or late)
+        return due
 
     def stop_now(iter_num: int) -> NoReturn:
         save(iter_num, best_val_loss, improved=False)
@@ -646,6 +686,9 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
                     save(iter_num, best_val_loss, improved)
                 t0 = time.time()  # the eval is not part of the next step's time
+            if periodic_save_due(iter_num):  # between evals (an eval's save counts)
+                save(iter_num, best_val_loss, improved=False)
+                t0 = time.time()
             if iter_num >= cfg.max_iters or eval_only:
                 break
 
@@ -702,6 +745,10 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv)
+    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)  # before the settings a resume takes
+    if why and int(os.environ.get("RANK", "0")) == 0:
+        print(why, flush=True)
+    cfg = replace(cfg, init_from=init_from)
     if cfg.init_from == "resume":
         cfg, taken = checkpoint.settings_of_the_run(cfg, given)
         if taken and int(os.environ.get("RANK", "0")) == 0:

@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 from common import UserError, exit_on_user_error  # noqa: E402
 from hardware import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
+from metrics import read_records  # noqa: E402
 
 PARTS = ("recipe", "headline", "attention", "cumulative", "largest", "baby")
 # config/train_gpt2_fineweb.py per GPU, one micro-step; each RECIPE row changes one key of it
@@ -264,8 +265,7 @@ def baby_gpt(results_dir: str, budget: Budget, max_minutes: float) -> dict:
     while proc.poll() is None and time.monotonic() < deadline and reached is None:
         time.sleep(2)
         if os.path.exists(metrics):
-            with open(metrics) as f:
-                evals = [r for r in map(json.loads, filter(str.strip, f)) if "val_loss" in r]
+            evals = [r for r in read_records(metrics) if "val_loss" in r]
             reached = next((r for r in evals if r["val_loss"] <= BABY_TARGET), None)
             if evals:
                 progress(budget, f"baby GPT: iter {evals[-1]['iter']}, val loss {evals[-1]['val_loss']:.4f}")

@@ -27,7 +27,6 @@ target (a variant that never reaches it is reported as such, with status 0).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -38,6 +37,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from metrics import read_records  # noqa: E402
 
 NANOGPT_CPU = [  # nanoGPT's README command, then the settings that make this train.py do what nanoGPT's does
     "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
@@ -69,9 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def read_evals(metrics_path: str) -> list[tuple[int, float, float]]:
     """(iteration, elapsed seconds, val loss) of every eval in a run's metrics.jsonl."""
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [(r["iter"], r["elapsed_s"], r["val_loss"]) for r in records if "val_loss" in r]
+    return [(r["iter"], r["elapsed_s"], r["val_loss"]) for r in read_records(metrics_path) if "val_loss" in r]
 
 
 def time_to_target(evals: list[tuple[int, float, float]], target: float) -> float | None:

@@ -8,6 +8,9 @@ wandb_run_name = "gpt2-124M"
 
 # 12 batch size * 1024 block size * 40 grad accum (5 per GPU on 8 GPUs) = 491,520 tokens per step (~0.5M)
 dataset = "openwebtext"
+
+# a restart (torchrun --max-restarts, a requeued job) with this same command resumes the run in out_dir
+init_from = "auto"
 batch_size = 12
 block_size = 1024
 gradient_accumulation_steps = 5 * 8

@@ -6,6 +6,9 @@
 out_dir = "out-gpt2-fineweb"
 dataset = "fineweb_edu"
 
+# a restart (torchrun --max-restarts, a requeued job) with this same command resumes the run in out_dir
+init_from = "auto"
+
 # 64 sequences x 1024 tokens x 8 micro-steps (1 per GPU on 8 GPUs, 8 in a row on 1) = 524,288 tokens per step
 batch_size = 64
 block_size = 1024

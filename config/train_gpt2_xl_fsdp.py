@@ -34,3 +34,6 @@ learning_rate = 2e-4  # GPT-3 XL's (1.3B): larger models take smaller steps
 min_lr = 2e-5
 eval_interval = 1000
 log_interval = 10
+
+# a restart (torchrun --max-restarts, a requeued job) with this same command resumes the run in out_dir
+init_from = "auto"

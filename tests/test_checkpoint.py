@@ -138,7 +138,9 @@ def test_saves_remove_only_the_names_they_write(data_dir, tmp_path):
     train(tiny_config(data_dir, out, max_iters=6, eval_interval=2, init_from="resume", keep_last=1))
     assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000006.pt", "ckpt_5.pt", "ckpt_sharded",
                                        "ckpt_sharded_0000004_0", "ckpt_sharded_keep_iter5", "ckpt_sharded_notes.txt",
-                                       "metrics.jsonl"]
+                                       "metrics.jsonl", "previous", "run.json"]
+    # the killed save's folder is a run's file: the new run moved it aside with the rest, the user's files stayed
+    assert [p.name for p in (out / "previous").glob("*/*")] == ["ckpt_sharded_0000002_0"]
     assert (out / "ckpt_sharded_keep_iter5" / "notes.txt").read_text() == "mine"
 
 

@@ -463,7 +463,8 @@ def test_a_start_refused_for_its_data_leaves_the_folder_of_an_earlier_run_as_it_
 
 def test_keep_last_keeps_the_newest_checkpoints(data_dir, tmp_path):
     train(tiny_config(data_dir, tmp_path / "out", max_iters=8, eval_interval=2, keep_last=2))
-    assert sorted(os.listdir(tmp_path / "out")) == ["ckpt.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["ckpt.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "metrics.jsonl",
+                                                    "run.json"]
     assert load_checkpoint(str(tmp_path / "out" / "ckpt_0000006.pt"))["iter_num"] == 6
 
 

@@ -433,18 +433,25 @@ def test_resume_at_or_past_max_iters_evaluates_in_one_line_and_saves_nothing(dat
 def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tmp_path):
     """Bug: metrics.jsonl was always appended to, so a new run in an old out_dir mixed its records with the old."""
     out = tmp_path / "out"
-    records = lambda name="metrics.jsonl": [json.loads(ln) for ln in open(out / name)]  # noqa: E731
+
+    def records(path=out / "metrics.jsonl"):
+        return [json.loads(ln) for ln in open(path)]
+
     cfg = tiny_config(data_dir, out, max_iters=4, eval_interval=4, log_interval=1)
     train(cfg)
     first = records()
     train(cfg)
     second = records()
-    assert records("metrics.1.jsonl") == first
-    assert [r["iter"] for r in second] == [0, 1, 2, 3, 4, 4]  # evals at 0 and 4, steps 1 to 4: one run only
+    (previous,) = (out / "previous").iterdir()  # the first run, moved aside whole
+    assert records(previous / "metrics.jsonl") == first
+    assert [r["iter"] for r in second if "start" not in r] == [0, 1, 2, 3, 4, 4]  # evals at 0, 4, steps 1-4: one run
     train(dataclasses.replace(cfg, max_iters=6, init_from="resume"))
     resumed = records()
-    assert resumed[: len(second)] == second and [r["iter"] for r in resumed[len(second):]] == [4, 5, 6, 6]
-    assert not (out / "metrics.2.jsonl").exists()
+    assert resumed[: len(second)] == second
+    assert [r["iter"] for r in resumed[len(second):] if "start" not in r] == [4, 5, 6, 6]
+    starts = [r["start"] for r in resumed if "start" in r]
+    assert [(s["iter"], s["init_from"]) for s in starts] == [(0, "scratch"), (4, "resume")]
+    assert starts[0]["run_id"] == starts[1]["run_id"] != records(previous / "metrics.jsonl")[0]["start"]["run_id"]
 
 
 def test_a_run_with_no_attention_or_dtype_key_takes_the_fast_path_for_this_cpu(data_dir, tmp_path, capsys):

@@ -1,0 +1,126 @@
+"""
+The run folder: an out_dir holds one run. A start decides whether it continues the run there or begins a new one,
+and a new run never destroys an earlier one: its files are moved aside (renamed) into out_dir/previous/<time>/.
+
+- init_from="auto" continues the run in out_dir when it holds a checkpoint, else starts from scratch: the same
+  command works for the first start, a rerun, and a scheduler's requeue.
+- A torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) of the run that torchrun started (out_dir's run.json records
+  TORCHELASTIC_RUN_ID) continues from its checkpoint, whatever init_from says: torchrun restarts every worker with
+  the same arguments, and init_from=scratch must not begin the run again.
+- Every run gets an id, written in out_dir/run.json at its first start and recorded in each checkpoint and in
+  metrics.jsonl; finding a checkpoint to resume, sample or export skips one of another run (checkpoint.py).
+
+Moving aside instead of refusing: a nanoGPT user reruns the same command and expects a fresh run (nanoGPT would
+overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
+way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
+
+Imports nothing of the project but errors; train.py and checkpoint.py import it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+
+RUN_FILE = "run.json"
+PREVIOUS = "previous"
+# what a run writes in out_dir, and so what a new run moves aside (nothing else in the folder is touched)
+_NAMES = (r"ckpt(_best)?\.pt|ckpt_\d{7,}\.pt|ckpt_sharded(_best)?|ckpt_sharded_\d{7,}_\d+|metrics(\.\d+)?\.jsonl"
+          r"|report\.md|loss\.png|run\.json")
+RUN_FILES = re.compile(rf"({_NAMES})(\.tmp\.\d+)?")  # and the temporary names their atomic writes use
+
+
+def read_run(out_dir: str) -> dict | None:
+    """out_dir's run.json (id, start time, torchrun's run id), or None for a folder without one."""
+    try:
+        with open(os.path.join(out_dir, RUN_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_id_of(out_dir: str) -> str | None:
+    run = read_run(out_dir)
+    return run.get("run_id") if run else None
+
+
+def has_checkpoint(out_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(out_dir, name)) for name in ("ckpt.pt", "ckpt_sharded"))
+
+
+def resolve_init_from(init_from: str, out_dir: str, env: dict | None = None) -> tuple[str, str]:
+    """
+    (the init_from this start uses, one line saying why, or "" when it is the one given). "auto": "resume" when
+    out_dir holds a checkpoint, else "scratch". A torchrun restart of the run in out_dir: "resume" (or the given
+    init_from when the run saved nothing yet).
+    """
+    env = os.environ if env is None else env
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if init_from != "resume" and restarts > 0 and has_checkpoint(out_dir):
+        run = read_run(out_dir) or {}
+        if run.get("torchelastic_run_id") and run.get("torchelastic_run_id") == env.get("TORCHELASTIC_RUN_ID"):
+            return "resume", (f"torchrun restart {restarts} of the run in {out_dir}: resuming its newest checkpoint "
+                              f"(init_from={init_from!r} applied at its first start)")
+    if init_from == "auto":
+        if has_checkpoint(out_dir):
+            return "resume", f"init_from='auto': {out_dir} holds a run's checkpoint, resuming it"
+        return "scratch", f"init_from='auto': no checkpoint in {out_dir}, starting from scratch"
+    return init_from, ""
+
+
+def _stamp(out_dir: str, names: list[str]) -> str:
+    run = read_run(out_dir)
+    started = run.get("started") if run else None
+    if started is None:  # a folder from before run.json: its newest file's time
+        started = max(os.path.getmtime(os.path.join(out_dir, n)) for n in names)
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+
+
+def move_previous_run(out_dir: str) -> str | None:
+    """Move the files of the run in out_dir (RUN_FILES, nothing else) into out_dir/previous/<its start time>/;
+    returns that folder, or None when there was nothing to move."""
+    if not os.path.isdir(out_dir):
+        return None
+    names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n))
+    if not names:
+        return None
+    stamp = _stamp(out_dir, names)
+    dest = os.path.join(out_dir, PREVIOUS, stamp)
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(out_dir, PREVIOUS, f"{stamp}-{n}")
+    os.makedirs(dest)
+    for name in names:  # renames within one file system: links between them (ckpt_sharded) keep working
+        os.replace(os.path.join(out_dir, name), os.path.join(dest, name))
+    return dest
+
+
+def begin_run(out_dir: str, env: dict | None = None) -> str:
+    """Write out_dir/run.json for a new run; returns its id."""
+    env = os.environ if env is None else env
+    run = {"run_id": uuid.uuid4().hex[:12], "started": time.time(),
+           "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
+    tmp = os.path.join(out_dir, f".{RUN_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(run, f)
+    os.replace(tmp, os.path.join(out_dir, RUN_FILE))
+    return run["run_id"]
+
+
+def continue_run(out_dir: str, saved_run_id: str | None, env: dict | None = None) -> str:
+    """The id of the run a resume continues: the checkpoint's, run.json written for it where missing (a folder
+    from before run ids) or left by another torchrun (its restarts must recognise the run as theirs)."""
+    env = os.environ if env is None else env
+    run = read_run(out_dir)
+    run_id = saved_run_id or (run or {}).get("run_id") or uuid.uuid4().hex[:12]
+    elastic = env.get("TORCHELASTIC_RUN_ID")
+    if run is None or run.get("run_id") != run_id or run.get("torchelastic_run_id") != elastic:
+        started = (run or {}).get("started", time.time())
+        tmp = os.path.join(out_dir, f".{RUN_FILE}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"run_id": run_id, "started": started, "torchelastic_run_id": elastic}, f)
+        os.replace(tmp, os.path.join(out_dir, RUN_FILE))
+    return run_id

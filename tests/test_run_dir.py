@@ -1,0 +1,291 @@
+"""One run per out_dir across starts (run_dir.py): the same command again, init_from=auto, a new run in a used folder
+(each checkpoint format), keep_last across runs, a torchrun restart, a torn metrics line, checkpoint_interval under a
+hard kill, and torchrun's elastic restarts and two agents on one machine (real torchrun, gloo, tiny models)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+import run_dir
+from checkpoint import load_checkpoint
+from helpers import ROOT, config_args, make_char_dataset, run_in_process, tiny_config
+from metrics import read_metrics
+from train import train
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    d = tmp_path / "tinychar"
+    make_char_dataset(d)
+    return d
+
+
+def previous_runs(out) -> list:
+    return sorted((out / run_dir.PREVIOUS).iterdir()) if (out / run_dir.PREVIOUS).exists() else []
+
+
+def weights(path) -> dict:
+    return {k: v for k, v in load_checkpoint(str(path))["model"].items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------------------------- starts in one folder
+
+
+def test_the_same_command_again_keeps_the_first_run_whole(data_dir, tmp_path, capsys):
+    """Bug: a rerun of the command overwrote the run's ckpt.pt (iter 15) with the new run's iter-4 checkpoint."""
+    out = tmp_path / "rs"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=15, eval_interval=5))]
+    assert run_in_process(args, capsys).returncode == 0
+    first = weights(out / "ckpt.pt")
+    assert run_in_process([*args, "--max_iters=4", "--eval_interval=4"], capsys).returncode == 0
+    (previous,) = previous_runs(out)
+    assert load_checkpoint(str(previous / "ckpt.pt"))["iter_num"] == 15 and same_weights(weights(previous / "ckpt.pt"),
+                                                                                        first)
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 4
+    # the moved run still resumes where it is
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, previous, max_iters=20, eval_interval=5,
+                                                             init_from="resume"))], capsys)
+    assert r.returncode == 0 and f"resuming from {previous}/ckpt.pt at iter 15" in r.stdout
+
+
+def test_init_from_auto_starts_then_resumes_then_has_nothing_to_do(data_dir, tmp_path, capsys):
+    out = tmp_path / "auto"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=6, eval_interval=3, init_from="auto"))]
+    r = run_in_process(args, capsys)
+    assert r.returncode == 0 and "init_from='auto': no checkpoint in" in r.stdout
+    r = run_in_process([*args, "--max_iters=9"], capsys)  # a requeue with more steps: continues, nothing moved
+    assert r.returncode == 0 and "holds a run's checkpoint, resuming it" in r.stdout and "step 9:" in r.stdout
+    assert "step 0:" not in r.stdout and not previous_runs(out)
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9
+    starts = [json.loads(line)["start"] for line in open(out / "metrics.jsonl") if '"start"' in line]
+    assert [(s["iter"], s["init_from"]) for s in starts] == [(0, "scratch"), (6, "resume")]
+    assert len({s["run_id"] for s in starts}) == 1 == len({load_checkpoint(str(out / "ckpt.pt"))["run_id"]})
+
+
+def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_only_the_new(data_dir, tmp_path, capsys):
+    """Bug: after a single-process run to iter 20 (ckpt.pt) and an FSDP run from scratch to iter 10 (ckpt_sharded) in
+    the same folder, sample.py, export.py and resume read the old run's ckpt.pt (the newer iteration)."""
+    out = tmp_path / "mixed"
+    train(tiny_config(data_dir, out, max_iters=20, eval_interval=10))
+    train(tiny_config(data_dir, out, max_iters=10, eval_interval=10, parallelism="fsdp", n_layer=1))
+    found = checkpoint.find_checkpoint(str(out))
+    assert (found.name, found.iter_num, found.state["model_args"]["n_layer"]) == ("ckpt_sharded", 10, 1)
+    (previous,) = previous_runs(out)
+    assert checkpoint.find_checkpoint(str(previous)).iter_num == 20
+    r = run_in_process(["sample.py", f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"],
+                       capsys)
+    assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
+
+
+def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
+    """A ckpt.pt copied in from another run beside this run's sharded folder: resume, sample and export skip it."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=4, parallelism="fsdp"))
+    train(tiny_config(data_dir, other, max_iters=8, eval_interval=8))
+    os.link(other / "ckpt.pt", out / "ckpt.pt")
+    found = checkpoint.find_checkpoint(str(out))
+    assert (found.name, found.iter_num) == ("ckpt_sharded", 4) and "ckpt.pt belongs to another run" in found.note
+    os.remove(out / "ckpt_sharded")
+    with pytest.raises(checkpoint.UserError, match="ckpt.pt belongs to another run"):
+        checkpoint.find_checkpoint(str(out))
+
+
+def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
+    """Bug: a new run with keep_last=2 after a run to iter 30 with keep_last=3 deleted its own snapshots and kept the
+    old run's ckpt_0000025.pt and ckpt_0000030.pt."""
+    out = tmp_path / "keep"
+    train(tiny_config(data_dir, out, max_iters=30, eval_interval=5, keep_last=3))
+    train(tiny_config(data_dir, out, max_iters=10, eval_interval=5, keep_last=2))
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000005.pt", "ckpt_0000010.pt"]
+    (previous,) = previous_runs(out)
+    assert sorted(p.name for p in previous.glob("ckpt_*.pt")) == ["ckpt_0000020.pt", "ckpt_0000025.pt",
+                                                                   "ckpt_0000030.pt"]
+
+
+def test_a_torchrun_restart_resumes_its_own_run_and_never_another(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_dir.resolve_init_from("scratch", str(out), {"TORCHELASTIC_RESTART_COUNT": "1"})[0] == "scratch"
+    (out / "ckpt.pt").write_bytes(b"x")
+    run_dir.begin_run(str(out), {"TORCHELASTIC_RUN_ID": "job-7"})
+    mine = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "job-7"}
+    init_from, why = run_dir.resolve_init_from("scratch", str(out), mine)
+    assert init_from == "resume" and why.startswith("torchrun restart 1 of the run in")
+    # the first start of a torchrun (restart 0), or a restart of another torchrun's job: as given
+    assert run_dir.resolve_init_from("scratch", str(out), {**mine, "TORCHELASTIC_RESTART_COUNT": "0"})[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), {**mine, "TORCHELASTIC_RUN_ID": "job-8"})[0] == "scratch"
+    assert run_dir.resolve_init_from("gpt2", str(out), mine)[0] == "resume"
+
+
+def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    names = ["ckpt.pt", "ckpt_best.pt", "ckpt_0000010.pt", "ckpt_sharded_0000004_0", "metrics.jsonl",
+             "metrics.2.jsonl", "report.md", "loss.png", "run.json", "ckpt.pt.tmp.123"]
+    mine = ["notes.txt", "ckpt_5.pt", "ckpt_sharded_keep", "data.bin", "previous_results"]
+    for name in names + mine:
+        (out / name).write_text(name)
+    os.symlink("ckpt_sharded_0000004_0", out / "ckpt_sharded")
+    dest = run_dir.move_previous_run(str(out))
+    assert sorted(os.listdir(dest)) == sorted([*names, "ckpt_sharded"])
+    assert os.readlink(os.path.join(dest, "ckpt_sharded")) == "ckpt_sharded_0000004_0"  # still points at its folder
+    assert sorted(os.listdir(out)) == sorted([*mine, "previous"])
+    assert run_dir.move_previous_run(str(out)) is None  # nothing of a run left
+
+
+# ----------------------------------------------------------------------------------------------- metrics.jsonl
+
+
+def test_a_torn_metrics_line_is_skipped_with_a_warning_and_the_next_append_starts_a_new_line(data_dir, tmp_path, capsys):
+    """Bug: a line cut short by a kill made every later resume end in a JSONDecodeError at the report, and plot.py
+    fail; the resumed run appended after the torn line."""
+    out = tmp_path / "torn"
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 5, "loss": 2.')  # a kill during the append
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=6, eval_interval=2,
+                                                             init_from="resume", report=True))], capsys)
+    assert r.returncode == 0 and "report: " in r.stdout
+    assert "skipped 1 unreadable line" in r.stderr
+    lines = open(out / "metrics.jsonl").read().splitlines()
+    torn = lines.index('{"iter": 5, "loss": 2.')
+    assert all(json.loads(line) for line in lines[torn + 1:])  # the resumed run's records each on a line of its own
+    steps, evals = read_metrics(str(out))
+    assert [r["iter"] for r in evals] == [0, 2, 4, 4, 6]  # a resume evaluates where it starts
+    assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
+
+
+# ----------------------------------------------------------------------------------------------- a hard kill
+
+
+def test_checkpoint_interval_bounds_the_work_a_sigkill_loses(data_dir, tmp_path):
+    """No SIGTERM, no eval in reach: a SIGKILL at step 8 leaves the checkpoint of iter 6 (checkpoint_interval=3),
+    and a resume continues from it. Without checkpoint_interval nothing since the start would be saved."""
+    out = tmp_path / "kill"
+    cfg = tiny_config(data_dir, out, max_iters=20, eval_interval=1000, checkpoint_interval=3)
+    r = subprocess.run([sys.executable, "tests/signal_at_step.py", "SIGKILL", "8", "0", *config_args(cfg)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL
+    assert "saved checkpoint at iter 6 to" in r.stdout and " s" in r.stdout.split("saved checkpoint at iter 6")[1]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6
+    resumed = train(tiny_config(data_dir, out, max_iters=9, eval_interval=1000, checkpoint_interval=3,
+                                init_from="auto"))
+    assert resumed["iter_num"] == 9
+
+
+def test_checkpoint_minutes_saves_when_the_time_has_passed(data_dir, tmp_path, capsys):
+    out = tmp_path / "minutes"
+    train(tiny_config(data_dir, out, max_iters=3, eval_interval=1000, checkpoint_minutes=1e-9))
+    saves = [line for line in capsys.readouterr().out.splitlines() if line.startswith("saved checkpoint at iter")]
+    assert [s.split()[4] for s in saves] == ["1", "2", "3"]
+
+
+# ----------------------------------------------------------------------------------------------- real torchrun
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_pid(out, rank: int, restart: int) -> int | None:
+    """The pid of the train.py worker of `rank` in torchrun's `restart`-th attempt writing to out (read from /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if (str(out) in cmdline and f"RANK={rank}" in environ
+                and f"TORCHELASTIC_RESTART_COUNT={restart}" in environ and "train.py" in cmdline):
+            return int(pid)
+    return None
+
+
+def test_torchrun_max_restarts_continues_after_a_rank_is_killed_and_ends_as_an_uninterrupted_run(data_dir, tmp_path):
+    """torchrun restarts every worker with the same arguments (init_from=scratch): the restart resumes the newest
+    checkpoint, and the run ends with the weights of a run that was never killed (it saved at the same iterations:
+    DDP data comes from (seed, iteration, rank), and dropout is off)."""
+    run = dict(max_iters=200, eval_interval=1000, checkpoint_interval=4, dropout=0.0, gradient_accumulation_steps=2,
+               report=False, log_interval=50)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ref = tmp_path / "ref"
+    r = subprocess.run([*torchrun, "train.py", *config_args(tiny_config(data_dir, ref, **run))], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "elastic"
+    proc = subprocess.Popen([*torchrun, "--max-restarts=2", "--monitor-interval=0.2", "train.py",
+                             *config_args(tiny_config(data_dir, out, **run))], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "ckpt.pt").exists() or load_checkpoint(str(out / "ckpt.pt"))["iter_num"] < 4:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    pid = _worker_pid(out, rank=1, restart=0)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)  # from outside, as a node's OOM killer or a failing GPU would
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "torchrun restart 1 of the run in" in stdout and f"resuming from {out}/ckpt.pt at iter " in stdout
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 200
+    assert same_weights(weights(out / "ckpt.pt"), weights(ref / "ckpt.pt"))
+    assert not previous_runs(out)  # the restart moved nothing aside
+
+
+def _agents(cfg_args: list[str], port: int, cwd=(ROOT, ROOT), nproc: int = 2) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents (node ranks 0 and 1) on 127.0.0.1 with c10d rendezvous: a world of 2 x nproc."""
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test-run",
+               f"--node_rank={node}", "--master_addr=127.0.0.1", os.path.join(ROOT, "train.py"), *cfg_args]
+        procs.append(subprocess.Popen(cmd, cwd=cwd[node], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+def test_two_agents_train_a_world_of_4_that_resumes_at_worlds_of_2_and_1(data_dir, tmp_path):
+    run = dict(max_iters=6, lr_decay_iters=10, eval_interval=3, dropout=0.0, gradient_accumulation_steps=4,
+               report=False)
+    single = train(tiny_config(data_dir, tmp_path / "single", **{**run, "max_iters": 10}))
+    out = tmp_path / "nodes"
+    results = _agents(config_args(tiny_config(data_dir, out, **run)), _free_port())
+    assert all(r.returncode == 0 for r in results), results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["world_size"] == 4
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", *config_args(tiny_config(data_dir, out, **{**run, "max_iters": 8},
+                                                             init_from="auto"))],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "world_size: 4 -> 2" in r.stdout, r.stderr[-3000:]
+    resumed = train(tiny_config(data_dir, out, **{**run, "max_iters": 10}, init_from="auto"))
+    assert resumed["iter_num"] == 10
+    ref = single["model"].state_dict()
+    got = weights(out / "ckpt.pt")
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5  # gradient sums in another order
+
+
+def test_two_agents_with_node_local_out_dirs_are_refused_in_one_line(data_dir, tmp_path):
+    """Each agent in its own working directory with a relative out_dir: two folders, as on two nodes without a shared
+    file system. The run stops at the start, naming the node that cannot see rank 0's files."""
+    run = dict(max_iters=2, eval_interval=2, report=False, gradient_accumulation_steps=2)
+    args = [a if not a.startswith("--out_dir=") else "--out_dir=local_out" for a in
+            config_args(tiny_config(data_dir, tmp_path / "unused", **run))]
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").mkdir()
+    results = _agents(args, _free_port(), cwd=(tmp_path / "node0", tmp_path / "node1"), nproc=1)
+    assert all(r.returncode != 0 for r in results)
+    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: out_dir=")]
+    assert errors and "is not shared" in errors[0] and "node rank 1" in errors[0]
