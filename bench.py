@@ -49,6 +49,7 @@ from common import (
     UserError,
     dtype_reason,
     exit_on_user_error,
+    mfu_text,
     plural,
     resolve_attention,
     resolve_device,
@@ -299,7 +300,7 @@ def print_result(r: dict, profiling: bool) -> None:
     print(f"optimizer: {sum(r['optimizer_ms'].values()):.2f} ms per step ({parts}), {r['optimizer_share']:.1%} of "
           f"the mean step")
     if r["mfu"] is not None:
-        print(f"MFU: {r['mfu'] * 100:.2f}% (peak {r['peak_flops'] / 1e12:.3f} TFLOP/s: {r['peak_source']})")
+        print(f"MFU: {mfu_text(r['mfu'])} (peak {r['peak_flops'] / 1e12:.3f} TFLOP/s: {r['peak_source']})")
     else:
         print(f"MFU: n/a ({r['peak_source']})")
     peak = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB"

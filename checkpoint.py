@@ -221,11 +221,12 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: b
     except torch.OutOfMemoryError:
         raise UserError(f"out of memory loading {path} onto {map_location}: load it on the CPU") from None
     except pickle.UnpicklingError as e:
-        if "Unsupported global" not in str(e):  # weights_only's refusal of a class; anything else is damage
+        if "unsupported global" not in str(e).lower():  # weights_only's refusal of a class; else it is damage
             raise UserError(f"checkpoint {path} is truncated or corrupt (UnpicklingError: {str(e)[:200]}): "
                             f"restore it from a backup or start again with --init_from=scratch") from None
-        raise UserError(f"{path} holds objects other than tensors and plain data, which are not loaded "
-                        f"(weights_only=True, so a checkpoint cannot run code): re-save it with plain types") from None
+        raise UserError(f"{path} holds objects that are not plain data (tensors, numbers, strings, lists, dicts) "
+                        f"and was not loaded: nothing in it was run (a checkpoint is read with weights_only=True); "
+                        f"re-save it with plain types") from None
     except Exception as e:  # torch raises several types for truncated or foreign files
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
@@ -688,10 +689,11 @@ def resume_changes(saved: dict, model_args: dict, cfg, world_size: int, saved_wo
     model_args). A different model shape (`model_keys`) or GELU cannot resume (UserError); anything else is
     allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
     load_training_state)."""
-    changed = [
+    changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
         f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
         for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in ("init_from", "gelu", "optimizer")
+        if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
+        and getattr(cfg, k) != "auto" and saved[k] != "auto"
     ]
     model = [c for c in changed if c.split(":")[0] in model_keys]
     saved_gelu = checkpoint_model_config(model_args).gelu

@@ -42,7 +42,8 @@ MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535
 GPT2_EOT = 50256
 CHECK_CHUNK = 2**24  # tokens per chunk when scanning a token file for its max id
 REPO = Path(__file__).resolve().parent
-DATASET_FILES = "train.bin and val.bin (uint16 token ids) and meta.json (dataio.write_meta) or nanoGPT's meta.pkl"
+DATASET_FILES = ("train.bin and val.bin (uint16 token ids) and meta.json (see the README's \"Your own data\") or "
+                 "nanoGPT's meta.pkl")
 GPT2_META = {"vocab_size": 50257, "tokenizer": "gpt2"}  # the meta.json of a folder of GPT-2 BPE tokens
 
 
@@ -52,7 +53,14 @@ def _prepare_hint(data_dir: str | os.PathLike[str], again: bool = False) -> str:
     name = Path(data_dir).name
     if (REPO / "data" / name / "prepare.py").is_file():
         return f"rerun `python data/{name}/prepare.py`" if again else f"run `python data/{name}/prepare.py` first"
-    return f"rewrite it with the script that made {data_dir}" if again else f"a dataset folder holds {DATASET_FILES}"
+    if again:
+        return f"rewrite it with the script that made {data_dir}"
+    if Path(data_dir).resolve().parent != (REPO / "data").resolve():  # a folder of the user's own (--data_dir)
+        return f"a dataset folder holds {DATASET_FILES}"
+    known = sorted(p.parent.name for p in (REPO / "data").glob("*/prepare.py"))
+    ready = sorted(p.parent.name for p in (REPO / "data").glob("*/meta.json"))
+    return (f"no data/{name}/prepare.py makes it (the datasets with a prepare script: {', '.join(known)}; prepared "
+            f"here: {', '.join(ready) or 'none'}); a dataset folder of your own holds {DATASET_FILES}")
 
 
 def _rerun_hint(data_dir: str | os.PathLike[str]) -> str:
@@ -233,6 +241,7 @@ class _RefusedPickle(pickle.UnpicklingError):
 
 
 _PLAIN = (dict, list, str, int, float, bool, type(None))
+MAX_META_BYTES = 4 << 20  # a char vocabulary of 65,536 characters, itos and stoi, is ~1.5 MB
 
 
 def load_nanogpt_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -241,22 +250,29 @@ def load_nanogpt_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     anything: a pickle that holds more than plain dicts, lists, strings and numbers is refused in one line."""
     path = Path(path)
     plain = "a meta.pkl may hold only dicts, lists, strings and numbers, as nanoGPT's does"
+    if path.stat().st_size > MAX_META_BYTES:
+        raise UserError(f"{path} refused: {path.stat().st_size:,} bytes, more than any vocabulary needs (nanoGPT's is "
+                        f"under 1 KB; at most {MAX_META_BYTES:,}); delete it and write meta.json instead")
     try:
         with open(path, "rb") as f:
             meta = _PlainUnpickler(f).load()
     except _RefusedPickle as e:
         raise UserError(f"{path} refused, nothing in it was run: {e}, and {plain}; delete it or write meta.json "
-                        f"(dataio.write_meta) instead") from None
+                        f"instead") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
             OverflowError, MemoryError, RecursionError) as e:
         raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e}): "
                         f"{_prepare_hint(path.parent, again=True)}") from None
-    stack = [meta]
+    stack, seen = [meta], set()
     while stack:  # iterative: a deeply nested pickle cannot overflow the stack
         value = stack.pop()
+        if isinstance(value, (dict, list)):  # each container once: a pickle can share one many times (its memo),
+            if id(value) in seen:            # and a walk that revisits them takes 2^depth steps
+                continue
+            seen.add(id(value))
         if type(value) not in _PLAIN:
             raise UserError(f"{path} refused: it holds a {type(value).__name__}, and {plain}; delete it or write "
-                            f"meta.json (dataio.write_meta) instead")
+                            f"meta.json instead")
         if isinstance(value, dict):
             stack += [*value.keys(), *value.values()]
         elif isinstance(value, list):

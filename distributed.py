@@ -217,6 +217,10 @@ class StopRequest:
             flag = t.item() > 0
         return flag
 
+    def exit_code(self) -> int:
+        """128 + this rank's signal (SIGTERM where another rank got it)."""
+        return 128 + (self.signal if self.signal is not None else signal.SIGTERM)
+
     def message(self, iter_num: int) -> str:
         name = signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
         return f"stopped by {name} after iter {iter_num}; checkpoint saved: resume with --init_from=resume"
@@ -231,4 +235,14 @@ class StopRequest:
 
 
 class Stopped(SystemExit):
-    """A stop by a signal, with a checkpoint: every rank raises it at the same step. Exits 1 with its message."""
+    """A stop by a signal, with a checkpoint: every rank raises it at the same step. Exits 143 after a SIGTERM and
+    130 after a SIGINT (128 + the signal, the shell's convention for a process ended on request), so a requeue
+    script tells a clean, resumable stop from the end of training (0), a failure (1) and a user error (2);
+    train.main prints the message."""
+
+    def __init__(self, message: str, code: int = 128 + signal.SIGTERM):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -21,7 +21,7 @@ import torch
 
 import dataio
 import plot
-from common import UserError
+from common import UserError, mfu_text
 from metrics import read_metrics
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
@@ -70,7 +70,7 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
         mfus = [r["mfu"] for r in steps[1:] if r.get("mfu") is not None]
         lines.append(f"- {last['iter']} iterations in {last['elapsed_s']:.0f} s of wall time (evals included)")
         lines.append(f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
-                     f"first), MFU {statistics.median(mfus) * 100:.2f}%" if mfus else
+                     f"first), MFU {mfu_text(statistics.median(mfus))}" if mfus else
                      f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
                      f"first); MFU n/a")
     if evals:

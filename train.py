@@ -49,6 +49,7 @@ from common import (
     dtype_reason,
     exit_on_user_error,
     keep_freed_memory,
+    mfu_text,
     plural,
     resolve_attention,
     resolve_fused_loss,
@@ -495,7 +496,7 @@ def train(cfg: TrainConfig) -> dict:
     try:
         result = _train(cfg, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
     except Stopped as e:
-        stopped = Stopped(e.code)  # a new one: e's traceback holds the run's frames, and so the group
+        stopped = Stopped(e.message, e.code)  # a new one: e's traceback holds the run's frames, and so the group
     except BaseException:
         cleanup_distributed(dist)  # no barrier: after an error the other ranks may never get there
         raise
@@ -517,7 +518,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     device_type = device.split(":")[0]
     dtype, ctx, kept_memory = setup_device(cfg, device, dist.rank)
     attention, attention_why = resolve_attention(cfg.attention, device, dtype)
-    cfg = replace(cfg, attention=attention)  # the checkpoint records the path that ran
+    saved_cfg = cfg  # what a checkpoint records: "auto" stays "auto", resolved again where the run resumes
+    cfg = replace(cfg, attention=attention)  # the model's config (model_args) records the path that ran
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
     tokens_per_iter = accum_steps * dist.world_size * cfg.batch_size * cfg.block_size
     # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training, and
@@ -629,8 +631,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
         nonlocal best_file
         t_save = time.time()
-        state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, cfg, dist, log.elapsed(), meta,
-                                       run_id)
+        state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, saved_cfg, dist, log.elapsed(),
+                                       meta, run_id)
         if cfg.parallelism == "fsdp":  # every rank writes its shards
             checkpoint.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist, improved,
                                     keep_best=not cfg.always_save_checkpoint)
@@ -658,7 +660,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     def stop_now(iter_num: int) -> NoReturn:
         save(iter_num, best_val_loss, improved=False)
-        raise Stopped(stop.message(iter_num))  # train() ends the ranks together, once rank 0's checkpoint is on disk
+        # train() ends the ranks together, once rank 0's checkpoint is on disk
+        raise Stopped(stop.message(iter_num), stop.exit_code())
 
     with StopRequest(dist) as stop:
         running_mfu = -1.0
@@ -723,10 +726,10 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum_steps, dt, peak_flops, cfg.block_size)  # per rank
                 if mfu is not None:
                     running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
-                mfu_text = f"{running_mfu * 100:.2f}%" if running_mfu >= 0 else "n/a"
                 log.print(
                     f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.2f}ms, "
-                    f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text}, grad norm {grad_norm:.3f}"
+                    f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text(running_mfu if running_mfu >= 0 else None)}, "
+                    f"grad norm {grad_norm:.3f}"
                 )
                 log.metrics({"iter": iter_num, "loss": loss, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt,
                              "mfu": mfu, "grad_norm": grad_norm})
@@ -755,9 +758,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"resuming the run's settings (not given here): {', '.join(taken)}", flush=True)
     try:
         train(cfg)
-    except KeyboardInterrupt as e:
+    except Stopped as e:  # a clean stop, checkpoint saved: 143 (SIGTERM) or 130 (SIGINT), for requeue scripts
+        print(e.message, file=sys.stderr, flush=True)
+        sys.exit(e.code)
+    except KeyboardInterrupt as e:  # a second Ctrl-C: no checkpoint, so no clean stop's code
         print(f"interrupted: {e or 'Ctrl-C'}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

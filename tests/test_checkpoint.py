@@ -309,3 +309,30 @@ def test_resume_without_the_config_file_continues_the_run_bitwise(data_dir, tmp_
     resumed = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     assert resumed["iter_num"] == 8
     assert max_diff(reference["model"].state_dict(), resumed["model"]) == 0.0
+
+
+class _RunsACommand:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("script", ["train", "sample"])
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(data_dir, tmp_path, script):
+    """The file is read with weights_only=True: a pickle naming os.system is refused before anything runs, and the
+    user is told so (not that the file is "truncated or corrupt", as current torch's wording made it)."""
+    out = tmp_path / "run"
+    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
+    marker = tmp_path / "ran"
+    state = torch.load(out / "ckpt.pt", weights_only=False)
+    torch.save({**state, "extra": _RunsACommand(marker)}, out / "ckpt.pt")
+    with pytest.raises(UserError) as e:
+        if script == "train":
+            train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, init_from="resume"))
+        else:
+            load_model(SampleConfig(out_dir=str(out), device="cpu"))
+    assert "holds objects that are not plain data" in str(e.value) and "was not loaded" in str(e.value)
+    assert "corrupt" not in str(e.value)
+    assert not marker.exists()

@@ -214,3 +214,28 @@ def test_an_optional_package_missing_or_broken_is_a_user_error_naming_pip(tmp_pa
     assert str(broken.value) == ("--feature=True needs broken_extra, which fails to import (No module named "
                                  "'no_such_dependency_xyz'): pip install broken_extra")
     assert common.optional_import("json", "--feature=True") is json
+
+
+def test_a_busy_start_cannot_collapse_the_cpu_peak(tmp_path, monkeypatch):
+    """Bug: other processes on the cores during the start made the threads' matmul measure 0.001 TFLOP/s, and the run
+    printed MFU 4,600-16,000%. One thread's best short matmul still finds a quiet slice; the peak is at least that
+    times the threads, so a collapsed all-threads figure no longer decides it."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    busy = {1: 80e9, 2: 1e9}  # the 2-thread matmul waits for the busy core; one thread measures its real speed
+    monkeypatch.setattr(common, "_matmul_flops", lambda dtype, threads, n, repeats: busy[threads])
+    assert common.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json")) >= 160e9
+
+
+def test_an_mfu_above_100_percent_is_never_printed(tmp_path, capsys):
+    """A peak too low for the machine (here --peak_flops=1) gives MFU n/a with the reason, in the log and the report."""
+    from helpers import make_char_dataset, tiny_config
+    from train import train
+
+    make_char_dataset(tmp_path / "data")
+    train(tiny_config(tmp_path / "data", tmp_path / "out", max_iters=4, eval_interval=4, log_interval=1, peak_flops=1.0,
+                      report=True))
+    printed = capsys.readouterr().out
+    assert "mfu n/a (above 100%: the peak FLOP/s it divides by is too low for this machine; give --peak_flops)" in printed
+    assert "%, grad norm" not in printed
+    assert "MFU n/a (above 100%" in (tmp_path / "out" / "report.md").read_text()

@@ -464,7 +464,9 @@ def test_a_run_with_no_attention_or_dtype_key_takes_the_fast_path_for_this_cpu(d
     dtype, attention = ("bfloat16", "math") if native_bf16 else ("float32", "sdpa")
     assert out["model"].config.attention == attention
     assert f"defaults: dtype={dtype} (auto: this CPU has " in printed and f"attention={attention} (auto: " in printed
-    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["config"]["attention"] == attention
+    saved = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)
+    assert saved["model_args"]["attention"] == attention and saved["config"]["attention"] == "auto"  # as the user left
+    # it: resolved again where the run resumes
     explicit = train(tiny_config(data_dir, tmp_path / "x", max_iters=0, dtype="auto", attention="math"))
     assert explicit["model"].config.attention == "math" and "attention=math (set explicitly)" in capsys.readouterr().out
 
@@ -477,3 +479,17 @@ def test_cpu_run_logs_mfu_against_the_given_or_measured_peak(data_dir, tmp_path,
     for record in (json.loads(l) for l in open(tmp_path / "out" / "metrics.jsonl")):
         if "mfu" in record:
             assert record["mfu"] == pytest.approx(flops_per_iter / (record["ms"] / 1000) / 1e12, rel=1e-9)
+
+
+def test_a_resume_announces_only_the_settings_the_user_changed(data_dir, tmp_path, capsys):
+    """Bug: `--init_from=resume --out_dir=X --max_iters=8` after a CPU run announced `device: 'cpu' -> 'auto'` (and the
+    backend), keys nobody gave; the resolved attention was stored as if the user had chosen a kernel."""
+    from helpers import run_in_process
+
+    out = tmp_path / "out"
+    first = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=4, attention="auto"))]
+    assert run_in_process(first, capsys).returncode == 0
+    r = run_in_process(["train.py", "--init_from=resume", f"--out_dir={out}", "--max_iters=8"], capsys)
+    assert r.returncode == 0
+    assert [line for line in r.stdout.splitlines() if "changed setting" in line] == [
+        "resuming with a changed setting (it applies from here on): max_iters: 4 -> 8"]
