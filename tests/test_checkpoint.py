@@ -336,3 +336,11 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(da
     assert "holds objects that are not plain data" in str(e.value) and "was not loaded" in str(e.value)
     assert "corrupt" not in str(e.value)
     assert not marker.exists()
+
+
+def test_keep_last_orders_the_snapshots_by_iteration_not_by_name(tmp_path):
+    """ckpt_9999999.pt sorts after ckpt_10000000.pt by name: pruning must keep the newest iteration."""
+    state = {"model": {}, "model_args": {}, "iter_num": 0}
+    for it in (9_999_998, 9_999_999, 10_000_000):
+        checkpoint.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_10000000.pt", "ckpt_9999999.pt"]

@@ -67,3 +67,19 @@ def test_a_missing_dataset_names_its_prepare_command_or_the_datasets_there_are(t
     assert "shakespeare_char" in message and "fineweb_edu" in message and "dataio." not in message
     with pytest.raises(UserError, match=r"run `python data/openwebtext/prepare.py` first"):
         dataio.load_meta(tmp_path / "openwebtext")
+
+
+def test_a_shard_with_ids_beyond_the_vocabulary_is_refused_from_its_sidecar(tmp_path):
+    """FineWeb-style shards: the ids are checked through each shard's recorded max_id, before any training."""
+    import numpy as np
+
+    names = {"val": ["val_000000.bin"], "train": ["train_000001.bin", "train_000002.bin"]}
+    for i, name in enumerate(names["val"] + names["train"]):
+        ids = np.arange(2000, dtype=np.int64) % 50257
+        if name == "train_000002.bin":
+            ids[1234] = 60000  # another tokenizer's id
+        dataio.write_shard(tmp_path / name, ids, {"index": i, "tokenizer": "gpt2", "vocab_size": 50257})
+    dataio.write_meta(tmp_path, {"vocab_size": 50257, "tokenizer": "gpt2", "shards": names})
+    assert dataio.open_split(tmp_path, "val", 50257) is not None
+    with pytest.raises(UserError, match=r"train_000002.bin holds token id 60000 but the vocab size is 50257"):
+        dataio.open_split(tmp_path, "train", 50257)

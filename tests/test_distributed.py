@@ -1,0 +1,131 @@
+"""distributed.py and DDP under real torchrun (gloo, CPU): gradients all-reduced only on the last micro-step
+(no_sync), the barrier that keeps a rank from exiting while rank 0 still writes its checkpoint, and a dropout
+RNG of each rank's own, fresh and resumed. Each test runs train.main through a small wrapper that observes one
+thing and prints it."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from checkpoint import load_checkpoint
+from helpers import ROOT, config_args, make_char_dataset, tiny_config
+
+WRAPPER = """
+import os, sys, time, hashlib
+sys.path.insert(0, {root!r})
+import torch
+import checkpoint, train
+from common import exit_on_user_error
+rank = int(os.environ["RANK"])
+what = os.environ["OBSERVE"]
+if what == "allreduce":  # count the gradient all-reduces DDP runs
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    calls = [0]
+
+    class CountingDDP(train.DDP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+            def hook(group, bucket):
+                calls[0] += 1
+                return allreduce_hook(group, bucket)
+
+            self.register_comm_hook(None, hook)
+
+    train.DDP = CountingDDP
+if what == "slow_save" and rank == 0:  # rank 0's save takes seconds, as a big model's does
+    real_save = checkpoint.save_run_checkpoint
+
+    def slow(*args, **kwargs):
+        time.sleep(2)
+        out = real_save(*args, **kwargs)
+        print(f"rank 0 saved at {{time.time()}}", flush=True)
+        return out
+
+    checkpoint.save_run_checkpoint = slow
+if what in ("slow_save",) and rank == 1:  # SIGTERM to rank 1 alone, during its 3rd step
+    import signal
+    real_step, n = train.train_step, [0]
+
+    def step(*args, **kwargs):
+        n[0] += 1
+        if n[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    train.train_step = step
+if what == "rng":  # the dropout RNG state each rank starts its first step with
+    real_step, seen = train.train_step, []
+
+    def step(*args, **kwargs):
+        if not seen:
+            seen.append(1)
+            print(f"rank {{rank}} rng " + hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest(), flush=True)
+        return real_step(*args, **kwargs)
+
+    train.train_step = step
+try:
+    exit_on_user_error(lambda: train.main(sys.argv[1:]))
+finally:
+    if what == "allreduce":
+        print(f"rank {{rank}} allreduce calls {{calls[0]}}", flush=True)
+    print(f"rank {{rank}} exits at {{time.time()}}", flush=True)
+"""
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    d = tmp_path / "tinychar"
+    make_char_dataset(d)
+    return d
+
+
+def torchrun(tmp_path, observe: str, cfg, *torchrun_args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "observe.py"
+    script.write_text(WRAPPER.format(root=ROOT))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           *torchrun_args, str(script), *config_args(cfg)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "OBSERVE": observe})
+
+
+def test_ddp_all_reduces_the_gradients_once_per_step_whatever_the_micro_steps(data_dir, tmp_path):
+    """With 2 micro-steps per rank, the first runs under no_sync: as many all-reduces as with 1 micro-step per rank."""
+    counts = {}
+    for accum in (2, 4):  # 1 and 2 micro-steps per rank
+        cfg = tiny_config(data_dir, tmp_path / f"a{accum}", max_iters=3, eval_interval=1000, dropout=0.0,
+                          gradient_accumulation_steps=accum, report=False)
+        r = torchrun(tmp_path, "allreduce", cfg)
+        assert r.returncode == 0, r.stderr[-3000:]
+        counts[accum] = sorted(int(n) for n in re.findall(r"allreduce calls (\d+)", r.stdout))
+    assert len(counts[2]) == 2 and counts[2][0] > 0
+    assert counts[4] == counts[2]
+
+
+def test_no_rank_exits_while_rank_0_still_writes_the_stops_checkpoint(data_dir, tmp_path):
+    """A SIGTERM to rank 1 alone; rank 0's save takes seconds: rank 1 waits at the barrier and exits only after
+    rank 0's checkpoint is written (a rank that exits first lets torchrun, or a scheduler that sees one process end,
+    stop the job while rank 0 still writes)."""
+    cfg = tiny_config(data_dir, tmp_path / "run", max_iters=50, eval_interval=1000, dropout=0.0,
+                      gradient_accumulation_steps=2, report=False)
+    r = torchrun(tmp_path, "slow_save", cfg)
+    assert "stopped by SIGTERM after iter 3; checkpoint saved" in r.stderr, r.stderr[-3000:]
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"] == 3
+    saved = float(re.search(r"rank 0 saved at ([\d.]+)", r.stdout).group(1))
+    exits = float(re.search(r"rank 1 exits at ([\d.]+)", r.stdout).group(1))
+    assert exits >= saved, (exits, saved)
+
+
+def test_each_ddp_rank_draws_its_own_dropout_fresh_and_resumed(data_dir, tmp_path):
+    cfg = tiny_config(data_dir, tmp_path / "run", max_iters=4, eval_interval=2, dropout=0.1,
+                      gradient_accumulation_steps=2, report=False)
+    for start in ("scratch", "resume"):
+        if start == "resume":
+            cfg = tiny_config(data_dir, tmp_path / "run", max_iters=6, eval_interval=2, dropout=0.1,
+                              gradient_accumulation_steps=2, report=False, init_from="resume")
+        r = torchrun(tmp_path, "rng", cfg)
+        assert r.returncode == 0, r.stderr[-3000:]
+        states = dict(re.findall(r"rank (\d) rng (\w+)", r.stdout))
+        assert len(states) == 2 and states["0"] != states["1"], (start, states)
