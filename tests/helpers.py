@@ -77,14 +77,18 @@ def config_args(cfg: TrainConfig) -> list[str]:
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in vars(cfg).items()]
 
 
-def run_script(args: list[str], timeout: float = 300, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    """Run a python script or module of the repo in a fresh process; output captured as text."""
+HANG_S = 1800  # a subprocess's limit: it catches a hang, never a slow machine (a suite beside another on 2 cores)
+
+
+def run_script(args: list[str], timeout: float = HANG_S, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run a python script or module of the repo in a fresh process; output captured as text. The timeout only
+    catches hangs."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=full_env, **kw)
 
 
-def run_script_timed(args: list[str], timeout: float = 300, env: dict | None = None,
+def run_script_timed(args: list[str], timeout: float = HANG_S, env: dict | None = None,
                      preload: str = "") -> tuple[subprocess.CompletedProcess, float]:
     """run_script(args) for a script, and the seconds the script took once imported: it runs (runpy, as __main__) in
     a process that imported it and `preload` (import statements) first, so a bound on the time is a bound on the

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench
 from benchmarks.measure import matmul_floor
 from common import PEAK_CACHE, UserError
-from helpers import make_char_dataset, run_script
+from helpers import HANG_S, make_char_dataset, run_script
 from model import GPT, GPTConfig
 
 # No config file: on the CPU bench.py loads config/bench_cpu.py first, and these overrides replace its sizes.
@@ -30,7 +30,7 @@ TINY = [
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def bench_script(*args: str, script: str = "bench.py", timeout: float = 300) -> str:
+def bench_script(*args: str, script: str = "bench.py", timeout: float = HANG_S) -> str:
     r = run_script([script, *TINY, *args], timeout=timeout, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from checkpoint import load_checkpoint
-from helpers import ROOT, config_args, make_char_dataset, tiny_config
+from helpers import HANG_S, ROOT, config_args, make_char_dataset, tiny_config
 
 WRAPPER = """
 import os, sys, time, hashlib
@@ -88,7 +88,7 @@ def torchrun(tmp_path, observe: str, cfg, *torchrun_args: str) -> subprocess.Com
     script.write_text(WRAPPER.format(root=ROOT))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            *torchrun_args, str(script), *config_args(cfg)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "OBSERVE": observe})
+                          timeout=HANG_S, env={**__import__("os").environ, "OBSERVE": observe})
 
 
 def test_ddp_all_reduces_the_gradients_once_per_step_whatever_the_micro_steps(data_dir, tmp_path):

@@ -23,6 +23,7 @@ import distributed
 from common import UserError
 from checkpoint import load_checkpoint, save_checkpoint
 from helpers import (
+    HANG_S,
     ROOT,
     config_args,
     make_char_dataset,
@@ -165,7 +166,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(data_dir, tmp_
     cfg = tiny_config(data_dir, tmp_path / "run", **run)
     # the signal reaches rank 1 only, during its 6th step, as when one node is preempted first
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/signal_at_step.py",
-                    "SIGTERM", "6", "1", *config_args(cfg)], timeout=300)
+                    "SIGTERM", "6", "1", *config_args(cfg)], timeout=HANG_S)
     assert r.returncode != 0
     assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"] == 6, r.stderr[-2000:]
     assert "stopped by SIGTERM after iter 6; checkpoint saved" in r.stderr  # rank 1's own message
@@ -642,7 +643,7 @@ def test_an_out_dir_that_not_every_rank_sees_is_named_at_start(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SHARED_PROBE.format(root=ROOT))
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                    str(tmp_path / "out")], timeout=300)
+                    str(tmp_path / "out")], timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = sorted(line for line in r.stdout.splitlines() if line.startswith(("shared", "local")))
     assert lines[0].startswith("local rank 0: error: ") and lines[1].startswith("local rank 1: error: ")

@@ -17,7 +17,7 @@ import checkpoint
 import parallel
 from common import UserError
 from checkpoint import load_checkpoint
-from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
+from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
 from model import GPT, GPTConfig
 from train import check_config, train
 
@@ -34,7 +34,7 @@ def data_dir(tmp_path):
 
 def torchrun(cfg, nproc: int = 2, script: str = "train.py") -> subprocess.CompletedProcess:
     r = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-                    *config_args(cfg)], timeout=300)
+                    *config_args(cfg)], timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -271,7 +271,7 @@ train(tiny_config({data!r}, {out!r}, max_iters=4, eval_interval=2, parallelism="
 def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tmp_path, stage):
     out = tmp_path / "run"
     code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
-    r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert len([f for f in os.listdir(out) if f.startswith(checkpoint.SHARDED_NAME + "_")]) == 2  # the killed save's too
     ckpt = checkpoint.read_resume(checkpoint.find_checkpoint(str(out), prefer_sharded=True))
@@ -412,7 +412,7 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tm
     cfg = tiny_config(data_dir, tmp_path / "run", max_iters=8, eval_interval=1000, parallelism="fsdp",
                       gradient_accumulation_steps=2)
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                    *config_args(cfg)], timeout=300)
+                    *config_args(cfg)], timeout=HANG_S)
     assert r.returncode != 0
     # the loss is averaged over ranks before the check, so both ranks see it and stop with the same error
     assert r.stderr.count("error: non-finite loss at iter 3 ") == 2, r.stderr[-3000:]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import Dist
-from helpers import config_args, make_char_dataset, run_script, tiny_config
+from helpers import HANG_S, config_args, make_char_dataset, run_script, tiny_config
 from fused_loss import fused_linear_cross_entropy
 from model import GPT, GPTConfig
 from train import TrainConfig, train, train_step
@@ -232,7 +232,7 @@ def test_ddp_with_fused_loss_equals_one_plain_process(tmp_path):
     train(single)
     ddp = tiny_config(data_dir, tmp_path / "ddp", fused_loss=True, **common)
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                    *config_args(ddp)], timeout=300)
+                    *config_args(ddp)], timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     a = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=False)["model"]
     b = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]

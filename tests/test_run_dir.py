@@ -17,7 +17,7 @@ import torch
 import checkpoint
 import run_dir
 from checkpoint import load_checkpoint
-from helpers import ROOT, config_args, make_char_dataset, run_in_process, tiny_config
+from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_in_process, tiny_config
 from metrics import read_metrics
 from train import train
 
@@ -177,7 +177,7 @@ def test_checkpoint_interval_bounds_the_work_a_sigkill_loses(data_dir, tmp_path)
     out = tmp_path / "kill"
     cfg = tiny_config(data_dir, out, max_iters=20, eval_interval=1000, checkpoint_interval=3)
     r = subprocess.run([sys.executable, "tests/signal_at_step.py", "SIGKILL", "8", "0", *config_args(cfg)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL
     assert "saved checkpoint at iter 6 to" in r.stdout and " s" in r.stdout.split("saved checkpoint at iter 6")[1]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6
@@ -225,7 +225,7 @@ def test_torchrun_max_restarts_continues_after_a_rank_is_killed_and_ends_as_an_u
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     ref = tmp_path / "ref"
     r = subprocess.run([*torchrun, "train.py", *config_args(tiny_config(data_dir, ref, **run))], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "elastic"
     proc = subprocess.Popen([*torchrun, "--max-restarts=2", "--monitor-interval=0.2", "train.py",
@@ -238,7 +238,7 @@ def test_torchrun_max_restarts_continues_after_a_rank_is_killed_and_ends_as_an_u
     pid = _worker_pid(out, rank=1, restart=0)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)  # from outside, as a node's OOM killer or a failing GPU would
-    stdout, stderr = proc.communicate(timeout=300)
+    stdout, stderr = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0, stderr[-3000:]
     assert "torchrun restart 1 of the run in" in stdout and f"resuming from {out}/ckpt.pt at iter " in stdout
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 200
@@ -254,7 +254,7 @@ def _agents(cfg_args: list[str], port: int, cwd=(ROOT, ROOT), nproc: int = 2) ->
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test-run",
                f"--node_rank={node}", "--master_addr=127.0.0.1", os.path.join(ROOT, "train.py"), *cfg_args]
         procs.append(subprocess.Popen(cmd, cwd=cwd[node], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=HANG_S), *p.communicate()) for p in procs]
 
 
 def test_two_agents_train_a_world_of_4_that_resumes_at_worlds_of_2_and_1(data_dir, tmp_path):
@@ -268,7 +268,7 @@ def test_two_agents_train_a_world_of_4_that_resumes_at_worlds_of_2_and_1(data_di
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train.py", *config_args(tiny_config(data_dir, out, **{**run, "max_iters": 8},
                                                              init_from="auto"))],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "world_size: 4 -> 2" in r.stdout, r.stderr[-3000:]
     resumed = train(tiny_config(data_dir, out, **{**run, "max_iters": 10}, init_from="auto"))
     assert resumed["iter_num"] == 10
@@ -302,7 +302,7 @@ def test_two_agents_train_fsdp_at_a_world_of_4_that_resumes_at_worlds_of_2_and_1
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train.py", *config_args(tiny_config(data_dir, out, **{**run, "max_iters": 6},
                                                              init_from="auto"))],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "world_size: 4 -> 2" in r.stdout, r.stderr[-3000:]
     train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, init_from="auto"))
     model, state = checkpoint.load_sharded_as_full(str(out / "ckpt_sharded"))

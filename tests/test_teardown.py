@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import checkpoint
-from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
+from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_script, tiny_config
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc (Linux)")
 
@@ -63,7 +63,7 @@ def probe(tmp_path):
 
 def run_to_the_end(probe, cfg, *extra) -> subprocess.CompletedProcess:
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe), *extra,
-                    *config_args(cfg)], timeout=300)
+                    *config_args(cfg)], timeout=HANG_S)
     assert "terminate called" not in r.stderr, r.stderr[-3000:]
     for rank in (0, 1):  # the group was freed, so its threads were joined before the interpreter's exit
         assert f"rank {rank}: gloo threads after the run: []" in r.stderr, r.stderr[-3000:]

@@ -14,7 +14,7 @@ import torch
 import dataio
 from common import set_deterministic
 from checkpoint import load_checkpoint, model_from_checkpoint
-from helpers import (config_args, hide_module, make_char_dataset, run_in_process, run_script, run_script_timed,
+from helpers import (HANG_S, config_args, hide_module, make_char_dataset, run_in_process, run_script,
                      tiny_config)
 from model import GPT, GPTConfig
 from optim import build_optimizer
@@ -143,7 +143,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     ddp = tiny_config(data_dir, tmp_path / "ddp", **common)
     train(single)
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                    *config_args(ddp)], timeout=300)
+                    *config_args(ddp)], timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokens per iteration: 256 (1 micro-step x 2 ranks" in r.stdout
     diff = max_param_diff(params_of(tmp_path / "single" / "ckpt.pt"), params_of(tmp_path / "ddp" / "ckpt.pt"))
@@ -264,16 +264,19 @@ def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
     ]
 
 
-def test_a_split_too_short_for_block_size_fails_before_the_model_is_compiled(tmp_path):
+def test_a_split_too_short_for_block_size_fails_before_the_model_is_compiled(tmp_path, monkeypatch, capsys):
+    """The error came after ~30 s of compiling: now before the model is built (init_model would fail the test)."""
+    import train as train_module
+
     d = tmp_path / "small"
     make_char_dataset(d, n_chars=5000)  # val.bin: the last 10%, 500 tokens
-    r, seconds = run_script_timed(["train.py", *config_args(tiny_config(d, tmp_path / "out", compile=True,
-                                                                        block_size=600))])
+    monkeypatch.setattr(train_module, "init_model", lambda *a: pytest.fail("the model was built before the check"))
+    r = run_in_process(["train.py", *config_args(tiny_config(d, tmp_path / "out", compile=True, block_size=600))],
+                       capsys)
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
         f"error: the val split ({d / 'val.bin'}) has 500 tokens, too few for block_size=600 (a window is block_size "
         f"+ 1 tokens): use --block_size=499 or smaller, or more data"]
-    assert seconds < 5  # compiling the model alone took ~30 s here, and the error came after it
     x, y = get_batch(dataio.open_split(d, "val"), 1, 499, batch_generator(0, "eval_val", 0, 0))  # 499 does fit
     assert x.shape == y.shape == (1, 499) and torch.equal(x[0, 1:], y[0, :-1])
 
