@@ -87,11 +87,13 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(record, step=record["iter"])
 
-    def start(self, run_id: str | None, iter_num: int, init_from: str) -> None:
-        """A line for this start of the run: its id, the iteration it starts at, how, and the command."""
+    def start(self, run_id: str | None, iter_num: int, init_from: str, changes: list[str] | None = None) -> None:
+        """A line for this start of the run: its id, the iteration it starts at, how, the settings a resume changed,
+        and the command."""
         if self.master:
             self._append({"start": {"run_id": run_id, "iter": iter_num, "init_from": init_from,
-                                    "command": " ".join(["python", *sys.argv]), "time": round(time.time(), 3)},
+                                    "changes": changes or [], "command": " ".join(["python", *sys.argv]),
+                                    "time": round(time.time(), 3)},
                           "elapsed_s": round(self.elapsed(), 3)})
 
     def _append(self, record: dict) -> None:

@@ -22,7 +22,7 @@ import torch
 import dataio
 import plot
 from common import UserError, mfu_text
-from metrics import read_metrics
+from metrics import METRICS_NAME, read_metrics, read_records
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
 
@@ -64,11 +64,14 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     lines += ["", "## Settings (those that differ from the defaults)", ""]
     lines += ["| key | value | default |", "|:--|:--|:--|"] + [f"| {k} | `{v!r}` | `{d!r}` |" for k, v, d in diffs]
     lines += ["", "## Results", ""]
+    starts = [r["start"] for r in read_records(os.path.join(out_dir, METRICS_NAME)) if "start" in r]
     if steps:
         last = steps[-1]
-        tok_s = [r["tok_s"] for r in steps[1:]] or [steps[0]["tok_s"]]  # the first step holds warm-up (compile)
-        mfus = [r["mfu"] for r in steps[1:] if r.get("mfu") is not None]
-        lines.append(f"- {last['iter']} iterations in {last['elapsed_s']:.0f} s of wall time (evals included)")
+        timed = steps[1:] or steps  # the first logged step holds warm-up (compile)
+        tok_s = [r["tok_s"] for r in timed]
+        mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+        lines.append(f"- {last['iter']} iterations in {last['elapsed_s']:.0f} s of wall time (evals included), in "
+                     f"{len(starts) or 1} start{'s' if len(starts) > 1 else ''}")
         lines.append(f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
                      f"first), MFU {mfu_text(statistics.median(mfus))}" if mfus else
                      f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
@@ -83,6 +86,10 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
             h = scored[-1]
             lines.append(f"- HellaSwag at iter {h['iter']}: acc {h['hellaswag_acc']:.4f}, acc_norm "
                          f"{h['hellaswag_acc_norm']:.4f} ({h.get('hellaswag_n', '?')} examples)")
+    if len(starts) > 1:
+        lines += ["", "## Starts", "", "| at iter | how | settings changed | command |", "|:--|:--|:--|:--|"]
+        lines += [f"| {st['iter']} | {st['init_from']} | {'; '.join(st.get('changes') or []) or '-'} | "
+                  f"`{st['command']}` |" for st in starts]
     lines += ["", "## Loss", ""]
     lines.append(_loss_picture(out_dir) if steps or evals else "no losses logged")
     if sample is not None:

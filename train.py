@@ -22,6 +22,7 @@ and config modules; only bench.py and benchmarks/ (for the training step) and th
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -424,9 +425,18 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     )
 
 
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd")
+
+
 def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
-    """Pretrained weights for a new run: their GELU must be the configured one, and their context is cropped to
-    block_size."""
+    """Pretrained weights for a new run: their shape and GELU must be the configured ones where the config sets them,
+    and their context is cropped to block_size."""
+    defaults = TrainConfig()
+    wrong = [f"{k}={getattr(cfg, k)} (the weights have {getattr(model.config, k)})" for k in SHAPE_KEYS
+             if getattr(cfg, k) not in (getattr(defaults, k), getattr(model.config, k))]
+    if wrong:
+        raise UserError(f"init_from={cfg.init_from!r}: {', '.join(wrong)}: the model's shape is its weights'; remove "
+                        f"{'these settings' if len(wrong) > 1 else 'this setting'}")
     if cfg.gelu is not None and cfg.gelu != model.config.gelu:
         raise UserError(
             f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
@@ -492,12 +502,16 @@ def train(cfg: TrainConfig) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
     sharded: FSDP's shards need the process group, which the end of the run destroys."""
     dist = setup_distributed(cfg.device, cfg.backend, group_of_one=cfg.parallelism == "fsdp")
+    made_out_dir = not os.path.exists(cfg.out_dir)
     stopped = None
     try:
         result = _train(cfg, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
     except Stopped as e:
         stopped = Stopped(e.message, e.code)  # a new one: e's traceback holds the run's frames, and so the group
     except BaseException:
+        if made_out_dir and dist.master:  # a refused start leaves no empty out_dir behind (only the one it made)
+            with contextlib.suppress(OSError):
+                os.rmdir(cfg.out_dir)
         cleanup_distributed(dist)  # no barrier: after an error the other ranks may never get there
         raise
     else:
@@ -533,18 +547,12 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     if dist.enabled:
         torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
-    moved = None
     if dist.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        if cfg.init_from != "resume":  # a new run: the one in out_dir, if any, moves aside whole
-            moved = run_dir.move_previous_run(cfg.out_dir)
     log = Logger(cfg, dist)
     log.print(config_line)
     if start_why:
         log.print(start_why)
-    if moved:
-        log.print(f"a new run in {cfg.out_dir}: the previous run's files moved to {moved} (it resumes from there with "
-                  f"--out_dir={moved})")
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
@@ -571,11 +579,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             log.print(f"resuming with a changed setting (it applies from here on): {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
         log.continue_from(ckpt.get("elapsed_s", 0.0))
-    run_id = None
-    if dist.master:
-        run_id = (run_dir.continue_run(cfg.out_dir, ckpt.get("run_id")) if ckpt is not None
-                  else run_dir.begin_run(cfg.out_dir))
-    log.start(run_id, iter_num, cfg.init_from)
     nothing_to_train = ckpt is not None and iter_num >= cfg.max_iters
     if nothing_to_train:
         log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
@@ -587,6 +590,17 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         checkpoint.check_tokenizer(*checkpoint.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
         model = init_model(cfg, meta, ckpt)
+    shape = {k: getattr(model.config, k) for k in SHAPE_KEYS}  # the shape that trains, for the checkpoint and report
+    cfg, saved_cfg = replace(cfg, **shape), replace(saved_cfg, **shape)
+    # the start is accepted (a refused one changes nothing in out_dir): a new run moves the one there aside whole
+    run_id = None
+    if dist.master:
+        if ckpt is None and (moved := run_dir.move_previous_run(cfg.out_dir)):
+            log.print(f"a new run in {cfg.out_dir}: the previous run's files moved to {moved} (it resumes from there "
+                      f"with --out_dir={moved})")
+        run_id = (run_dir.continue_run(cfg.out_dir, ckpt.get("run_id")) if ckpt is not None
+                  else run_dir.begin_run(cfg.out_dir))
+    log.start(run_id, iter_num, cfg.init_from, changes if ckpt is not None else None)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
     weights_vocab = None if data_vocab is not None else model.config.vocab_size  # ids not yet checked

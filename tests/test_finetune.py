@@ -164,3 +164,26 @@ def test_a_folder_without_weights_is_a_one_line_error_naming_it(tmp_path):
         GPT.from_pretrained(str(folder))
     assert str(e.value).startswith(f"could not load GPT-2 weights '{folder}' (")
     assert str(e.value).endswith("): pass a local folder written by save_pretrained")
+
+
+def test_a_shape_key_that_disagrees_with_the_weights_is_refused_and_the_report_shows_the_shape_that_trains(tmp_path):
+    """Bug: --n_head/--n_embd given with init_from=<checkpoint> were silently replaced by the checkpoint's, while the
+    config line and report.md showed the user's values."""
+    from helpers import make_char_dataset
+    from common import UserError
+
+    data_dir = tmp_path / "data"
+    make_char_dataset(data_dir)
+    train(tiny_config(data_dir, tmp_path / "src", max_iters=2, eval_interval=2))  # 2 layers, 2 heads, 32 wide
+    ckpt = str(tmp_path / "src" / "ckpt.pt")
+    with pytest.raises(UserError) as e:
+        train(tiny_config(data_dir, tmp_path / "ft", init_from=ckpt, n_embd=64, n_head=4))
+    assert str(e.value) == (f"init_from={ckpt!r}: n_head=4 (the weights have 2), n_embd=64 (the weights have 32): "
+                            f"the model's shape is its weights'; remove these settings")
+    assert not (tmp_path / "ft").exists()  # a refused start leaves no empty out_dir behind
+    defaults = dict(n_layer=12, n_head=12, n_embd=768)  # left at the defaults: the weights' shape trains
+    train(tiny_config(data_dir, tmp_path / "ft", init_from=ckpt, max_iters=2, eval_interval=2, report=True,
+                      **defaults))
+    saved = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=False)["config"]
+    assert (saved["n_layer"], saved["n_head"], saved["n_embd"]) == (2, 2, 32)
+    assert "| n_layer | `2` | `12` |" in (tmp_path / "ft" / "report.md").read_text()

@@ -45,3 +45,20 @@ def test_the_reports_sample_runs_under_the_runs_autocast(tmp_path, monkeypatch):
     train(tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2, dtype="bfloat16", report=True))
     assert seen == [(True, torch.bfloat16)]
     assert "## A sample from the final weights" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_report_after_a_resume_covers_the_whole_run_and_each_start(tmp_path):
+    """Bug: a run resumed from iter 10 to 15 showed only the last start, and MFU n/a where the log printed one."""
+    import dataclasses
+
+    data_dir = tmp_path / "data"
+    make_char_dataset(data_dir)
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=10, eval_interval=5, log_interval=5, report=True,
+                      peak_flops=1e15)
+    train(cfg)
+    train(dataclasses.replace(cfg, max_iters=15, init_from="resume", learning_rate=1e-3))
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "- 15 iterations in " in text and "in 2 starts" in text
+    assert "| 0 | scratch | - |" in text
+    assert "| 10 | resume | learning_rate: 0.003 -> 0.001; max_iters: 10 -> 15 |" in text
+    assert "MFU n/a" not in text and "MFU 0." in text

@@ -90,6 +90,17 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
 
 
+def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
+    """The previous run moves aside only once the new start is accepted (here refused: a shape that is not the
+    weights')."""
+    out = tmp_path / "used"
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=4))
+    before = sorted(os.listdir(out))
+    with pytest.raises(checkpoint.UserError, match="the model's shape is its weights'"):
+        train(tiny_config(data_dir, out, init_from=str(out / "ckpt.pt"), n_embd=64))
+    assert sorted(os.listdir(out)) == before and not previous_runs(out)
+
+
 def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     """A ckpt.pt copied in from another run beside this run's sharded folder: resume, sample and export skip it."""
     out, other = tmp_path / "run", tmp_path / "other"
