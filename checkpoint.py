@@ -34,7 +34,7 @@ import torch.nn as nn
 
 import dataio
 import run_dir
-from common import UserError, autocast_context, resolve_dtype
+from common import UserError, autocast_context, resolve_device, resolve_dtype
 from distributed import Dist, is_dtensor
 from model import GPT, GPTConfig
 
@@ -730,7 +730,14 @@ def settings_of_the_run(cfg, given: set[str]):
     names = {f.name for f in fields(cfg)}
     taken = {k: v for k, v in saved.items()
              if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()]
+    notes = []
+    if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
+        try:
+            resolve_dtype(taken["dtype"], resolve_device(cfg.device))
+        except UserError:
+            notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
+                         f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
+    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()] + notes
 
 
 def _optimizer_stepped(optim_sd: dict) -> bool:

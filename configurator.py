@@ -67,6 +67,8 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
         i += 1
         if not arg.startswith("--"):
             for key, value in _read_config_file(arg, problems).items():
+                if key not in field_types and not difflib.get_close_matches(key, list(field_types), n=1):
+                    continue  # a helper name (`tokens = 64 * 1024`), as nanoGPT's exec'd config files have them
                 checked = _check(key, value, field_types, problems, where=f"{arg}: ")
                 if checked is not _INVALID:
                     updates[key] = checked
@@ -329,16 +331,18 @@ def _line_in_file(error: BaseException, path: str) -> int | None:
     return line
 
 
-def _unknown_key(key: str, field_types: dict[str, Any]) -> str:
+def _unknown_key(key: str, field_types: dict[str, Any], in_file: bool = False) -> str:
     close = difflib.get_close_matches(key, list(field_types), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown config key {key!r}{hint}"
+    helper = (" (a config file's own helper names are ignored unless close to a key: name it _" + key + ")"
+              if in_file else "")
+    return f"unknown config key {key!r}{hint}{helper}"
 
 
 def _check(key: str, value: Any, field_types: dict[str, Any], problems: list[str], where: str = "") -> Any:
     """The value converted to the field's type, or _INVALID after recording why."""
     if key not in field_types:
-        problems.append(where + _unknown_key(key, field_types))
+        problems.append(where + _unknown_key(key, field_types, in_file=bool(where)))
         return _INVALID
     ok, converted = _coerce(value, field_types[key])
     if not ok:

@@ -146,7 +146,7 @@ def test_a_bad_override_is_a_one_line_error(arg: str, message: str) -> None:
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("bach_size = 8\n", "unknown config key 'bach_size' (did you mean 'batch_size'?)"),
+        ("bach_size = 8\n", "unknown config key 'bach_size' (did you mean 'batch_size'?) (a config file's own helper names are ignored unless close to a key: name it _bach_size)"),
         ('batch_size = "32"\n', "batch_size: expected int, got str '32'"),
     ],
 )
@@ -223,7 +223,7 @@ def test_all_problems_are_listed_in_one_message(tmp_path: Path) -> None:
         configure(defaults, [path, missing, "--lerning_rate=1", "--batch_size=abc", "--device=cpu"])
     assert str(info.value) == "; ".join(
         [
-            f"{path}: unknown config key 'bach_size' (did you mean 'batch_size'?)",
+            f"{path}: unknown config key 'bach_size' (did you mean 'batch_size'?) (a config file's own helper names are ignored unless close to a key: name it _bach_size)",
             f"{path}: seed: expected int, got str 'x'",
             f"config file not found: {missing!r}",
             "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)",
@@ -342,3 +342,14 @@ UNKNOWN_KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True).fil
 def test_unknown_key_always_raises_naming_the_key(key: str, value: int) -> None:
     message = error_of([f"--{key}={value}"])
     assert message.startswith(f"unknown config key {key!r}")
+
+
+def test_a_config_files_helper_names_are_accepted_and_a_typo_of_a_key_is_not(tmp_path):
+    """nanoGPT exec's its config files, so users compute keys from helper names: those are ignored; a name close to
+    a key is still a typo, refused with the key it resembles."""
+    path = tmp_path / "c.py"
+    path.write_text("tokens_per_step = 64 * 1024\nbatch_size = tokens_per_step // 1024\n")
+    assert configure(TrainConfig(), [str(path)]).batch_size == 64
+    path.write_text("learning_rat = 1e-3\n")
+    with pytest.raises(UserError, match=r"unknown config key 'learning_rat' \(did you mean 'learning_rate'\?\)"):
+        configure(TrainConfig(), [str(path)])

@@ -348,3 +348,20 @@ def test_nanogpt_readme_commands_are_valid_here():
             bench.load_config(args)
         else:
             assert script.startswith("data/") and script.endswith("/prepare.py") and not args, line
+
+
+def test_a_nanogpt_cpu_checkpoint_with_its_float16_default_resumes_on_the_cpu(tmp_path, capsys):
+    """Bug (a regression no test caught): nanoGPT records dtype='float16' (its default, also for a CPU run); a resume
+    without a config took it and refused it on the CPU. It now runs in this machine's best dtype, saying so."""
+    from helpers import run_in_process
+
+    write_char_dataset(tmp_path / "nanochar")
+    common = dict(max_iters=4, eval_interval=4, vocab_padding_multiple=1, gelu="erf", bias=True)
+    train(tiny_config(tmp_path / "nanochar", tmp_path / "run", **common))
+    to_nanogpt_format(tmp_path / "run" / "ckpt.pt", {**NANOGPT_DEFAULTS, "device": "cpu", "dtype": "float16",
+                                                      "compile": False})
+    r = run_in_process(["train.py", "--init_from=resume", f"--out_dir={tmp_path / 'run'}", "--max_iters=6",
+                        f"--data_dir={tmp_path / 'nanochar'}", "--eval_interval=2"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dtype: the run's 'float16' cannot run here, so 'auto' (" in r.stdout
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"] == 6
