@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,3 +52,25 @@ def corpus_parser(description: str, default_source: str, out_dir: Path, writes: 
     parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="worker processes")
     parser.add_argument("--out_dir", default=str(out_dir), help=f"where to write {writes}")
     return parser
+
+
+def progress(iterable=None, desc: str = "", **kwargs):
+    """A tqdm progress bar on a terminal; in a log (stderr not a terminal) one line for the stage instead, and
+    datasets' own bars off."""
+    from tqdm import tqdm
+
+    if sys.stderr.isatty():
+        return tqdm(iterable, desc=desc, **kwargs)
+    print(f"{desc}...", flush=True)
+    return tqdm(iterable, desc=desc, disable=True, **kwargs)
+
+
+def no_bars_in_logs() -> None:
+    """HF datasets' own progress bars off where stderr is not a terminal (a log file, a job's output)."""
+    if not sys.stderr.isatty():
+        try:
+            import datasets
+
+            datasets.disable_progress_bars()
+        except ImportError:
+            pass

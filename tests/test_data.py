@@ -441,7 +441,8 @@ def test_open_tokens_missing_file_names_the_prepare_script_or_the_files(tmp_path
     with pytest.raises(UserError) as e:  # there is no data/mydata/prepare.py to name
         open_tokens(tmp_path / "mydata" / "train.bin")
     assert str(e.value) == (f"missing {tmp_path / 'mydata' / 'train.bin'}: a dataset folder holds train.bin and "
-                            "val.bin (uint16 token ids) and meta.json (dataio.write_meta) or nanoGPT's meta.pkl")
+                            "val.bin (uint16 token ids) and meta.json (see the README's \"Your own data\") or "
+                            "nanoGPT's meta.pkl")
 
 
 def test_open_tokens_odd_size_and_empty(tmp_path: Path) -> None:
@@ -522,3 +523,20 @@ def test_openwebtext_prepare_reads_local_folders(
     assert (meta["train_documents"], meta["val_documents"]) == (18, 2)
     recovered = [d for s in ("train", "val") for d in _split_documents(np.asarray(open_tokens(out / f"{s}.bin")), gpt2)]
     assert Counter(recovered) == Counter(docs)
+
+
+def test_openwebtext_prepare_warns_of_a_val_split_shorter_than_a_window_and_draws_no_bars_into_a_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, gpt2: dataio.GPT2Tokenizer
+) -> None:
+    """Bug: --source on a user's own text gave a 45-token val split silently (val_fraction=0.0005); progress bars
+    were drawn into logs."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in _make_documents(200)), encoding="utf-8")
+    meta = owt_prepare.prepare(str(corpus), tmp_path / "out", num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
+    captured = capsys.readouterr()
+    assert meta["val_tokens"] < 1024
+    assert (f"warning: the val split has {meta['val_tokens']:,} tokens (1 document(s)), fewer than one 1024-token "
+            f"window of GPT-2") in captured.err and "raise --val_fraction (now 0.0005)" in captured.err
+    assert "\r" not in captured.err + captured.out  # capsys is no terminal: one line per stage, no redrawn bar
+    assert "writing " in captured.out

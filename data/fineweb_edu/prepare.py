@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
 from common import UserError, exit_on_user_error  # noqa: E402
-from data.corpus import corpus_parser, eot_then_tokens, local_data_files  # noqa: E402
+from data.corpus import corpus_parser, eot_then_tokens, local_data_files, no_bars_in_logs, progress  # noqa: E402
 from dataio import (  # noqa: E402
     GPT2_EOT, MAX_TOKEN_ID, gpt2_tokenizer, load_meta, shard_info, sidecar_path, write_meta, write_shard,
 )
@@ -148,11 +147,12 @@ def prepare(
             return meta
     if done:
         print(f"continuing after {len(done)} complete shard(s), at document {doc:,}")
+    no_bars_in_logs()
     ds = open_corpus(source, local, name, streaming, num_proc, cache_dir)
 
     buf = np.empty(shard_tokens, dtype=np.uint16)
     fill, start = 0, [doc, offset]  # tokens in buf; stream position of buf[0]
-    bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=sum(s["tokens"] for s in done))
+    bar = progress(unit="tok", unit_scale=True, desc="tokenizing", initial=sum(s["tokens"] for s in done))
 
     def flush() -> None:
         nonlocal fill, start

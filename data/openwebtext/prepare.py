@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common and dataio
 from common import UserError, exit_on_user_error  # noqa: E402
-from data.corpus import corpus_parser, local_data_files  # noqa: E402
+from data.corpus import corpus_parser, local_data_files, no_bars_in_logs, progress  # noqa: E402
 from dataio import GPT2_EOT, TokenWriter, gpt2_tokenizer, write_meta  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_SOURCE = "Skylion007/openwebtext"
 DEFAULT_REVISION = "refs/convert/parquet"
+VAL_WARN_TOKENS = 1024  # GPT-2's block: a val split shorter than one window gives no val loss worth reading
 WRITE_SHARDS = 1024  # the splits are copied into the memmaps this many contiguous pieces at a time
 
 
@@ -73,7 +73,7 @@ def write_split(dset: Any, path: Path) -> int:
     total = int(np.sum(dset.with_format("numpy")["len"], dtype=np.uint64))
     n_shards = max(1, min(WRITE_SHARDS, len(dset)))  # a tiny corpus has fewer documents than 1024
     with TokenWriter(path, total) as writer:
-        for i in tqdm(range(n_shards), desc=f"writing {path}"):
+        for i in progress(range(n_shards), desc=f"writing {path}"):
             batch = dset.shard(num_shards=n_shards, index=i, contiguous=True).with_format("numpy")
             if len(batch):
                 writer.write(np.concatenate(list(batch["ids"])))
@@ -98,6 +98,7 @@ def prepare(
         raise UserError(f"val_fraction {val_fraction} must be between 0 and 1 (nanoGPT uses 0.0005)")
     if num_proc < 1:
         raise UserError(f"num_proc {num_proc} must be >= 1")
+    no_bars_in_logs()
     out_dir = Path(out_dir)
     local = local_data_files(source)
     ds = load_documents(source, local, num_proc, text_field, revision, cache_dir)
@@ -130,6 +131,10 @@ def prepare(
         eot=GPT2_EOT,
     )
     write_meta(out_dir, meta)
+    if meta["val_tokens"] < VAL_WARN_TOKENS:
+        print(f"warning: the val split has {meta['val_tokens']:,} tokens ({meta['val_documents']} document(s)), fewer "
+              f"than one {VAL_WARN_TOKENS}-token window of GPT-2: its val loss will be noise or refused; raise "
+              f"--val_fraction (now {val_fraction}) for a corpus this small", file=sys.stderr)
     return meta
 
 
