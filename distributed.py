@@ -71,7 +71,16 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
             )
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    if "RANK" in os.environ:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if "RANK" in os.environ and restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A torchrun restart reuses its agent's store, which still holds the failed attempt's keys (each rank's
+        # gloo address among them): a rank that read its peer's old address waited forever to connect. The
+        # attempt's own prefix keeps the attempts apart.
+        store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False)
+        torch_dist.init_process_group(backend=backend, store=torch_dist.PrefixStore(f"/attempt_{restart}", store),
+                                      rank=rank, world_size=world_size)
+    elif "RANK" in os.environ:
         torch_dist.init_process_group(backend=backend)
     else:  # no torchrun: an in-memory store instead of its rendezvous
         torch_dist.init_process_group(backend=backend, store=torch_dist.HashStore(), rank=0, world_size=1)

@@ -129,3 +129,32 @@ def test_each_ddp_rank_draws_its_own_dropout_fresh_and_resumed(data_dir, tmp_pat
         assert r.returncode == 0, r.stderr[-3000:]
         states = dict(re.findall(r"rank (\d) rng (\w+)", r.stdout))
         assert len(states) == 2 and states["0"] != states["1"], (start, states)
+
+
+def test_a_torchrun_restart_keeps_its_process_groups_keys_apart_from_the_failed_attempts(monkeypatch):
+    """torchrun's agent store outlives an attempt with the failed attempt's keys in it (each rank's gloo address):
+    a restarted rank that read its peer's old address waited forever ("Gloo connectFullMesh failed ... timed out
+    connecting: Connection refused"). A restart's group keeps its keys under the attempt's own prefix."""
+    import socket
+
+    import torch.distributed as torch_dist
+
+    import distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent_store = torch_dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    seen = {}
+    monkeypatch.setattr(torch_dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for key, value in {**env, "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(key, value)
+    distributed.setup_distributed("cpu")
+    seen["store"].set("rank_0", "address")  # as gloo publishes a rank's address
+    assert agent_store.check(["/attempt_2/rank_0"]) and not agent_store.check(["rank_0"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a first attempt: torch's own rendezvous, as before
+    seen.clear()
+    distributed.setup_distributed("cpu")
+    assert "store" not in seen and seen["backend"] == "gloo"
