@@ -110,9 +110,10 @@ def _loss_picture(out_dir: str) -> str:
 
 def write_run_report(cfg, defaults, model, meta: dict | None, info: dict[str, str], log,
                      ctx=contextlib.nullcontext()) -> str:
-    """write_report with a short sample from the final weights, with the dataset's tokenizer (`meta`; None: GPT-2
-    BPE), under the run's autocast context `ctx`; under FSDP no sample (a rank alone cannot run the sharded model: use sample.py). `log` prints a note.
-    Returns the report's path."""
+    """write_report with a short sample from the final weights, with the dataset's tokenizer (`meta`; None: GPT-2 BPE),
+    under the run's autocast context `ctx`; under FSDP no sample (a rank alone cannot run the sharded model: use
+    sample.py). `log` prints a note. Returns the report's path.
+    """
     sample = None
     if cfg.parallelism != "fsdp":
         try:

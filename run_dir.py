@@ -98,29 +98,29 @@ def move_previous_run(out_dir: str) -> str | None:
     return dest
 
 
-def begin_run(out_dir: str, env: dict | None = None) -> str:
-    """Write out_dir/run.json for a new run; returns its id."""
-    env = os.environ if env is None else env
-    run = {"run_id": uuid.uuid4().hex[:12], "started": time.time(),
-           "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
+def _write_run(out_dir: str, run: dict) -> None:
     tmp = os.path.join(out_dir, f".{RUN_FILE}.tmp")
     with open(tmp, "w") as f:
         json.dump(run, f)
     os.replace(tmp, os.path.join(out_dir, RUN_FILE))
-    return run["run_id"]
+
+
+def begin_run(out_dir: str, env: dict | None = None) -> str:
+    """Write out_dir/run.json for a new run; returns its id."""
+    env = os.environ if env is None else env
+    run_id = uuid.uuid4().hex[:12]
+    _write_run(out_dir, {"run_id": run_id, "started": time.time(),
+                         "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")})
+    return run_id
 
 
 def continue_run(out_dir: str, saved_run_id: str | None, env: dict | None = None) -> str:
     """The id of the run a resume continues: the checkpoint's, run.json written for it where missing (a folder
     from before run ids) or left by another torchrun (its restarts must recognise the run as theirs)."""
     env = os.environ if env is None else env
-    run = read_run(out_dir)
-    run_id = saved_run_id or (run or {}).get("run_id") or uuid.uuid4().hex[:12]
-    elastic = env.get("TORCHELASTIC_RUN_ID")
-    if run is None or run.get("run_id") != run_id or run.get("torchelastic_run_id") != elastic:
-        started = (run or {}).get("started", time.time())
-        tmp = os.path.join(out_dir, f".{RUN_FILE}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"run_id": run_id, "started": started, "torchelastic_run_id": elastic}, f)
-        os.replace(tmp, os.path.join(out_dir, RUN_FILE))
-    return run_id
+    run = read_run(out_dir) or {}
+    want = {"run_id": saved_run_id or run.get("run_id") or uuid.uuid4().hex[:12],
+            "started": run.get("started", time.time()), "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
+    if run != want:
+        _write_run(out_dir, want)
+    return want["run_id"]

@@ -479,12 +479,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.max_iters < 0:
         problems.append(f"max_iters={cfg.max_iters} must be >= 0")
     if cfg.checkpoint_interval < 0 or cfg.checkpoint_minutes < 0:
-        problems.append(f"checkpoint_interval={cfg.checkpoint_interval} and checkpoint_minutes={cfg.checkpoint_minutes} "
-                        f"must be >= 0 (0: save at evals only)")
+        problems.append(f"checkpoint_interval={cfg.checkpoint_interval} and checkpoint_minutes="
+                        f"{cfg.checkpoint_minutes} must be >= 0 (0: save at evals only)")
     if cfg.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
         problems.append(
-            f"init_from={cfg.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder with a HF "
-            f"GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
+            f"init_from={cfg.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder with "
+            f"a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
         )
     if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
         problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
@@ -525,7 +525,8 @@ def train(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, dist: Dist) -> dict:
     check_config(cfg, dist.world_size)
-    init_from, start_why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)  # every rank, before rank 0 moves files
+    # every rank, before rank 0 moves any file
+    init_from, start_why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)
     cfg = replace(cfg, init_from=init_from)
     config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
     device = dist.device
