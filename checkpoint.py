@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
@@ -570,6 +571,25 @@ def _target(out_dir: str, name: str) -> str | None:
     return os.readlink(link) if os.path.islink(link) else None
 
 
+class ShardedSave:
+    """
+    A sharded save begun by start_sharded_save: DCP writes the shards in a background thread while training goes
+    on, and `finish` (once they are written) makes rank 0 write train_state.pt and move the links. Until then the
+    links name the previous save, so a kill in between loses this save only; its folder is removed by the next one.
+    """
+
+    def __init__(self, future, link: Callable[[], None], started: float):
+        self._future, self._link, self.started = future, link, started
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def finish(self) -> None:
+        """Wait for this rank's shards (and, on rank 0, for every rank's: DCP's metadata is written last), link."""
+        self._future.result()  # the writer's error, if it failed
+        self._link()
+
+
 def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
                  improved: bool = False, keep_best: bool = False) -> str:
     """
@@ -584,6 +604,37 @@ def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimize
     import torch.distributed as torch_dist
     import torch.distributed.checkpoint as dcp
 
+    folder, state_dicts, link = _begin_sharded(out_dir, model, optimizer, state, dist, improved, keep_best)
+    dcp.save(state_dicts, checkpoint_id=folder)  # collective
+    link()
+    if dist.enabled:
+        torch_dist.barrier()
+    return folder
+
+
+def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
+                       process_group, improved: bool = False, keep_best: bool = False) -> ShardedSave:
+    """
+    save_sharded without waiting for the writes: DCP copies this rank's shards to CPU memory (the weights of this
+    step: training may change the originals as soon as this returns), then writes them in a background thread,
+    coordinating the ranks over `process_group`, a group of its own (the training's collectives keep their order
+    on the default one). Call finish() before the next save and before the process ends.
+    """
+
+    import torch.distributed.checkpoint as dcp
+
+    started = time.time()
+    folder, state_dicts, link = _begin_sharded(out_dir, model, optimizer, state, dist, improved, keep_best)
+    future = dcp.async_save(state_dicts, checkpoint_id=folder, process_group=process_group)
+    return ShardedSave(future, link, started)
+
+
+def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
+                   improved: bool, keep_best: bool) -> tuple[str, dict[str, Any], Callable[[], None]]:
+    """A new folder's name (agreed by the ranks), the state dicts DCP writes into it, and what rank 0 does once
+    every shard is written (nothing on the other ranks)."""
+    import torch.distributed as torch_dist
+
     name = [None]
     if dist.master:
         n = 0
@@ -592,33 +643,36 @@ def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimize
         name = [f"{SHARDED_NAME}_{state['iter_num']:07d}_{n}"]
     if dist.enabled:
         torch_dist.broadcast_object_list(name, src=0)
-    folder = os.path.join(out_dir, name[0])
     stepped = bool(optimizer.state)
-    dcp.save(_state_dicts(model, optimizer if stepped else None), checkpoint_id=folder)  # collective
-    if dist.master:
-        best = _target(out_dir, SHARDED_BEST_NAME) if keep_best else None
-        if keep_best and (improved or best is None and state.get("best_file") == SHARDED_NAME):
-            best = name[0]
-        best_file = SHARDED_NAME if best == name[0] else SHARDED_BEST_NAME if best else None
-        save_checkpoint(os.path.join(folder, STATE_FILE), {**state, "optimizer_saved": stepped,
-                                                           "best_file": best_file})
-        fsync_folder(folder)
-        _fault_point("before_link")
-        if best is not None and best != _target(out_dir, SHARDED_BEST_NAME):
-            _link(out_dir, SHARDED_BEST_NAME, best)
-        _link(out_dir, SHARDED_NAME, name[0])
-        fsync_folder(out_dir)
-        _fault_point("after_link")
-        if not keep_best:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(out_dir, SHARDED_BEST_NAME))
-        kept = {name[0], best}
-        for entry in os.listdir(out_dir):  # the previous save, and folders of killed saves: never a user's file
-            if _SHARDED_FOLDER.fullmatch(entry) and entry not in kept:
-                shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
-    if dist.enabled:
-        torch_dist.barrier()
-    return folder
+    state_dicts = _state_dicts(model, optimizer if stepped else None)
+    if not dist.master:
+        return os.path.join(out_dir, name[0]), state_dicts, lambda: None
+    return os.path.join(out_dir, name[0]), state_dicts, lambda: _complete_sharded(
+        out_dir, name[0], {**state, "optimizer_saved": stepped}, improved, keep_best)
+
+
+def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep_best: bool) -> None:
+    """Rank 0, every shard written: train_state.pt marks the folder complete, the links move, older folders go."""
+    folder = os.path.join(out_dir, name)
+    best = _target(out_dir, SHARDED_BEST_NAME) if keep_best else None
+    if keep_best and (improved or best is None and state.get("best_file") == SHARDED_NAME):
+        best = name
+    best_file = SHARDED_NAME if best == name else SHARDED_BEST_NAME if best else None
+    save_checkpoint(os.path.join(folder, STATE_FILE), {**state, "best_file": best_file})
+    fsync_folder(folder)
+    _fault_point("before_link")
+    if best is not None and best != _target(out_dir, SHARDED_BEST_NAME):
+        _link(out_dir, SHARDED_BEST_NAME, best)
+    _link(out_dir, SHARDED_NAME, name)
+    fsync_folder(out_dir)
+    _fault_point("after_link")
+    if not keep_best:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, SHARDED_BEST_NAME))
+    kept = {name, best}
+    for entry in os.listdir(out_dir):  # the previous save, and folders of killed saves: never a user's file
+        if _SHARDED_FOLDER.fullmatch(entry) and entry not in kept:
+            shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
 
 
 def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> tuple[GPT, dict[str, Any]]:

@@ -96,6 +96,13 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def checkpoint_group(d: Dist) -> torch_dist.ProcessGroup | None:
+    """A gloo group of every rank for saves written in the background (DCP's async_save): their collectives run in
+    another thread, and on the training's group they would interleave with its own in an order that differs
+    between ranks (a hang). gloo, since DCP's coordination exchanges Python objects. None without a group."""
+    return torch_dist.new_group(backend="gloo") if d.enabled else None
+
+
 def cleanup_distributed(d: Dist, barrier: bool = False) -> None:
     """
     The end of a process group, in one order on every path: the last save is done (the caller's), then with

@@ -67,6 +67,7 @@ from distributed import (
     Stopped,
     StopRequest,
     check_shared_out_dir,
+    checkpoint_group,
     cleanup_distributed,
     setup_distributed,
 )
@@ -148,6 +149,8 @@ class TrainConfig(StepConfig):
     checkpoint_interval: int = 0  # also save every this many iterations between evals (0: at evals only): a hard kill
     # (no SIGTERM) loses at most this many
     checkpoint_minutes: float = 0.0  # also save once this many minutes passed since the last save (0: off)
+    async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save);
+    # the last save and a stop's are written before the run ends
     report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
     # logging
     wandb_log: bool = False
@@ -481,6 +484,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.checkpoint_interval < 0 or cfg.checkpoint_minutes < 0:
         problems.append(f"checkpoint_interval={cfg.checkpoint_interval} and checkpoint_minutes="
                         f"{cfg.checkpoint_minutes} must be >= 0 (0: save at evals only)")
+    if cfg.async_save and cfg.parallelism != "fsdp":
+        problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={cfg.parallelism!r} "
+                        f"saves one file: set parallelism='fsdp' or async_save=False")
     if cfg.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
         problems.append(
             f"init_from={cfg.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder with "
@@ -642,18 +648,28 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
 
     last_save = {"iter": iter_num, "time": time.time()}  # where a hard kill would resume from
+    in_flight: list[tuple[checkpoint.ShardedSave, str]] = []  # async_save: the save written in the background
+    save_group = checkpoint_group(dist) if cfg.async_save else None
 
-    def save(iter_num: int, best_val_loss: float, improved: bool) -> None:
+    def save(iter_num: int, best_val_loss: float, improved: bool, background: bool = False) -> None:
         nonlocal best_file
         t_save = time.time()
+        finish_save()  # one save in flight at a time
         state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, saved_cfg, dist, log.elapsed(),
                                        meta, run_id)
-        if cfg.parallelism == "fsdp":  # every rank writes its shards
+        best_note = "" if improved or cfg.always_save_checkpoint else (
+            f" (the best val loss's weights stay in {checkpoint.SHARDED_BEST_NAME})")
+        if cfg.parallelism == "fsdp" and background:
+            pending = checkpoint.start_sharded_save(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist,
+                                                    save_group, improved, not cfg.always_save_checkpoint)
+            in_flight.append((pending, f"iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME}{best_note}"))
+            log.print(f"saving sharded checkpoint at iter {iter_num} in the background (staged in "
+                      f"{time.time() - t_save:.1f} s)")
+        elif cfg.parallelism == "fsdp":  # every rank writes its shards
             checkpoint.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist, improved,
                                     keep_best=not cfg.always_save_checkpoint)
             log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME} in "
-                      f"{time.time() - t_save:.1f} s" + ("" if improved or cfg.always_save_checkpoint else
-                         f" (the best val loss's weights stay in {checkpoint.SHARDED_BEST_NAME})"))
+                      f"{time.time() - t_save:.1f} s{best_note}")
         elif dist.master:
             state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}
             best_file = checkpoint.save_run_checkpoint(state, cfg.out_dir, improved, best_file,
@@ -662,6 +678,15 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 f" (the best val loss's weights stay in {checkpoint.BEST_NAME})"
                 if best_file == checkpoint.BEST_NAME else ""))
         last_save.update(iter=iter_num, time=time.time())
+
+    def finish_save(if_done: bool = False) -> None:
+        """Link the save written in the background once its shards are on disk (if_done: only if they already are,
+        checked between steps)."""
+        if in_flight and (not if_done or in_flight[0][0].done()):
+            pending, where = in_flight.pop()
+            pending.finish()
+            log.print(f"saved sharded checkpoint at {where}, written in {time.time() - pending.started:.1f} s beside "
+                      f"training")
 
     def periodic_save_due(iter_num: int) -> bool:
         """checkpoint_interval / checkpoint_minutes: the ranks agree (rank 0's clock decides the minutes)."""
@@ -673,12 +698,16 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             due = stop.agree(due or late)
         return due
 
+    def background_save(iter_num: int) -> bool:
+        return cfg.async_save and iter_num < cfg.max_iters  # the last save is written before the run ends
+
     def stop_now(iter_num: int) -> NoReturn:
         save(iter_num, best_val_loss, improved=False)
         # train() ends the ranks together, once rank 0's checkpoint is on disk
         raise Stopped(stop.message(iter_num), stop.exit_code())
 
-    with StopRequest(dist) as stop:
+    with StopRequest(dist) as stop, contextlib.ExitStack() as on_exit:
+        on_exit.callback(finish_save)  # a save written in the background is linked before the run ends, however
         running_mfu = -1.0
         nonfinite_skips = 0
         last_loss = float("nan")
@@ -702,10 +731,10 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
-                    save(iter_num, best_val_loss, improved)
+                    save(iter_num, best_val_loss, improved, background=background_save(iter_num))
                 t0 = time.time()  # the eval is not part of the next step's time
             if periodic_save_due(iter_num):  # between evals (an eval's save counts)
-                save(iter_num, best_val_loss, improved=False)
+                save(iter_num, best_val_loss, improved=False, background=background_save(iter_num))
                 t0 = time.time()
             if iter_num >= cfg.max_iters or eval_only:
                 break
@@ -750,6 +779,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                              "mfu": mfu, "grad_norm": grad_norm})
             if stop.requested():  # before the next eval: a stop skips it
                 stop_now(iter_num)
+            finish_save(if_done=True)
 
         if cfg.report and dist.master and not cfg.eval_only:
             info = {**run_info(device), "world_size": str(dist.world_size)}

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -253,10 +255,13 @@ stage, saves = sys.argv[1], []
 def kill(at):
     if at == stage and len(saves) == 2:  # the second save: the first one is the checkpoint to keep
         os.kill(os.getpid(), signal.SIGKILL)
-def count(*args, **kwargs):
-    saves.append(1)
-    return save(*args, **kwargs)
-save, checkpoint.save_sharded = checkpoint.save_sharded, count
+def counted(save):
+    def count(*args, **kwargs):
+        saves.append(1)
+        return save(*args, **kwargs)
+    return count
+checkpoint.save_sharded = counted(checkpoint.save_sharded)
+checkpoint.start_sharded_save = counted(checkpoint.start_sharded_save)  # async_save
 checkpoint._fault_point = kill
 finish = FileSystemWriter.finish
 def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
@@ -282,6 +287,104 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
     kept = sorted(f for f in os.listdir(out) if f not in ("metrics.jsonl", "run.json"))
     assert kept == ["ckpt_sharded", os.readlink(out / "ckpt_sharded")] and kept[1].startswith("ckpt_sharded_0000004_")
+
+
+def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_once_written(tmp_path):
+    """async_save: training changes the weights (in place, as the optimizer does) while DCP writes; the folder holds
+    the step's weights and optimizer state, and ckpt_sharded names it only after finish()."""
+    from distributed import checkpoint_group, cleanup_distributed, setup_distributed
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    dist = setup_distributed("cpu", group_of_one=True)
+    write, started = FileSystemWriter.write_data, []
+
+    def slow_write(self, *args, **kwargs):  # the shards land after training has changed the weights
+        started.append(1)
+        torch.distributed.barrier(group=group)  # never returns before the main thread changed them
+        return write(self, *args, **kwargs)
+
+    try:
+        torch.manual_seed(0)
+        model = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
+                                     dist, "float32", compile=False)
+        optimizer = torch.optim.AdamW(model.parameters())
+        idx = torch.randint(11, (2, 8))
+        model(idx, idx)[1].backward()
+        optimizer.step()
+        expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        exp_avg = [optimizer.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
+        group = checkpoint_group(dist)
+        FileSystemWriter.write_data = slow_write
+        state = {"iter_num": 1, "model_args": model.config.__dict__, "config": {}}
+        pending = checkpoint.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
+        with torch.no_grad():  # the next step
+            for p in model.parameters():
+                p.add_(1.0)
+                optimizer.state[p]["exp_avg"].add_(1.0)
+        assert not os.path.exists(tmp_path / checkpoint.SHARDED_NAME)  # nothing linked while the shards are written
+        torch.distributed.barrier(group=group)
+        pending.finish()
+        assert started and os.readlink(tmp_path / checkpoint.SHARDED_NAME) == "ckpt_sharded_0000001_0"
+        saved, _ = checkpoint.load_sharded_as_full(str(tmp_path / checkpoint.SHARDED_NAME))
+        assert all(torch.equal(saved.state_dict()[k], expected[k]) for k in expected)
+        fresh = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
+                                     dist, "float32", compile=False)
+        fresh_opt = torch.optim.AdamW(fresh.parameters())
+        fresh(idx, idx)[1].backward()
+        fresh_opt.step()
+        checkpoint.load_sharded(str(tmp_path / checkpoint.SHARDED_NAME), fresh, fresh_opt)
+        assert all(torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), e)
+                   for p, e in zip(fresh.parameters(), exp_avg))
+    finally:
+        FileSystemWriter.write_data = write
+        cleanup_distributed(dist)
+
+
+ASYNC = {**RESUME, "max_iters": 8, "lr_decay_iters": 8, "eval_interval": 1000, "checkpoint_interval": 2}
+
+
+def test_async_saves_on_2_ranks_stop_and_resume_as_the_uninterrupted_run(data_dir, tmp_path):
+    """Two ranks whose saves are written in the background (a group of their own beside the training's), a SIGTERM
+    to rank 1 at iter 5 (the save of iter 4 possibly still in flight), a resume to the end, also in the background:
+    the weights of the uninterrupted one-process run, and one folder left."""
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **ASYNC))
+    cfg = tiny_config(data_dir, tmp_path / "run", **ASYNC, parallelism="fsdp", async_save=True)
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    os.path.join("tests", "signal_at_step.py"), "SIGTERM", "5", "1", *config_args(cfg)])
+    assert r.returncode != 0 and "stopped by SIGTERM after iter 5; checkpoint saved" in r.stderr, r.stderr[-3000:]
+    assert re.findall(r"saved sharded checkpoint at iter (\d+)", r.stdout) == ["2", "4", "5"], r.stdout[-3000:]
+    assert "iter 4 to" in r.stdout and "beside training" in r.stdout
+    from benchmarks.async_save import save_times  # the study reads these lines
+
+    assert {k: len(v) for k, v in save_times(r.stdout, last_iter=8).items()} == {"thread": 3, "background": 2}
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                    *config_args(replace(cfg, init_from="resume"))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.findall(r"saved sharded checkpoint at iter (\d+)", r.stdout) == ["6", "8"], r.stdout[-3000:]
+    diff = max_diff(reference["model"].state_dict(), sharded_params(tmp_path / "run"))
+    print(f"async saves, SIGTERM at iter 5 on 2 ranks, resume: max |param diff| {diff:.2e}")
+    assert diff < TOL
+    assert sorted(f for f in os.listdir(tmp_path / "run") if f.startswith("ckpt")) == [
+        "ckpt_sharded", "ckpt_sharded_0000008_0"]
+
+
+def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_dir, tmp_path):
+    """SIGKILL right after the save of iter 4, written in the background, was linked (training went on meanwhile):
+    the resume starts at iter 4 and ends with the uninterrupted run's weights."""
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **ASYNC))
+    out = tmp_path / "run"
+    child = KILL_CHILD.replace('max_iters=4, eval_interval=2, parallelism="fsdp"', "**{run!r}").format(
+        root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out),
+        run={**ASYNC, "parallelism": "fsdp", "async_save": True})
+    r = subprocess.run([sys.executable, "-c", child, "after_link"], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert int(json.loads(open(out / "metrics.jsonl").readlines()[-1])["iter"]) > 4  # training went on
+    assert checkpoint.read_resume(checkpoint.find_checkpoint(str(out), prefer_sharded=True))["iter_num"] == 4
+    resumed = train(tiny_config(data_dir, out, **ASYNC, parallelism="fsdp", async_save=True, init_from="resume"))
+    assert resumed["iter_num"] == 8
+    diff = max_diff(reference["model"].state_dict(), sharded_params(out))
+    print(f"SIGKILL after the background save of iter 4, resume: max |param diff| {diff:.2e}")
+    assert diff < TOL
 
 
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_shards_and_grads():
