@@ -7,15 +7,15 @@ $ python bench.py config/bench_cpu.py --dtype=float32 --attention=math
 $ python bench.py --profile=True        # also a chrome trace in results_dir and the table of the top ops
 
 The studies in benchmarks/ (ablation.py, numerics.py, memory.py, gpu.py) run bench.py in fresh processes and read
-its --result_json. Config: train.py's StepConfig keys plus BenchConfig's, through the same configurator; on the
+its --result_json. Config: step.py's StepConfig keys plus BenchConfig's, through the same configurator; on the
 CPU without a config file, config/bench_cpu.py is loaded first (a line says so).
 
-One run times train.train_step, the real training step, after warm-up steps that absorb one-off costs (allocation,
+One run times step.train_step, the real training step, after warm-up steps that absorb one-off costs (allocation,
 kernel choice, compile); data loading is not timed. Every run draws the same batches and starts from the same
 weights whatever the vocabulary padding, so runs with different techniques train the same model on the same data
 and their losses compare. On a shared CPU each run says what share of the CPUs other processes took meanwhile.
 
-Imports the model, train.py's step (train_step, StepConfig, setup), and benchmarks/measure.py's tools; the studies in
+Imports the model, step.py (train_step, StepConfig, the setup) and measure.py's tools; the studies in
 benchmarks/ build on this script (through its command line and --result_json), never the reverse.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 import dataio
 import float8
-from benchmarks.measure import (
+from measure import (
     OptimizerTimer,
     OtherLoad,
     PeakMemory,
@@ -45,21 +45,13 @@ from benchmarks.measure import (
     write_json,
     write_profile,
 )
-from common import (
-    UserError,
-    dtype_reason,
-    exit_on_user_error,
-    mfu_text,
-    plural,
-    resolve_attention,
-    resolve_device,
-    run_peak_flops,
-    synchronize,
-)
+from common import dtype_reason, mfu_text, plural, resolve_attention, resolve_device, run_peak_flops, synchronize
+from errors import UserError, exit_on_user_error
+from hardware import check_attention_kernel
 from distributed import Dist
 from configurator import configure
 from model import GPT
-from train import (
+from step import (
     StepConfig,
     batch_generator,
     compile_model,
@@ -68,7 +60,6 @@ from train import (
     model_config,
     optimizer_and_scaler,
     setup_device,
-    step_config_problems,
     train_step,
 )
 
@@ -81,7 +72,7 @@ class BenchConfig(StepConfig):
     # a benchmark step is one optimizer step of batch_size x block_size tokens, as nanoGPT's bench.py
     gradient_accumulation_steps: int = 1
     vocab_size: int = 50257  # random tokens come from this vocabulary (real_data: the dataset's meta.json)
-    real_data: bool = False  # batches of data/<dataset>/train.bin (train.get_batch) instead of random tokens
+    real_data: bool = False  # batches of data/<dataset>/train.bin (step.get_batch) instead of random tokens
     warmup_steps: int = 10  # untimed steps first
     timed_steps: int = 20
     profile: bool = False  # torch.profiler over the timed steps: a chrome trace in results_dir, the top ops
@@ -99,7 +90,7 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
               f"model; give a config file to choose another)")
         argv = [os.path.relpath(CPU_CONFIG), *argv]  # the overrides still win
         cfg = configure(BenchConfig(), argv)
-    problems = step_config_problems(cfg, world_size=1)
+    problems = cfg.problems(world_size=1)
     for key in ("timed_steps", "vocab_size"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
@@ -193,7 +184,7 @@ def setup_run(cfg: BenchConfig) -> dict:
     if cfg.fp8:  # setup_device refused it where float8 matmuls cannot run
         print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
         float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
-    model.check_attention_kernel(ctx, compile=cfg.compile)  # one line, not compile's trace
+    check_attention_kernel(model, ctx, compile=cfg.compile)  # one line, not compile's trace
     optimizer, scaler = optimizer_and_scaler(model, cfg, device, dtype, verbose=False)
     defaults = f"dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})"
     return dict(cfg=cfg, device=device, dtype=dtype, ctx=ctx, data_path=data_path, raw_model=model, defaults=defaults,

@@ -15,7 +15,7 @@ resumes from either, with any number of ranks. Everything that reads weights (sa
 init_from=PATH) takes a file or a sharded folder alike, maps a file instead of reading it, and never touches the
 optimizer state. nanoGPT's ckpt.pt files are read too (model_args, model, optimizer, iter_num, best_val_loss).
 
-Imports model.py, common.py and dataio.py; never a script (train, sample, export, hellaswag, parallel, bench).
+Never imports a script (train, sample, export, hellaswag, parallel, bench).
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ import torch.nn as nn
 
 import dataio
 import run_dir
-from common import UserError, autocast_context, resolve_device, resolve_dtype
+from common import autocast_context, resolve_device, resolve_dtype
+from errors import UserError
+from hardware import check_attention_kernel
 from distributed import Dist, is_dtensor
 from model import GPT, GPTConfig
 
@@ -148,6 +150,55 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
         for _, f in kept[:-keep_last]:
             os.remove(os.path.join(out_dir, f))
     return best_file
+
+
+class RunSaver:
+    """
+    A training run's saves in its format, the one place that chooses between them: ckpt.pt (rank 0 writes model,
+    optimizer and train state; save_run_checkpoint) or, under FSDP, ckpt_sharded (every rank its shards;
+    save_sharded), written in the background when `background` (start_sharded_save; one save in flight at a time).
+    save() and finish() return the line to print.
+    """
+
+    def __init__(self, out_dir: str, dist: Dist, sharded: bool, always_save_checkpoint: bool, keep_last: int,
+                 best_file: str | None, background_group=None):
+        self.out_dir, self.dist, self.sharded = out_dir, dist, sharded
+        self.always_save, self.keep_last, self.best_file = always_save_checkpoint, keep_last, best_file
+        self.group = background_group  # distributed.checkpoint_group(): background saves only
+        self.in_flight: tuple[ShardedSave, str] | None = None
+
+    def save(self, model: nn.Module, optimizer, state: dict, improved: bool, background: bool = False) -> str | None:
+        """Save the model, the optimizer (optim.Optimizers) and the train state `state`."""
+        t0 = time.time()
+        best_note = "" if improved or self.always_save else (
+            f" (the best val loss's weights stay in {SHARDED_BEST_NAME if self.sharded else BEST_NAME})")
+        if self.sharded and background and self.group is not None:
+            pending = start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist, self.group,
+                                         improved, keep_best=not self.always_save)
+            self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME}{best_note}"
+            return f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in " \
+                   f"{time.time() - t0:.1f} s)"
+        if self.sharded:
+            save_sharded(self.out_dir, model, optimizer.as_torch(), state, self.dist, improved,
+                         keep_best=not self.always_save)
+            return (f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME} in "
+                    f"{time.time() - t0:.1f} s{best_note}")
+        if not self.dist.master:
+            return None
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}
+        self.best_file = save_run_checkpoint(state, self.out_dir, improved, self.best_file, self.always_save,
+                                             self.keep_last)
+        return (f"saved checkpoint at iter {state['iter_num']} to {self.out_dir} in {time.time() - t0:.1f} s"
+                + (best_note if self.best_file == BEST_NAME else ""))
+
+    def finish(self, if_done: bool = False) -> str | None:
+        """Link the save written in the background once its shards are on disk (if_done: only if they already
+        are, a check between steps; else wait for them)."""
+        if self.in_flight is None or (if_done and not self.in_flight[0].done()):
+            return None
+        (pending, where), self.in_flight = self.in_flight, None
+        pending.finish()
+        return f"saved sharded checkpoint at {where}, written in {time.time() - pending.started:.1f} s beside training"
 
 
 # ----------------------------------------------------------------------------------------------- the train state
@@ -514,7 +565,7 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
     if attention_for is not None:
         model.set_attention(attention_for(model.config))
     model.eval().to(device)
-    model.check_attention_kernel(autocast_context(device, resolve_dtype(dtype, device, training=False)), compile)
+    check_attention_kernel(model, autocast_context(device, resolve_dtype(dtype, device, training=False)), compile)
     log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
     return model, tokenizer
 
@@ -522,8 +573,8 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
 # ----------------------------------------------------------------------------------------------- sharded (DCP)
 
 
-# torch.distributed.checkpoint is imported where it is used: importing it takes ~0.5 s, which runs without sharded
-# checkpoints (and sample.py on a ckpt.pt) need not pay.
+# torch.distributed.checkpoint is imported where it is used: its import is slow, and runs without sharded
+# checkpoints (and sample.py on a ckpt.pt) need not pay for it.
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -1,6 +1,5 @@
 """
-The one place for what train.py, sample.py and bench.py share: user errors, device and precision setup,
-distributed setup, and run information. Checkpoints live in checkpoint.py.
+The one place for what train.py, sample.py and bench.py share: device and precision setup and run information. Checkpoints live in checkpoint.py.
 
 Imports errors.py and hardware.py only; never the model, a script, or the modules that import this one
 (checkpoint.py, dataio.py, distributed.py, metrics.py, configurator.py, optim.py).
@@ -18,30 +17,11 @@ import subprocess
 import sys
 import time
 from types import ModuleType
-from typing import Callable, NoReturn
 
 import torch
 
-from errors import GPTError
+from errors import UserError
 from hardware import device_peak_flops
-
-
-class UserError(Exception):
-    """A mistake the user can fix (bad config, missing file...). Scripts print it on one line, no traceback."""
-
-
-def exit_on_user_error(main: Callable[[], object]) -> object:
-    """Run `main`; a UserError (or a GPTError from the model's settings) becomes a one-line message on stderr
-    and exit status 2."""
-    try:
-        return main()
-    except (UserError, GPTError) as e:
-        _fail(str(e))
-
-
-def _fail(msg: str) -> NoReturn:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 def plural(n: int, word: str) -> str:
@@ -107,11 +87,10 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_attention(attention: str, device: str, dtype: str) -> tuple[str, str]:
     """
-    attention='auto' -> the path measured fastest for the device and dtype, and the reason (for the settings line):
-    on a CPU under bf16 the explicit math attention (the CPU flash kernel's backward took ~47% of the step of
-    nanoGPT's CPU command; its forward, 10 x 6 heads x 256 positions, ~9 ms against math's ~6, whose work is plain
-    bf16 matmuls); everywhere else SDPA (CUDA: its flash kernel; CPU float32: ~10x faster than math for a 256-token
-    block, fwd+bwd). An explicit "math"/"sdpa" is kept.
+    attention='auto' -> the path measured fastest for the device and dtype (docs/performance.md), and the reason
+    (for the settings line): on a CPU under bf16 the explicit math attention, whose work is plain bf16 matmuls, where
+    the CPU flash kernel's backward is slow; everywhere else SDPA (CUDA: its flash kernel; CPU float32: its fused
+    kernel, far faster than math). An explicit "math"/"sdpa" is kept.
     """
     if attention not in ("auto", "math", "sdpa"):
         raise UserError(f"attention={attention!r} is not one of auto, math, sdpa")
@@ -122,9 +101,8 @@ def resolve_attention(attention: str, device: str, dtype: str) -> tuple[str, str
     return "sdpa", f"auto: {device.split(':')[0]} {dtype}, SDPA's fused kernels are fastest"
 
 
-# Sampling on a CPU under bf16 takes math attention for windows up to this many positions. Side by side on a 2-core
-# Zen 4, bf16 window steps, math vs SDPA: (10, 256), 6 x 384, 234 vs 244 ms; (4, 512), 2 x 768, 267 vs 255 ms;
-# (4, 1024), 2 x 768, 400 vs 320 ms; and one float32 attention layer over a (4, 1024) prefill 556 vs 329 ms.
+# Sampling on a CPU under bf16 takes math attention for windows up to this many positions: past it the quadratic
+# scores matrix math materialises costs more than SDPA's flash kernel saves (measured side by side: docs/).
 MATH_SAMPLING_MAX_BLOCK = 256
 
 
@@ -150,10 +128,9 @@ def resolve_sampling_attention(
 def resolve_fused_loss(fused_loss: bool | None, device: str) -> bool:
     """
     fused_loss=None -> the loss path measured fastest for the device: the fused, chunked head + cross-entropy on the
-    CPU (0.29x the loss's memory, and faster: no (tokens x vocab) block to write and read back); the plain head
-    on a GPU, where torch.compile fuses the plain cross-entropy into a few kernels while the fused loss's 48 chunks
-    unroll into the graph (GPT-2 124M, 12 x 1024, bf16, compiled, one H100, side by side: 32.2 ms/iter plain vs
-    39.2 fused, the same peak memory).
+    CPU (a fraction of the loss's memory, and faster: no (tokens x vocab) block to write and read back); the plain
+    head on a GPU, where torch.compile fuses the plain cross-entropy into a few kernels while the fused loss's chunks
+    unroll into the graph and measured slower (docs/gpu.md).
     """
     if fused_loss is not None:
         return fused_loss
@@ -185,8 +162,8 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-# One measuring matmul should take at most this long: a CPU that emulates bf16 (AVX2 only) runs a 1024^3 bf16
-# matmul in ~2.5 s on one core, and measuring 6 of them cost every bf16 run 15 s before its first step.
+# One measuring matmul should take at most this long: a CPU that emulates bf16 (AVX2 only) runs a large bf16 matmul
+# for seconds, and measuring several of them would delay every bf16 run's first step by as much.
 MATMUL_BUDGET_S = 0.05
 
 
@@ -201,7 +178,7 @@ def _matmul_flops(dtype: str, threads: int, n: int, repeats: int) -> float:
         a @ b  # warm-up: one-off costs of the first call at this size (thread pool, kernel choice)
         t0 = time.perf_counter()
         a @ b  # the time that decides the size
-        if size >= n or 8 * (time.perf_counter() - t0) > MATMUL_BUDGET_S:  # doubling n takes ~8x as long
+        if size >= n or 8 * (time.perf_counter() - t0) > MATMUL_BUDGET_S:  # doubling n takes 8x as long
             break
         size *= 2
     n = size
@@ -281,10 +258,9 @@ def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
     """
     'auto' -> bfloat16 where it is fast and exact enough: CUDA GPUs with bf16 support (else float16 with a grad
     scaler), and for training on a CPU with bf16 in hardware (AVX-512-BF16 or AMX), where autocast runs the matmuls
-    in bf16 (~2.5x faster than float32 at these sizes; the loss curve matches float32's; see README,
-    "Performance"). A CPU without them (AVX2 only) emulates bf16 matmuls, slower than float32: float32. Generation
-    on the CPU stays float32: one token at a time is matrix-vector work, where autocast's casts cost more than
-    bf16 saves (measured 3-5x slower).
+    in bf16 (faster than float32, with the same loss curve: docs/performance.md). A CPU without them (AVX2 only)
+    emulates bf16 matmuls, slower than float32: float32. Generation on the CPU stays float32: one token at a time is
+    matrix-vector work, where autocast's casts cost more than bf16 saves.
     """
     device_type = device.split(":")[0]
     if dtype == "auto":
@@ -341,7 +317,7 @@ def keep_freed_memory(enabled: bool) -> bool:
     """
     glibc's malloc hands freed memory back to the OS (heap trimming, and mmap for large blocks with a threshold
     that keeps moving), while a training step frees and re-allocates the same activation buffers every step: the
-    page faults and zeroing cost ~15-20% of a CPU step (measured: 72 -> 60 ms for the CPU baby GPT). Keep freed
+    page faults and the zeroing of fresh pages are a large share of a small model's CPU step. Keep freed
     memory instead: a 1 GiB trim threshold, 256 MiB heap padding, and the mmap threshold fixed at its 32 MiB
     maximum. Returns whether it applied (glibc on Linux only; jemalloc/tcmalloc users need nothing).
     """

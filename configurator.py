@@ -7,7 +7,7 @@ defaults, and all problems are reported together in one ConfigError before anyth
 `--help` (or `-h`) anywhere prints the script's usage and every key with its type, default and the comment
 beside it in the dataclass's source, then exits 0 (help_text).
 
-Imports common.py only (UserError); every script imports this module, so it imports none of them.
+Imports errors.py only; every script imports this module, so it imports none of them.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from common import UserError
+from errors import UserError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -123,9 +123,6 @@ def config_summary(config: DataclassInstance, width: int = 120) -> str:
 
 HELP_FLAGS = ("--help", "-h")
 HELP_WIDTH = 120  # --help wraps the keys' comments at this column
-WRAPPED_AT = 100  # a line at least this long was wrapped (at the 120-column margin): a comment under it goes on
-# Group headers: "# data", "# I/O", "# learning rate schedule: linear warmup, then cosine decay to min_lr".
-_HEADER = re.compile(r"[\w/ -]+(:.*)?")
 
 
 def help_requested(argv: list[str]) -> bool:
@@ -234,10 +231,10 @@ def _source_file(cls: type) -> str | None:
 def _class_source_docs(cls: type) -> tuple[str, list[tuple[str | None, list[tuple[str, str]]]]]:
     """(first sentence of the class docstring, [(group header, [(field, comment)])]) from the class's own source.
 
-    A field's comment is the one after it on its line, plus the comment lines right under it that continue it: those
-    under a wrapped line (WRAPPED_AT) that do not read as a header, and any while a parenthesis is open. Any other
-    comment line is a group header; a header "# key: text" right above field `key`, which has no comment of its
-    own, is that field's comment.
+    A field's comment is the one after it on its line, plus the comment lines right under it (no blank line between)
+    that continue it. Any other comment line is a group header, which a blank line separates from a field comment
+    above it; a header "# key: text" right above field `key`, which has no comment of its own, is that field's
+    comment.
     """
     try:
         source = textwrap.dedent(inspect.getsource(cls))
@@ -273,8 +270,7 @@ def _class_source_docs(cls: type) -> tuple[str, list[tuple[str | None, list[tupl
             continuing = bool(text)
         elif text and alone:
             label, fields = groups[-1]
-            open_paren = continuing and fields[-1][1].count("(") > fields[-1][1].count(")")
-            if open_paren or continuing and len(lines[number - 2]) >= WRAPPED_AT and not _HEADER.fullmatch(text):
+            if continuing:  # the line above is the field's, or a line of its comment
                 fields[-1] = (fields[-1][0], f"{fields[-1][1]} {text}")
             else:
                 groups.append((text, []))

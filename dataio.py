@@ -19,7 +19,7 @@ A split's shards, in the order meta.json lists them, read as one stream of token
 A nanoGPT dataset folder reads as it is: its meta.pkl (char-level: {"vocab_size", "itos": {id: char}, "stoi"}) stands
 in for meta.json, read by an unpickler that builds only plain data (load_meta).
 
-Imports common.py only; never a script, the model or checkpoint.py.
+Imports errors.py only; never a script, the model or checkpoint.py.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from common import UserError
+from errors import UserError
 
 DTYPE = np.uint16
 MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535

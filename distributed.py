@@ -3,7 +3,7 @@ Running on several processes, in one place: joining and leaving the process grou
 or one process), DDP's wrapper settings, the signals that stop a run (SIGTERM, Ctrl-C) agreed on by every rank, and
 the check that every rank sees out_dir.
 
-Imports common.py only; never a script.
+Imports common.py and errors.py only; never a script.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import UserError, resolve_device
+from common import resolve_device
+from errors import UserError
 
 
 
@@ -89,7 +90,7 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
 
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: importing it and FSDP
-    made every sample.py start 1.2 s slower on 2 cores (3.9 -> 2.7 s for a tiny checkpoint). train.py and bench.py
+    made every sample.py start noticeably slower, for nothing on a ckpt.pt. train.py and bench.py
     import them anyway (a torch.optim optimizer imports torch._dynamo, which imports FSDP). No DTensor exists until
     FSDP (or the DCP reader) has imported that module."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -146,7 +147,7 @@ NO_BUFFER_SYNC = (
     else {"broadcast_buffers": False}
 )
 # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
-# gradient's size less memory (measured: README, "DDP settings").
+# gradient's size less memory (benchmarks/ddp_settings.py measures it).
 DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 

@@ -26,7 +26,7 @@ import torch
 import checkpoint
 import dataio
 from checkpoint import checkpoint_model_config, clean_state_dict
-from common import UserError, exit_on_user_error
+from errors import UserError, exit_on_user_error
 from configurator import configure
 from model import GPTConfig
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from errors import UserError
 
 # Peak dense (not sparse) bf16 tensor-core FLOP/s by the name CUDA reports (torch.cuda.get_device_name), from
 # NVIDIA's datasheets. A name matches as a whole word of the device name, and the longest match wins, so
@@ -69,6 +72,31 @@ def fused_adamw_available(device_type: str) -> bool:
         major, minor = (int(x) for x in torch.__version__.split(".")[:2])
         return (major, minor) >= (2, 4)
     return False
+
+
+def check_attention_kernel(model, ctx: AbstractContextManager | None = None, compile: bool = False) -> None:
+    """
+    Where the model's sdpa_backend forces one kernel, raise now the UserError of a kernel that refuses its case
+    (its device, the dtype under the autocast `ctx`, head size, dropout in training mode), by running the first
+    layer's attention once eagerly on two positions. Under torch.compile the same refusal comes from inside
+    the compiler, as a long traceback (TorchRuntimeError) instead of the one-line error. compile=True also
+    refuses a torch whose compiler cannot trace the forced kernel (see sdpa_kernel_compiles).
+    """
+    cfg = model.config
+    if cfg.attention != "sdpa" or cfg.sdpa_backend == "auto":
+        return
+    if compile and not sdpa_kernel_compiles():
+        raise UserError(
+            f"sdpa_backend={cfg.sdpa_backend!r} with compile=True needs torch 2.5 or later, whose compiler "
+            f"traces the sdpa_kernel context (torch {torch.__version__} would run every layer's attention "
+            f"outside the compiled graph): upgrade torch, or use sdpa_backend='auto' or compile=False"
+        )
+    weight = model.lm_head.weight
+    x = torch.zeros(1, min(2, cfg.block_size), cfg.n_embd, device=weight.device, dtype=weight.dtype)  # (1, T, C)
+    # dropout draws random numbers: fork the RNG so that the run's own stream (bitwise resume) is untouched
+    with torch.random.fork_rng(devices=[weight.device] if weight.device.type == "cuda" else []):
+        with ctx if ctx is not None else nullcontext():
+            model.transformer.h[0].attn(x)
 
 
 def sdpa_kernel_compiles() -> bool:

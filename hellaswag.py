@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 import checkpoint
 import dataio
-from common import UserError, autocast_context, exit_on_user_error, resolve_dtype
+from common import autocast_context, resolve_dtype
+from errors import UserError, exit_on_user_error
 from distributed import Dist, cleanup_distributed
 from common import plural
 from distributed import setup_distributed

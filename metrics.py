@@ -4,7 +4,7 @@ time, which continues across resumes, and a line per start of the run), written 
 also prints on rank 0 and logs to wandb when asked) and read by plot.py and report.py. A line cut short (a kill or a
 full disk during the append) is skipped by the readers with one warning, and the next append starts a new line.
 
-Imports common.py and distributed.py only; never a script.
+Imports common.py, distributed.py and errors.py only; never a script.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import time
 from dataclasses import asdict
 from urllib.parse import urlsplit
 
-from common import UserError, optional_import
+from common import optional_import
+from errors import UserError
 from distributed import Dist
 
 METRICS_NAME = "metrics.jsonl"

@@ -1,8 +1,9 @@
 """
-A GPT-2-style language model: GPTConfig, attention, MLP, Block, GPT (forward, generate, GPT-2 weights, optimizer,
-MFU) and the KV cache. What the model calls but a reader of it need not see lives beside it, in modules that never
-import this one: the fused loss (fused_loss.py), sampling (sampling.py), the HF GPT-2 conversion (hf_gpt2.py), the
-device probes (hardware.py) and GPTError (errors.py).
+A GPT-2-style language model: GPTConfig, attention, MLP, Block and GPT (forward, the GPT-2 weights, the optimizer's
+parameter groups, MFU). Decoding (GPT.generate, the KV cache the attention fills, sampling's filters) lives in
+engine.py; what else the model calls but a reader of it need not see lives beside it too, in modules that never
+import this one: the fused loss (fused_loss.py), the HF GPT-2 conversion (hf_gpt2.py), the device probes
+(hardware.py) and UserError (errors.py).
 
 References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
 The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
@@ -11,12 +12,11 @@ Speed switches live in GPTConfig and none of them changes what the model compute
   attention="math" | "sdpa", sdpa_backend="auto" | "flash" | "efficient" | "cudnn" | "math",
   vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out).
 One setting does change the function, and only slightly: gelu="tanh" (GPT-2's "gelu_new", needed for its weights)
-or "erf" (the exact GELU, as in nanoGPT; PyTorch's CPU kernels for it are ~2.5x faster than for the tanh form).
+or "erf" (the exact GELU, as in nanoGPT, and the faster of the two on CPUs: docs/performance.md).
 """
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,11 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from errors import GPTError
+import engine
+from engine import KVCache
+from errors import UserError
 from fused_loss import fused_linear_cross_entropy
-from hardware import device_peak_flops, fused_adamw_available, sdpa_kernel_compiles, sdpa_kernel_refusal
+from hardware import device_peak_flops, fused_adamw_available, sdpa_kernel_refusal
 from hf_gpt2 import copy_hf_weights, hf_config_args, load_hf_gpt2
-from sampling import sample_next_token
 
 ATTENTION_CHOICES = ("math", "sdpa")
 SDPA_BACKENDS = {
@@ -77,55 +78,12 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
-            raise GPTError("; ".join(problems))
+            raise UserError("; ".join(problems))
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.vocab_padding_multiple
         return (self.vocab_size + m - 1) // m * m
-
-
-class KVCache:
-    """
-    Keys and values of the positions seen so far, for every layer, so that generating one more token costs one
-    position of compute instead of the whole context. Every buffer is allocated up front at (B, nh, size, hs) and
-    written in place at the positions given as a tensor. size: the positions the caller will store, at most
-    block_size (the default). generate() asks for what it needs, not the whole block: GPT-2 XL's 48 layers hold
-    2 x 48 x 1600 x 4 B = 600 KiB per position and sample, 2.9 GiB for 5 samples of block_size 1024 in float32.
-    static=True (the compiled decoding step): attention reads the whole buffers, the slots not yet written masked
-    out, so a step has the same shapes at every position and compiles once per size. static=False (eager):
-    attention reads only the slots written so far (`length`), which is less memory to read per token early on.
-    dtype: what the attention produces (bfloat16 under bf16 autocast or for a bf16 model).
-    """
-
-    def __init__(
-        self, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device="cpu", static=False,
-        size: int | None = None,
-    ):
-        self.size = config.block_size if size is None else size
-        if not 1 <= self.size <= config.block_size:
-            raise GPTError(f"a KV cache of {self.size} positions: it must hold 1 to block_size={config.block_size}")
-        shape = (batch_size, config.n_head, self.size, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.static = static
-        self.pos = 0  # number of positions stored (host-side bookkeeping; the compiled step never reads it)
-        self.length = 0  # slots written once the running forward has stored its positions (eager reads these)
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's k, v (B, nh, T, hs) at positions pos (T,); return its buffers (B, nh, S, hs): all
-        `size` slots if static (the caller's mask keeps those written so far), else the first `length`."""
-        ck, cv = self.k[layer], self.v[layer]
-        ck.index_copy_(2, pos, k.to(ck.dtype))
-        cv.index_copy_(2, pos, v.to(cv.dtype))
-        if self.static:
-            return ck, cv
-        return ck[:, :, : self.length], cv[:, :, : self.length]
-
-    def reset(self) -> None:
-        self.pos = self.length = 0
 
 
 def causal_mask(T: int, device: torch.device | str) -> torch.Tensor:
@@ -211,7 +169,7 @@ class CausalSelfAttention(nn.Module):
         if mask is not None and att.dtype == torch.float16:  # a masked score may overflow to inf: replace it
             att = att.masked_fill(~mask, float("-inf"))
         elif mask is not None:
-            # the mask as 0 / -inf to add: the scores masked_fill gives, ~5x faster on a CPU than filling every head
+            # the mask as 0 / -inf to add: the scores masked_fill gives, and faster on a CPU than filling every head
             att = att + torch.zeros(mask.shape, dtype=att.dtype, device=att.device).masked_fill_(~mask, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
@@ -223,7 +181,7 @@ class CausalSelfAttention(nn.Module):
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         if self.sdpa_backend in _CUDA_ONLY_BACKENDS and q.device.type != "cuda":
-            raise GPTError(
+            raise UserError(
                 f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type}: PyTorch has no "
                 f"{self.sdpa_backend} kernel there (use 'flash', 'math' or 'auto')"
             )
@@ -236,7 +194,7 @@ class CausalSelfAttention(nn.Module):
             if not any(s in str(e) for s in ("No viable backend", "No available kernel")):  # CPU, CUDA wording
                 raise
             reasons = sdpa_kernel_refusal(backend, q, k, v, mask, dropout_p, is_causal)
-            raise GPTError(
+            raise UserError(
                 f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type} with dtype {q.dtype}, "
                 f"head size {q.size(-1)}, {'a' if mask is not None else 'no'} mask: {reasons} "
                 f"(choose another sdpa_backend, or 'auto')"
@@ -352,14 +310,14 @@ class GPT(nn.Module):
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
-            raise GPTError(
+            raise UserError(
                 f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
                 f"crop the input to the last {self.config.block_size} tokens"
             )
         if kv_cache is not None and past + T > kv_cache.size:
-            raise GPTError(f"{past + T} positions do not fit the KV cache, which holds {kv_cache.size}")
+            raise UserError(f"{past + T} positions do not fit the KV cache, which holds {kv_cache.size}")
         if attention_mask is not None and kv_cache is not None:
-            raise GPTError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
+            raise UserError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
         if kv_cache is not None:
             kv_cache.length = past + T
@@ -382,7 +340,7 @@ class GPT(nn.Module):
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size, for fine-tuning on short sequences."""
         if not 1 <= block_size <= self.config.block_size:
-            raise GPTError(f"block_size={block_size} must be between 1 and the model's {self.config.block_size}")
+            raise UserError(f"block_size={block_size} must be between 1 and the model's {self.config.block_size}")
         self.config.block_size = block_size
         # a copy, not a view: a view would keep the whole larger table alive
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
@@ -393,30 +351,6 @@ class GPT(nn.Module):
         self.config = replace(self.config, attention=attention)  # GPTConfig checks the name
         for block in self.transformer.h:
             block.attn.attention = attention
-
-    def check_attention_kernel(self, ctx: AbstractContextManager | None = None, compile: bool = False) -> None:
-        """
-        Where sdpa_backend forces one kernel, raise now the GPTError of a kernel that refuses this model's case
-        (its device, the dtype under the autocast `ctx`, head size, dropout in training mode), by running the first
-        layer's attention once eagerly on two positions. Under torch.compile the same refusal comes from inside
-        the compiler, as a long traceback (TorchRuntimeError) instead of the one-line error. compile=True also
-        refuses a torch whose compiler cannot trace the forced kernel (see sdpa_kernel_compiles).
-        """
-        cfg = self.config
-        if cfg.attention != "sdpa" or cfg.sdpa_backend == "auto":
-            return
-        if compile and not sdpa_kernel_compiles():
-            raise GPTError(
-                f"sdpa_backend={cfg.sdpa_backend!r} with compile=True needs torch 2.5 or later, whose compiler "
-                f"traces the sdpa_kernel context (torch {torch.__version__} would run every layer's attention "
-                f"outside the compiled graph): upgrade torch, or use sdpa_backend='auto' or compile=False"
-            )
-        weight = self.lm_head.weight
-        x = torch.zeros(1, min(2, cfg.block_size), cfg.n_embd, device=weight.device, dtype=weight.dtype)  # (1, T, C)
-        # dropout draws random numbers: fork the RNG so that the run's own stream (bitwise resume) is untouched
-        with torch.random.fork_rng(devices=[weight.device] if weight.device.type == "cuda" else []):
-            with ctx if ctx is not None else nullcontext():
-                self.transformer.h[0].attn(x)
 
     # ------------------------------------------------------------------------------------------- GPT-2 weights
 
@@ -432,7 +366,7 @@ class GPT(nn.Module):
         override_args = dict(override_args or {})
         allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
         if set(override_args) - allowed:
-            raise GPTError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
+            raise UserError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
         hf_model = load_hf_gpt2(model_type)
         return cls.from_hf_model(hf_model, vocab_padding_multiple=vocab_padding_multiple, **override_args)
 
@@ -500,119 +434,8 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------- generation
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-        vocab_size: int | None = None,
-        compile: bool = False,
-        window_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """
-        Extend idx (B, T) by max_new_tokens tokens, sampled from softmax(logits / temperature) after the optional
-        top-k and top-p (nucleus) filters; temperature=0 takes the most likely token (greedy). The B rows are
-        generated together: each step reads the weights once for all of them.
-        vocab_size: sample only ids below it, for a tokenizer with fewer tokens than the model has rows (nanoGPT's
-        GPT-2-sized runs have 50304 rows for GPT-2's 50257 tokens); None: the model's vocab_size.
-        With the cache, the prompt is prefilled in one forward pass, then each new token costs one position.
-        The cache holds the positions this call feeds the model, T + max_new_tokens - 1 (the last new token is
-        returned, never fed), at most block_size.
-        compile=True runs that one-token step through torch.compile: its shapes are the same at every position
-        (static cache, positions as a tensor), so it compiles once per batch size, dtype and cache size, for any
-        depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own.
-        The context is the last block_size tokens, exactly as without the cache: past block_size the window
-        slides, so every new position changes every position embedding, and each step recomputes the whole window
-        (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
-        one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it under that autocast,
-        and with compile=True it is compiled too (one shape: (B, block_size)).
-        The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
-        """
-        was_training = self.training
-        self.eval()
-        try:
-            cache = None
-            if use_cache and max_new_tokens > 0:
-                device_type = idx.device.type
-                autocast = torch.is_autocast_enabled(device_type)
-                dtype = torch.get_autocast_dtype(device_type) if autocast else self.lm_head.weight.dtype
-                # the prompt's positions and every new token's but the last: for GPT-2 XL, 5 samples of 10 + 100
-                # tokens, 109 positions (319 MiB in float32) instead of block_size's 1024 (2.9 GiB)
-                size = min(idx.size(1) + max_new_tokens - 1, self.config.block_size)
-                cache = KVCache(self.config, idx.size(0), dtype, idx.device, static=compile, size=size)
-            step = _compiled("step") if compile and use_cache else GPT._decode_step
-            window = _compiled("window") if compile else GPT._window_logits
-
-            def append_next(idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-                logits = logits[:, :vocab_size]  # (B, vocab_size)
-                return torch.cat((idx, sample_next_token(logits, temperature, top_k, top_p, generator)), dim=1)
-
-            new = 0
-            while new < max_new_tokens and idx.size(1) <= self.config.block_size:  # within the block: the cache
-                idx, new = append_next(idx, self._next_token_logits(idx, cache, step)), new + 1
-            # past block_size the window slides: each step recomputes it whole, under one autocast context for the
-            # whole phase (it casts each weight once, not once a step), else under the caller's, if any
-            with _autocast_to(idx.device.type, window_dtype):
-                while new < max_new_tokens:
-                    # contiguous: the same strides at every step, so the compiled window compiles once
-                    logits = window(self, idx[:, -self.config.block_size:].contiguous())
-                    idx, new = append_next(idx, logits), new + 1
-        finally:
-            self.train(was_training)
-        return idx
-
-    def _next_token_logits(self, idx: torch.Tensor, cache: KVCache | None, step) -> torch.Tensor:
-        block_size = self.config.block_size
-        if cache is None:
-            x = self._hidden(idx[:, -block_size:])
-        elif cache.pos == idx.size(1) - 1 and cache.pos < cache.size:  # one new position
-            pos = torch.full((1,), cache.pos, dtype=torch.long, device=idx.device)  # (1,)
-            cache.pos += 1
-            cache.length = cache.pos
-            last = idx[:, -1:].clone(memory_format=torch.contiguous_format)  # (B, 1): the same strides every step
-            return step(self, last, pos, cache)
-        else:  # the prompt (prefill): in one forward pass
-            cache.reset()
-            x = self._hidden(idx[:, -block_size:], kv_cache=cache)
-        return self._last_logits(x)
-
-    def _window_logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, vocab_size) of the next token after the window idx (B, block_size), no cache: the last block
-        for the last position only (every position's keys and values, one query, one MLP row)."""
-        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
-        return self._last_logits(self._blocks(idx, pos, last_only=True))
-
-    def _decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits (B, vocab_size) of the next token after ids idx (B, 1) at position pos (1,), stored in cache."""
-        return self._last_logits(self._blocks(idx, pos, kv_cache=cache))
-
-    def _last_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits (B, vocab_size) over the real vocabulary at the last position of x (B, T, C)."""
-        return self.lm_head(x[:, -1, :])[:, : self.config.vocab_size].float()
-
-
-def _autocast_to(device_type: str, dtype: torch.dtype | None) -> AbstractContextManager:
-    """Autocast to dtype (float32: autocast off, the model's float32 itself); None: the caller's context, if any."""
-    if dtype is None:
-        return nullcontext()
-    if dtype == torch.float32:
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=dtype)
-
-
-_COMPILED: dict = {}
-
-
-def _compiled(name: str):
-    """GPT._decode_step ("step") or GPT._window_logits ("window") through torch.compile, made once per process:
-    fullgraph (one graph for every layer, no per-layer variants) and static shapes (a new batch size or dtype
-    compiles a new variant, not a dynamic one)."""
-    if name not in _COMPILED:
-        function = {"step": GPT._decode_step, "window": GPT._window_logits}[name]
-        _COMPILED[name] = torch.compile(function, fullgraph=True, dynamic=False)
-    return _COMPILED[name]
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 **options) -> torch.Tensor:
+        """nanoGPT's `model.generate(idx, max_new_tokens, temperature, top_k)`: idx (B, T) extended by max_new_tokens
+        sampled tokens, through the KV cache (engine.generate, which also takes top_p, a generator, compile, ...)."""
+        return engine.generate(self, idx, max_new_tokens, temperature, top_k, **options)

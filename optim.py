@@ -12,7 +12,7 @@ Both are held by one `Optimizers` object, which looks like a torch optimizer to 
 non-finite guard, accumulation, DDP and checkpoints treat it as one. Under DDP the gradients are all-reduced
 in backward, before the step, so every rank orthogonalises the same full gradient and the ranks stay equal.
 
-Imports common.py only (UserError); the model's configure_optimizers builds the AdamW.
+Imports common.py and errors.py only; the model's configure_optimizers builds the AdamW.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from common import UserError, plural
+from common import plural
+from errors import UserError
 
 OPTIMIZERS = ("adamw", "muon")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -78,7 +79,7 @@ def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def muon_class() -> type[torch.optim.Optimizer]:
     """torch.optim.Muon, with a choice of the dtype its Newton-Schulz iteration runs in. Torch's runs it in bfloat16,
-    which CPUs without bf16 instructions (AVX2-only ones, e.g. AMD Zen 3) emulate ~30x slower than float32."""
+    which CPUs without bf16 instructions (AVX2-only ones, e.g. AMD Zen 3) emulate, far slower than float32."""
     if not hasattr(torch.optim, "Muon"):
         raise UserError(
             f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), and this is torch {torch.__version__}: "

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 import checkpoint
-from common import UserError, exit_on_user_error
+from errors import UserError, exit_on_user_error
 from distributed import Dist, is_dtensor
 from configurator import exit_on_help
 from model import GPT

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from common import exit_on_user_error, pyplot
+from common import pyplot
+from errors import exit_on_user_error
 from metrics import read_metrics
 
 

@@ -21,7 +21,8 @@ import torch
 
 import dataio
 import plot
-from common import UserError, mfu_text
+from common import mfu_text
+from errors import UserError
 from metrics import METRICS_NAME, read_metrics, read_records
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"

@@ -14,7 +14,7 @@ Moving aside instead of refusing: a nanoGPT user reruns the same command and exp
 overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
 way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
 
-Imports nothing of the project but errors; train.py and checkpoint.py import it.
+Imports nothing of the project; train.py and checkpoint.py import it.
 """
 from __future__ import annotations
 

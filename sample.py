@@ -26,8 +26,18 @@ import torch
 
 import checkpoint
 import dataio
-from common import (DTYPES, UserError, autocast_context, cpu_has_native_bf16, exit_on_user_error, plural,
-                    resolve_attention, resolve_device, resolve_dtype, resolve_sampling_attention, synchronize)
+from common import (
+    DTYPES,
+    autocast_context,
+    cpu_has_native_bf16,
+    plural,
+    resolve_attention,
+    resolve_device,
+    resolve_dtype,
+    resolve_sampling_attention,
+    synchronize,
+)
+from errors import UserError, exit_on_user_error
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -38,6 +48,7 @@ SEPARATOR = "---------------"
 @dataclass
 class SampleConfig:
     init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", ..., a HF GPT-2 folder, or
+
     # a checkpoint file or sharded folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
     ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
@@ -52,11 +63,10 @@ class SampleConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
     window_dtype: str | None = None  # past block_size every token recomputes the whole window: its autocast dtype
-    # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is ~2x float32's speed)
-    compile: bool = False  # torch.compile the one-token decoding step (compiles once, ~1 min on a CPU: long runs only)
+    # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is faster than float32)
+    compile: bool = False  # torch.compile the one-token decoding step (its compile takes a while: long runs only)
     attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
     # block_size) for windows up to 256 positions, where its plain bf16 matmuls beat the CPU flash kernel, else sdpa
-    # (common.resolve_sampling_attention)
     sdpa_backend: str | None = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
 
 
@@ -165,7 +175,7 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
     synchronize(device)
     t0 = time.perf_counter()
     with autocast_context(device, dtype):
-        y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, generator,
+        y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p, generator=generator,
                            vocab_size=tokenizer.vocab_size, compile=cfg.compile,
                            window_dtype=DTYPES[cfg.window_dtype] if cfg.window_dtype else None)
     synchronize(device)

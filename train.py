@@ -17,8 +17,8 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 
 Config: the TrainConfig defaults below, then config files and --key=value overrides in the order given.
 
-Imports the model, checkpoint.py, distributed.py, parallel.py, metrics.py, report.py, hellaswag.py and the data
-and config modules; only bench.py and benchmarks/ (for the training step) and the tests import train.py.
+The training step itself (StepConfig, the batches, train_step) is step.py's, which bench.py shares; nothing but the
+tests imports train.py.
 """
 from __future__ import annotations
 
@@ -26,11 +26,9 @@ import contextlib
 import math
 import os
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Callable, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,23 +42,9 @@ import report
 import run_dir
 from metrics import Logger, wandb_problem
 from checkpoint import checkpoint_model_config
-from common import (
-    UserError,
-    autocast_context,
-    dtype_reason,
-    exit_on_user_error,
-    keep_freed_memory,
-    mfu_text,
-    plural,
-    resolve_attention,
-    resolve_fused_loss,
-    resolve_device,
-    resolve_dtype,
-    run_info,
-    run_peak_flops,
-    set_deterministic,
-    set_tf32,
-)
+from common import dtype_reason, mfu_text, plural, resolve_attention, run_info, run_peak_flops
+from errors import UserError, exit_on_user_error
+from hardware import check_attention_kernel
 from distributed import (
     DDP_SETTINGS,
     Dist,
@@ -72,65 +56,24 @@ from distributed import (
     setup_distributed,
 )
 from configurator import config_summary, configure_keys
-from model import GPT, GPTConfig
-from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
+from model import GPT
+from step import (
+    MODEL_KEYS,
+    StepConfig,
+    StepInterrupted,
+    batch_generator,
+    compile_model,
+    data_paths,
+    get_batch,
+    model_config,
+    model_settings,
+    optimizer_and_scaler,
+    setup_device,
+    to_device,
+    train_batches,
+    train_step,
+)
 
-
-
-@dataclass
-class StepConfig:
-    """
-    What one training step needs (the batch, the model, AdamW, device and precision): train.py's TrainConfig and
-    bench.py's BenchConfig extend it. The model keys default to GPTConfig's (model.py), the one source, except
-    bias, which a model trained from scratch leaves out.
-    """
-    # data
-    dataset: str = "openwebtext"
-    data_dir: str | None = None  # default: data/<dataset> beside this file
-    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
-    batch_size: int = 12  # micro-batch size per rank
-    block_size: int = GPTConfig.block_size
-    # model
-    n_layer: int = GPTConfig.n_layer
-    n_head: int = GPTConfig.n_head
-    n_embd: int = GPTConfig.n_embd
-    dropout: float = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
-    bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
-    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16, else sdpa (common.resolve_attention)
-    sdpa_backend: str = GPTConfig.sdpa_backend  # "auto", "flash", "efficient", "cudnn", "math"
-    vocab_padding_multiple: int = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
-    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
-    # the CPU, plain on a GPU (common.resolve_fused_loss)
-    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, ~2.5x faster CPU kernel); None: erf from
-    # scratch (SCRATCH_GELU), else what the checkpoint or GPT-2 weights were trained with
-    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
-    optimizer: str = "adamw"
-    muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
-    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
-    muon_momentum: float = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
-    muon_ns_dtype: str = "auto"  # "bfloat16" (torch's), "float32"; auto: float32 on CPUs without bf16 kernels
-    # AdamW
-    learning_rate: float = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
-    weight_decay: float = 1e-1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # clip the gradient norm at this value; 0 disables clipping
-    fused_adamw: bool | None = None  # None: fused where the device has the kernel
-    # system
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
-    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
-    compile: bool = True  # torch.compile the model
-    compile_mode: str = "default"  # torch.compile's mode: "default", "max-autotune-no-cudagraphs"; "max-autotune" and
-    # "reduce-overhead" add CUDA graphs (CUDA only)
-    fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
-    fp8_recipe: str = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
-    fp8_layers: str = "auto"  # "auto": only the layers large enough for float8 to pay (float8.py); "all": every one
-    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
-    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (~1.2x faster)
-    peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
-    # matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
-    seed: int = 1337
 
 
 @dataclass
@@ -152,6 +95,7 @@ class TrainConfig(StepConfig):
     async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save);
     # the last save and a stop's are written before the run ends
     report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
+
     # logging
     wandb_log: bool = False
     wandb_project: str = "owt"
@@ -159,136 +103,58 @@ class TrainConfig(StepConfig):
     hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
     hellaswag_interval: int = 0  # ... only every this many steps, a multiple of eval_interval (0: at every eval)
     hellaswag_path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded once
+
     # learning rate schedule: linear warmup, then cosine decay to min_lr
     max_iters: int = 600000  # optimizer steps
     decay_lr: bool = True
     warmup_iters: int = 2000
     lr_decay_iters: int | None = None  # None: max_iters (~ Chinchilla: about max_iters)
     min_lr: float = 6e-5  # ~ learning_rate / 10
+
     # non-finite losses or gradient norms (float16 leaves them to its grad scaler)
     max_nonfinite_skips: int = 0  # skip up to this many such steps per run; past that, stop with an error
+
     # system
     backend: str = "auto"  # DDP: "nccl" on CUDA, "gloo" on the CPU
     parallelism: str = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters, grads, AdamW state sharded (FSDP2)
     activation_checkpointing: bool | int = False  # recompute blocks' activations in the backward: True, or N blocks
 
+    def problems(self, world_size: int) -> list[str]:
+        cfg = self
+        problems = super().problems(world_size)
+        for key in ("eval_iters", "log_interval", "eval_interval"):
+            if getattr(cfg, key) < 1:
+                problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+        if cfg.max_iters < 0:
+            problems.append(f"max_iters={cfg.max_iters} must be >= 0")
+        if cfg.checkpoint_interval < 0 or cfg.checkpoint_minutes < 0:
+            problems.append(f"checkpoint_interval={cfg.checkpoint_interval} and checkpoint_minutes="
+                            f"{cfg.checkpoint_minutes} must be >= 0 (0: save at evals only)")
+        if cfg.async_save and cfg.parallelism != "fsdp":
+            problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={cfg.parallelism!r} "
+                            f"saves one file: set parallelism='fsdp' or async_save=False")
+        if cfg.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
+            problems.append(
+                f"init_from={cfg.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder with "
+                f"a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
+            )
+        if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
+            problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
+                            f"{cfg.eval_interval} (HellaSwag runs at evals)")
+        if (wandb := wandb_problem(cfg)) is not None:
+            problems.append(wandb)
+        problems += parallel.config_problems(cfg)
+        if cfg.optimizer == "muon" and cfg.parallelism == "fsdp":  # a rank holds shards, Muon needs whole matrices
+            problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
+        return problems
+
+    def check(self, world_size: int) -> None:
+        """Raise one UserError that names every problem of this config for a run of world_size ranks."""
+        if problems := self.problems(world_size):
+            raise UserError("; ".join(problems))
+
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-# From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
-SCRATCH_GELU = "erf"
-# The config keys that shape the weights (with the dataset's vocab_size), and those that change only how the
-# model computes. model_config assembles them, the one place a config becomes a GPTConfig.
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
-SETTING_KEYS = ("dropout", "attention", "sdpa_backend", "fused_loss")
-
-
-def model_settings(cfg: StepConfig) -> dict:
-    """The settings that do not touch the weights: they apply to a checkpoint's or GPT-2's model too. train.py and
-    bench.py resolve attention="auto" first (to log why); a direct call resolves it for the configured device."""
-    settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
-    if settings["attention"] == "auto":
-        device = resolve_device(cfg.device)
-        settings["attention"] = resolve_attention("auto", device, resolve_dtype(cfg.dtype, device))[0]
-    if settings["fused_loss"] is None:
-        settings["fused_loss"] = resolve_fused_loss(None, resolve_device(cfg.device))
-    return settings
-
-
-def model_config(cfg: StepConfig, vocab_size: int) -> GPTConfig:
-    """The GPTConfig of a new model: the config's model keys, the dataset's vocabulary, and SCRATCH_GELU unless a
-    GELU is set."""
-    args = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"}
-    return GPTConfig(**args, **model_settings(cfg), vocab_size=vocab_size, gelu=cfg.gelu or SCRATCH_GELU)
-
-
-def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, AbstractContextManager, bool]:
-    """
-    The process-wide setup of training steps, for train.py and bench.py alike. Returns the dtype ('auto'
-    resolved), its autocast context, and whether glibc's malloc now keeps freed memory (CPU). Seeds torch with
-    seed + rank (dropout differs between DDP ranks; the data has its own generators), sets deterministic
-    algorithms and TF32 (CUDA).
-    """
-    dtype = resolve_dtype(cfg.dtype, device)
-    problems = float8.fp8_problems(cfg.fp8, cfg.fp8_recipe, device, dtype, cfg.fp8_layers)
-    if cfg.compile_mode in CUDA_GRAPH_MODES and device.split(":")[0] != "cuda":
-        problems.append(f"compile_mode={cfg.compile_mode!r} records CUDA graphs, which need a CUDA device, not "
-                        f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
-    if problems:
-        raise UserError("; ".join(problems))
-    torch.manual_seed(cfg.seed + rank)
-    set_deterministic(cfg.deterministic)
-    device_type = device.split(":")[0]
-    if device_type == "cuda":
-        set_tf32(cfg.tf32)
-    kept = device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory)
-    return dtype, autocast_context(device, dtype), kept
-
-
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
-CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
-
-
-def compile_model(model: torch.nn.Module, cfg: StepConfig) -> torch.nn.Module:
-    """torch.compile with the configured mode ('default' passes none: torch's own default)."""
-    return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
-
-
-def optimizer_and_scaler(
-    model: GPT, cfg: StepConfig, device: str, dtype: str, verbose: bool
-) -> tuple[Optimizers, torch.amp.GradScaler]:
-    """The optimizer cfg.optimizer names (optim.build_optimizer: AdamW, or Muon + AdamW), and the grad scaler
-    (enabled for float16 only)."""
-    device_type = device.split(":")[0]
-    optimizer = build_optimizer(model, cfg, device_type, verbose=verbose)
-    return optimizer, torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-
-
-# ----------------------------------------------------------------------------------------------- data
-
-
-def data_paths(cfg: StepConfig) -> str:
-    return dataio.dataset_dir(cfg.dataset, cfg.data_dir)
-
-
-STREAMS = {"train": 0, "eval_train": 1, "eval_val": 2}  # training batches, and the fixed batches of each eval
-
-
-def batch_generator(seed: int, stream: str, step: int, index: int) -> torch.Generator:
-    """
-    The generator for one micro-batch, derived from (seed, stream, step, micro-batch index over all ranks).
-    So the data stream is a function of the step alone: a resumed run continues it instead of replaying it,
-    each rank reads different windows, and 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps reads.
-    """
-    state = np.random.SeedSequence([seed, STREAMS[stream], step, index]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
-
-
-def get_batch(
-    source: str | dataio.TokenSplit, batch_size: int, block_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of block_size tokens from a token file or a dataset split (dataio.open_split, sharded or
-    not): x (B, T) and the next tokens y (B, T), int64 on the CPU."""
-    split = source if isinstance(source, dataio.TokenSplit) else dataio.TokenSplit([source], str(source))
-    return split.get_batch(batch_size, block_size, generator)
-
-
-def train_batches(
-    split: dataio.TokenSplit, cfg: TrainConfig, iter_num: int, rank: int, accum_steps: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of step iter_num: its micro-step i is micro-step rank * accum_steps + i of the step
-    over all ranks, so 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps read."""
-    return [
-        get_batch(split, cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, "train", iter_num, index))
-        for index in range(rank * accum_steps, (rank + 1) * accum_steps)
-    ]
-
-
-def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    if device.startswith("cuda"):  # pinned memory lets the copy run asynchronously with compute
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 # ----------------------------------------------------------------------------------------------- schedule
 
 
@@ -343,63 +209,6 @@ class NonFiniteError(UserError):
     pass
 
 
-class StepInterrupted(Exception):
-    """A stop was requested between two micro-steps: the step was abandoned (its gradients dropped), not applied."""
-
-
-def train_step(
-    model, optimizer, scaler, batches, ctx, cfg: TrainConfig, dist: Dist, stop: Callable[[], bool] | None = None
-) -> tuple[float, float, bool]:
-    """
-    One optimizer step over the micro-batches of this rank. Returns (mean loss over all micro-batches and ranks,
-    gradient norm, whether the step was applied). `stop` is asked between micro-steps (the ranks agree on its
-    answer): True drops the gradients so far and raises StepInterrupted, so a stop waits for one micro-step, not
-    a whole step of gradient accumulation.
-
-    The gradient equals that of one big batch of the same tokens: each micro-batch's mean loss is weighted by
-    its share of all target tokens (those not -1) over every micro-step and rank, so the weighting stays right
-    when some targets are ignored. DDP averages gradients over ranks, hence the factor world_size.
-    """
-    counts = [int((y != -1).sum()) for _, y in batches]  # on the CPU: no device sync
-    n_tokens = torch.tensor(float(sum(counts)), device=dist.device)
-    if dist.enabled:
-        torch_dist.all_reduce(n_tokens)
-    loss_sum = torch.zeros((), device=dist.device)
-    # The step's host-to-device copies are queued up front (pinned, non-blocking): they overlap the first
-    # micro-steps' compute instead of each waiting for the one before it. A no-op on the CPU.
-    batches = [(to_device(x, dist.device), to_device(y, dist.device)) for x, y in batches]
-    for i, ((x, y), n) in enumerate(zip(batches, counts)):
-        last = i == len(batches) - 1
-        if i > 0 and stop is not None and stop():
-            optimizer.zero_grad(set_to_none=True)
-            raise StepInterrupted
-        # DDP all-reduces (FSDP reduce-scatters) gradients in backward; only the last micro-step needs it.
-        with parallel.gradient_sync(model, dist, sync=last):
-            with ctx:  # the loss only: with fused_loss the (tokens x vocab) logits are never formed
-                _, loss = model(x, y, return_logits=False)
-            weight = n * dist.world_size / n_tokens
-            scaler.scale(loss * weight).backward()
-        loss_sum += loss.detach().float() * n
-    if dist.enabled:
-        torch_dist.all_reduce(loss_sum)
-    scaler.unscale_(optimizer)
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = parallel.clip_grad_norm_(model.parameters(), max_norm)  # the total norm over all ranks' shards
-    mean_loss, norm = (torch.stack([loss_sum / n_tokens, grad_norm.float()])).tolist()
-    # float16: the scaler skips steps whose gradients overflowed, and lowers its scale; a non-finite loss is
-    # not an overflow it can fix, so it is counted like any other non-finite step.
-    if math.isfinite(mean_loss) and (math.isfinite(norm) or scaler.is_enabled()):
-        scaler.step(optimizer)
-        applied = math.isfinite(norm)
-    else:
-        applied = False
-    # Also after a skipped step: update() is what clears unscale_'s record for this optimizer (without it the next
-    # step's unscale_ raises "already been called"); it lowers the scale when the gradients were not finite.
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return mean_loss, norm, applied
-
-
 # ----------------------------------------------------------------------------------------------- the run
 
 
@@ -452,58 +261,6 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 
 
 
-def step_config_problems(cfg: StepConfig, world_size: int) -> list[str]:
-    """What is wrong with the keys of one step (train.py and bench.py check them alike)."""
-    problems = []
-    if cfg.gradient_accumulation_steps % world_size:
-        problems.append(
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
-            f"{world_size} DDP processes: make it a multiple of {world_size}"
-        )
-    for key in ("batch_size", "block_size", "gradient_accumulation_steps"):
-        if getattr(cfg, key) < 1:
-            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
-    if cfg.compile_mode not in COMPILE_MODES:
-        problems.append(f"compile_mode={cfg.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
-        problems.append(f"muon_ns_dtype={cfg.muon_ns_dtype!r} is not one of auto, {', '.join(NS_DTYPES)}")
-    if cfg.optimizer == "muon" and cfg.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
-        problems.append(f"learning_rate={cfg.learning_rate} must be > 0 with optimizer='muon'")
-    return problems
-
-
-def check_config(cfg: TrainConfig, world_size: int) -> None:
-    problems = step_config_problems(cfg, world_size)
-    for key in ("eval_iters", "log_interval", "eval_interval"):
-        if getattr(cfg, key) < 1:
-            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
-    if cfg.max_iters < 0:
-        problems.append(f"max_iters={cfg.max_iters} must be >= 0")
-    if cfg.checkpoint_interval < 0 or cfg.checkpoint_minutes < 0:
-        problems.append(f"checkpoint_interval={cfg.checkpoint_interval} and checkpoint_minutes="
-                        f"{cfg.checkpoint_minutes} must be >= 0 (0: save at evals only)")
-    if cfg.async_save and cfg.parallelism != "fsdp":
-        problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={cfg.parallelism!r} "
-                        f"saves one file: set parallelism='fsdp' or async_save=False")
-    if cfg.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(cfg.init_from):
-        problems.append(
-            f"init_from={cfg.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder with "
-            f"a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
-        )
-    if cfg.hellaswag_interval < 0 or (cfg.eval_interval > 0 and cfg.hellaswag_interval % cfg.eval_interval):
-        problems.append(f"hellaswag_interval={cfg.hellaswag_interval} must be 0 or a multiple of eval_interval="
-                        f"{cfg.eval_interval} (HellaSwag runs at evals)")
-    if (wandb := wandb_problem(cfg)) is not None:
-        problems.append(wandb)
-    problems += parallel.config_problems(cfg)
-    if cfg.optimizer == "muon" and cfg.parallelism == "fsdp":  # a rank holds shards, Muon needs whole matrices
-        problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
-    if problems:
-        raise UserError("; ".join(problems))
-
-
 def train(cfg: TrainConfig) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
     sharded: FSDP's shards need the process group, which the end of the run destroys."""
@@ -530,7 +287,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, dist: Dist) -> dict:
-    check_config(cfg, dist.world_size)
+    cfg.check(dist.world_size)
     # every rank, before rank 0 moves any file
     init_from, start_why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)
     cfg = replace(cfg, init_from=init_from)
@@ -626,7 +383,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                                      compile_mode=cfg.compile_mode)
     else:
         model.to(device)
-        model.check_attention_kernel(ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
+        check_attention_kernel(model, ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
     raw_model = model
     log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
     log.print(parallel.memory_text(parallel.memory_per_rank(model, accum_steps), dist.world_size))
@@ -648,45 +405,20 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
 
     last_save = {"iter": iter_num, "time": time.time()}  # where a hard kill would resume from
-    in_flight: list[tuple[checkpoint.ShardedSave, str]] = []  # async_save: the save written in the background
-    save_group = checkpoint_group(dist) if cfg.async_save else None
+    saver = checkpoint.RunSaver(cfg.out_dir, dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
+                                cfg.keep_last, best_file, checkpoint_group(dist) if cfg.async_save else None)
 
     def save(iter_num: int, best_val_loss: float, improved: bool, background: bool = False) -> None:
-        nonlocal best_file
-        t_save = time.time()
         finish_save()  # one save in flight at a time
         state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, saved_cfg, dist, log.elapsed(),
                                        meta, run_id)
-        best_note = "" if improved or cfg.always_save_checkpoint else (
-            f" (the best val loss's weights stay in {checkpoint.SHARDED_BEST_NAME})")
-        if cfg.parallelism == "fsdp" and background:
-            pending = checkpoint.start_sharded_save(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist,
-                                                    save_group, improved, not cfg.always_save_checkpoint)
-            in_flight.append((pending, f"iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME}{best_note}"))
-            log.print(f"saving sharded checkpoint at iter {iter_num} in the background (staged in "
-                      f"{time.time() - t_save:.1f} s)")
-        elif cfg.parallelism == "fsdp":  # every rank writes its shards
-            checkpoint.save_sharded(cfg.out_dir, raw_model, optimizer.as_torch(), state, dist, improved,
-                                    keep_best=not cfg.always_save_checkpoint)
-            log.print(f"saved sharded checkpoint at iter {iter_num} to {cfg.out_dir}/{checkpoint.SHARDED_NAME} in "
-                      f"{time.time() - t_save:.1f} s{best_note}")
-        elif dist.master:
-            state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}
-            best_file = checkpoint.save_run_checkpoint(state, cfg.out_dir, improved, best_file,
-                                                       cfg.always_save_checkpoint, cfg.keep_last)
-            log.print(f"saved checkpoint at iter {iter_num} to {cfg.out_dir} in {time.time() - t_save:.1f} s" + (
-                f" (the best val loss's weights stay in {checkpoint.BEST_NAME})"
-                if best_file == checkpoint.BEST_NAME else ""))
+        if (line := saver.save(raw_model, optimizer, state, improved, background)) is not None:
+            log.print(line)
         last_save.update(iter=iter_num, time=time.time())
 
     def finish_save(if_done: bool = False) -> None:
-        """Link the save written in the background once its shards are on disk (if_done: only if they already are,
-        checked between steps)."""
-        if in_flight and (not if_done or in_flight[0][0].done()):
-            pending, where = in_flight.pop()
-            pending.finish()
-            log.print(f"saved sharded checkpoint at {where}, written in {time.time() - pending.started:.1f} s beside "
-                      f"training")
+        if (line := saver.finish(if_done)) is not None:
+            log.print(line)
 
     def periodic_save_due(iter_num: int) -> bool:
         """checkpoint_interval / checkpoint_minutes: the ranks agree (rank 0's clock decides the minutes)."""

@@ -1,1 +1,2 @@
-"""Studies and side-by-side benchmarks beside bench.py; measure.py holds what bench.py and the studies share."""
+"""Studies and side-by-side benchmarks beside bench.py: they build on bench.py, measure.py and the modules below
+them, never the reverse."""

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
-from benchmarks.measure import (  # noqa: E402
+from measure import (  # noqa: E402
     allocator_line,
     detect_allocator,
     load_note,
@@ -33,7 +33,8 @@ from benchmarks.measure import (  # noqa: E402
     study_config,
     write_json,
 )
-from common import UserError, exit_on_user_error, pyplot, resolve_device, resolve_dtype  # noqa: E402
+from common import pyplot, resolve_device, resolve_dtype  # noqa: E402
+from errors import UserError, exit_on_user_error  # noqa: E402
 
 CHART = "benchmarks/ablation.py (for ablation.png)"  # what needs matplotlib, for its error
 

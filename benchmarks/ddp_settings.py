@@ -7,7 +7,7 @@ What DDP's gradient_as_bucket_view and static_graph buy: peak memory and step ti
 
 Memory: on the CPU the growth of each rank's peak RSS over its training steps (VmHWM, which never goes down), on
 CUDA torch.cuda.max_memory_allocated; the figure is the mean over ranks. Time: the median step over the timed
-steps. train.py uses what wins here (README, "DDP settings").
+steps. train.py uses what wins here (distributed.DDP_SETTINGS).
 """
 from __future__ import annotations
 

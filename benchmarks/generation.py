@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
-from common import UserError, exit_on_user_error, resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
-from errors import GPTError  # noqa: E402
+from common import resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
+from errors import UserError, exit_on_user_error  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             n_embd=args.n_embd,
             gelu=args.gelu,
         )
-    except GPTError as e:
+    except UserError as e:
         raise UserError(str(e)) from None
     if args.prompt_len > config.block_size:
         raise UserError(f"--prompt_len={args.prompt_len} is longer than --block_size={config.block_size}")

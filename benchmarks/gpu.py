@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import UserError, exit_on_user_error  # noqa: E402
+from errors import UserError, exit_on_user_error  # noqa: E402
 from hardware import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
 from metrics import read_records  # noqa: E402
 

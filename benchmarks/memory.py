@@ -24,10 +24,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from benchmarks.measure import markdown_table, run_child, study_config, write_json  # noqa: E402
-from common import UserError, exit_on_user_error, pyplot, resolve_device  # noqa: E402
+from measure import markdown_table, run_child, study_config, write_json  # noqa: E402
+from common import pyplot, resolve_device  # noqa: E402
+from errors import UserError, exit_on_user_error  # noqa: E402
 from distributed import Dist
-from train import train_step  # noqa: E402
+from step import train_step  # noqa: E402
 
 PATHS = {"math": dict(attention="math"), "sdpa/auto": dict(attention="sdpa", sdpa_backend="auto")}
 MAX_BATCH = 65536  # the search's cap

@@ -21,11 +21,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import bench  # noqa: E402
-from benchmarks.measure import markdown_table, write_json  # noqa: E402
-from common import autocast_context, exit_on_user_error, resolve_device  # noqa: E402
-from errors import GPTError  # noqa: E402
+from measure import markdown_table, write_json  # noqa: E402
+from common import autocast_context, resolve_device  # noqa: E402
+from errors import UserError, exit_on_user_error  # noqa: E402
 from model import GPT  # noqa: E402
-from train import batch_generator  # noqa: E402
+from step import batch_generator  # noqa: E402
 
 PATHS = {  # the model's own loss is the fused linear + cross-entropy (fused_loss) but where it says "plain loss"
     "math": dict(attention="math"),
@@ -84,7 +84,7 @@ def numerics_study(cfg: bench.BenchConfig, device: str) -> list[dict]:
                 row["attention_error"] = relative_error(attn, attn_ref)
                 row["token_loss_error"] = relative_error(losses, losses_ref)
                 row["loss_error"] = relative_error(loss, losses_ref.mean())
-            except GPTError as e:  # e.g. flash with float32 on a GPU
+            except UserError as e:  # e.g. flash with float32 on a GPU
                 row["reason"] = str(e)
             rows.append(row)
     return rows

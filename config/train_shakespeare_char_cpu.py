@@ -3,19 +3,18 @@
 # $ python sample.py --out_dir=out-shakespeare-char-cpu
 #
 # nanoGPT's CPU recipe (4 layers x 128 wide, block 64, batch 12, 2000 iterations, float32, no compile) reaches a
-# val loss of ~1.88-1.90; `python benchmarks/time_to_loss.py` runs it and this config side by side. Measured on a
-# 2-core AVX-512-BF16 CPU (see README, "Performance"), what gets there faster:
-# - bf16 autocast (dtype="auto" picks it on a CPU with bf16 in hardware): its matmuls run ~2.5x faster than
-#   float32's there. A CPU without it (AVX2 only) emulates bf16 ~30x slower, so "auto" runs float32 there.
-# - the plain math attention under bf16 (attention="auto" picks it): PyTorch's CPU flash kernel is ~5x slower in
+# val loss of ~1.88-1.90; `python benchmarks/time_to_loss.py` runs it and this config side by side (the figures, with
+# their machine and date, are in docs/performance.md). What gets there faster on a CPU with bf16 in hardware:
+# - bf16 autocast (dtype="auto" picks it on a CPU with bf16 in hardware): its matmuls run faster than float32's
+#   there. A CPU without it (AVX2 only) emulates bf16, far slower, so "auto" runs float32 there.
+# - the plain math attention under bf16 (attention="auto" picks it): PyTorch's CPU flash kernel is much slower in
 #   bf16 backward than in float32; in float32, "auto" takes SDPA.
-# - gelu="erf", the exact GELU (nanoGPT's too): PyTorch's CPU kernels for it are ~2.5x faster than the tanh form's
-#   (~6% of a step).
+# - gelu="erf", the exact GELU (nanoGPT's too): PyTorch's CPU kernels for it are faster than the tanh form's.
 # - 2 layers x 192 wide instead of 4 x 128: about the same time per step, a lower loss after the same steps
 #   (1.875 vs 1.938 after 450).
 # - batch 32 at learning rate 8e-3 (4x nanoGPT's tokens per step, 8x its learning rate), a cosine schedule that
 #   ends with the run: ~450 steps instead of 2000.
-# - no torch.compile: once compiled it gains nothing measurable at this size, and a cold compile takes ~20 s.
+# - no torch.compile: once compiled it gains nothing measurable at this size, and a cold compile costs time.
 
 out_dir = "out-shakespeare-char-cpu"
 eval_interval = 150

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import UserError
+from errors import UserError
 from dataio import GPT2_EOT, gpt2_tokenizer
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}

@@ -15,7 +15,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from common import UserError
+from errors import UserError
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DOWNLOAD_TIMEOUT = 15.0  # seconds

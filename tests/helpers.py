@@ -109,12 +109,12 @@ def run_script_timed(args: list[str], timeout: float = HANG_S, env: dict | None 
 
 def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
     """`python SCRIPT.py ARGS...` (args as run_script takes them) run in this process, the way its __main__ runs
-    it (common.exit_on_user_error(main)), from the repo root, with run_script's (returncode, stdout, stderr): for
+    it (errors.exit_on_user_error(main)), from the repo root, with run_script's (returncode, stdout, stderr): for
     the user-error tests. A fresh interpreter costs ~4 s on 2 cores (torch, and torch._dynamo that torch.optim
     imports); each script keeps tests that run it as a real process."""
     import importlib
 
-    from common import exit_on_user_error
+    from errors import exit_on_user_error
 
     script, argv = args[0], args[1:]
     module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
@@ -157,7 +157,7 @@ def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[f
     make an overflow or a non-finite step). Returns (loss, grad norm, applied, parameters unchanged) per step."""
     import torch
 
-    from train import train_step
+    from step import train_step
 
     scale = {"now": 1.0}
 

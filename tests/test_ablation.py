@@ -10,8 +10,8 @@ import pytest
 import common
 from benchmarks import ablation as ablation_script
 from benchmarks.ablation import AblationConfig, add_speedups, selected_rows
-from benchmarks.measure import detect_allocator
-from common import UserError
+from measure import detect_allocator
+from errors import UserError
 from helpers import hide_module, run_in_process
 from test_bench import bench_script, number, table_rows
 
@@ -61,7 +61,7 @@ def test_ablation_prints_every_row_of_the_studies_in_order(ablation):
 def test_rows_the_cpu_cannot_run_carry_the_reason_and_no_numbers(ablation):
     reasons = {(r["study"], r["name"]): r for r in ablation["rows"] if r["status"] != "ok"}
     assert set(reasons) == {("attention", "efficient"), ("cumulative", "tf32")}
-    # the reason is the model's own GPTError, and TF32 is not run on the CPU as if it did something
+    # the reason is the model's own UserError, and TF32 is not run on the CPU as if it did something
     assert "sdpa_backend='efficient' cannot run on cpu" in reasons["attention", "efficient"]["reason"]
     assert reasons["cumulative", "tf32"]["reason"] == "TF32 is CUDA-only"
     for r in reasons.values():

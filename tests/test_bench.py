@@ -15,8 +15,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench
-from benchmarks.measure import matmul_floor
-from common import PEAK_CACHE, UserError
+from measure import matmul_floor
+from common import PEAK_CACHE
+from errors import UserError
 from helpers import HANG_S, make_char_dataset, run_script
 from model import GPT, GPTConfig
 
@@ -211,7 +212,7 @@ def test_every_readme_bench_and_study_command_is_a_valid_config():
     import shlex
 
     from benchmarks import ablation, generation, gpu, memory, time_to_loss
-    from benchmarks.measure import study_config
+    from measure import study_config
     from configurator import configure
     from train import TrainConfig
 
@@ -281,7 +282,7 @@ def test_floor_operands_are_fresh_per_call_except_large_ones_and_fill_overlappin
     """Small operands are new tensors per replayed call (no call finds another's in cache); those over
     SHARED_OPERAND_BYTES are one per layout (GPT-2's 48 loss chunks would otherwise hold gigabytes); a zero-stride
     layout (an expanded bias) is filled without an overlapping in-place write."""
-    from benchmarks import measure
+    import measure
 
     spec = ("tensor", (4, 8), (8, 1), torch.float32)
     made = {}

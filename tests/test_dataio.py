@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import dataio
-from common import UserError
+from errors import UserError
 from helpers import ROOT
 
 

@@ -18,7 +18,7 @@ import os, sys, time, hashlib
 sys.path.insert(0, {root!r})
 import torch
 import checkpoint, train
-from common import exit_on_user_error
+from errors import exit_on_user_error
 rank = int(os.environ["RANK"])
 what = os.environ["OBSERVE"]
 if what == "allreduce":  # count the gradient all-reduces DDP runs

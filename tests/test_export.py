@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import export
-from common import UserError
+from errors import UserError
 from checkpoint import save_checkpoint
 from helpers import make_char_dataset, run_script
 from model import GPT, GPTConfig

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import checkpoint
 import distributed
-from common import UserError
+from errors import UserError
 from checkpoint import load_checkpoint, save_checkpoint
 from helpers import (
     HANG_S,
@@ -34,7 +34,8 @@ from helpers import (
 )
 from model import GPT
 import train as train_module
-from train import NonFiniteError, batch_generator, get_batch, train
+from train import NonFiniteError, train
+from step import batch_generator, get_batch
 from checkpoint import save_run_checkpoint
 
 
@@ -621,7 +622,7 @@ def test_a_stop_between_micro_steps_drops_the_step_and_resumes_bitwise(data_dir,
 SHARED_PROBE = """
 import os, sys
 sys.path.insert(0, {root!r})
-from common import UserError
+from errors import UserError
 from distributed import cleanup_distributed, setup_distributed
 from distributed import check_shared_out_dir
 d = setup_distributed("cpu")

@@ -17,7 +17,7 @@ from common import resolve_attention, resolve_device, resolve_dtype
 from checkpoint import load_checkpoint
 from configurator import configure
 from helpers import ROOT, run_script, run_script_timed, tiny_config
-from model import GPT, GPTError
+from model import GPT, UserError
 from sample import SampleConfig, load_model
 from train import TrainConfig, init_model, train
 
@@ -160,7 +160,7 @@ def test_a_folder_without_weights_is_a_one_line_error_naming_it(tmp_path):
 
     folder = tmp_path / "config-only"
     GPT2Config(n_layer=1, n_head=2, n_embd=32).save_pretrained(folder)  # config.json, no weights
-    with pytest.raises(GPTError) as e:
+    with pytest.raises(UserError) as e:
         GPT.from_pretrained(str(folder))
     assert str(e.value).startswith(f"could not load GPT-2 weights '{folder}' (")
     assert str(e.value).endswith("): pass a local folder written by save_pretrained")
@@ -170,7 +170,7 @@ def test_a_shape_key_that_disagrees_with_the_weights_is_refused_and_the_report_s
     """Bug: --n_head/--n_embd given with init_from=<checkpoint> were silently replaced by the checkpoint's, while the
     config line and report.md showed the user's values."""
     from helpers import make_char_dataset
-    from common import UserError
+    from errors import UserError
 
     data_dir = tmp_path / "data"
     make_char_dataset(data_dir)

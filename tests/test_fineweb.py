@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import dataio
-from common import UserError, exit_on_user_error
+from errors import UserError, exit_on_user_error
 from checkpoint import load_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
-from train import batch_generator, get_batch, train, train_batches
+from train import train
+from step import batch_generator, get_batch, train_batches
 from train import main as train_main
 
 PREPARE = os.path.join(ROOT, "data", "fineweb_edu", "prepare.py")
@@ -263,11 +264,11 @@ def test_missing_shard_is_a_one_line_error(tmp_path, capsys):
 
 def test_fineweb_config_is_build_nanogpts_recipe():
     from configurator import configure
-    from train import TrainConfig, check_config, get_lr
+    from train import TrainConfig, get_lr
 
     cfg = configure(TrainConfig(), [os.path.join(ROOT, "config", "train_gpt2_fineweb.py")])
     for world_size in (1, 2, 4, 8):
-        check_config(cfg, world_size)
+        cfg.check(world_size)
     assert cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size == 2**19  # 524,288 tokens per step
     assert (cfg.max_iters, cfg.warmup_iters, cfg.dataset, cfg.hellaswag) == (19073, 715, "fineweb_edu", True)
     assert get_lr(715, cfg) == 6e-4 and get_lr(19073, cfg) == pytest.approx(6e-5)  # max LR, cosine to 10%

@@ -17,11 +17,11 @@ import torch
 
 import checkpoint
 import parallel
-from common import UserError
+from errors import UserError
 from checkpoint import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
 from model import GPT, GPTConfig
-from train import check_config, train
+from train import train
 
 # float32 on the CPU: FSDP computes the same sums in another order (reduce-scatter of 2 halves, sharded AdamW)
 TOL = 1e-5
@@ -50,7 +50,7 @@ MEASURING_TRAIN = """
 import contextlib, os, sys
 sys.path.insert(0, {root!r})
 import parallel, train
-from common import exit_on_user_error
+from errors import exit_on_user_error
 from torch.distributed.fsdp import FSDPModule
 
 def unsharded_grads(model):
@@ -173,7 +173,7 @@ def test_fsdp_and_activation_checkpointing_settings_are_checked(data_dir, tmp_pa
     }
     for message, overrides in cases.items():
         with pytest.raises(UserError, match=re.escape(message)):
-            check_config(tiny_config(data_dir, tmp_path, **overrides), 1)
+            tiny_config(data_dir, tmp_path, **overrides).check(1)
     with pytest.raises(UserError, match=r"activation_checkpointing=3 must be True, False or a number of blocks 0\.\.2"):
         train(tiny_config(data_dir, tmp_path / "ac", activation_checkpointing=3))
 
@@ -429,7 +429,7 @@ def test_the_xl_fsdp_config_states_the_memory_line_of_8_ranks():
 
     path = os.path.join(ROOT, "config", "train_gpt2_xl_fsdp.py")
     cfg = configure(TrainConfig(), [path])
-    check_config(cfg, 8)
+    cfg.check(8)
     assert cfg.parallelism == "fsdp" and cfg.activation_checkpointing is True
     comment = " ".join(open(path).read().replace("#", " ").split())  # the words, without line breaks
     with torch.device("meta"):  # shapes only, no memory
@@ -493,7 +493,7 @@ NAN_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {root!r})
 import train
-from common import exit_on_user_error
+from errors import exit_on_user_error
 from model import GPT
 
 forward, calls = GPT.forward, [0]

@@ -19,7 +19,8 @@ from distributed import Dist
 from helpers import HANG_S, config_args, make_char_dataset, run_script, tiny_config
 from fused_loss import fused_linear_cross_entropy
 from model import GPT, GPTConfig
-from train import TrainConfig, train, train_step
+from train import TrainConfig, train
+from step import train_step
 
 VOCAB = 101  # padded to 128: 27 rows that must get no probability and no gradient
 # float32 against the float64 reference: both paths sum the same terms in another order, a few ulps apart

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from common import UserError
+from errors import UserError
 from helpers import ROOT, run_script
 from test_model import DEVICE_PEAKS
 

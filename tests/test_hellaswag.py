@@ -11,7 +11,7 @@ import torch
 
 import dataio
 import hellaswag
-from common import UserError, exit_on_user_error
+from errors import UserError, exit_on_user_error
 from distributed import Dist
 from helpers import run_script, tiny_config
 from model import GPT, GPTConfig

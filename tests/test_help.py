@@ -21,7 +21,7 @@ import sample
 import train
 from benchmarks import ablation, memory
 from configurator import help_text
-from helpers import ROOT, run_script
+from helpers import ROOT
 
 SCRIPTS = ["train.py", "sample.py", "bench.py", "hellaswag.py", "export.py", "plot.py", "parallel.py",
            *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "[!_]*.py"))),
@@ -86,7 +86,7 @@ def source_comment(cls: type, name: str) -> str:
 
 
 def test_every_script_is_covered():
-    assert {"benchmarks/measure.py", "benchmarks/gpu.py", "data/shakespeare_char/prepare.py",
+    assert {"benchmarks/async_save.py", "benchmarks/gpu.py", "data/shakespeare_char/prepare.py",
             "data/fineweb_edu/prepare.py"} <= set(SCRIPTS)
     assert len(SCRIPTS) >= 7 + 8 + 4  # 8 in benchmarks/, 4 prepare scripts today
 
@@ -96,7 +96,7 @@ def test_help_prints_the_usage_and_exits_0(script, capsys):
     code, out, err = run_help(script, capsys)
     assert code == 0, err
     assert "error" not in err and "Traceback" not in err
-    if script in CONFIGS or script in ("parallel.py", "benchmarks/measure.py"):  # the usage is the docstring's
+    if script in CONFIGS or script == "parallel.py":  # the usage is the docstring's
         docstring = open(os.path.join(ROOT, script), encoding="utf-8").read().split('"""')[1]
         assert out.startswith(docstring.strip().splitlines()[0]), out[:300]
     else:
@@ -127,7 +127,7 @@ def test_train_help_text_of_some_keys(capsys):
     keys = listed_keys(out)
     assert keys["eval_only"] == ["False", "bool", "evaluate once and exit"]
     assert keys["fused_loss"] == ["None", "bool | None", "head + cross-entropy chunk by chunk, no (tokens x vocab) "
-                                  "logits; None: fused on the CPU, plain on a GPU (common.resolve_fused_loss)"]
+                                  "logits; None: fused on the CPU, plain on a GPU"]
     assert keys["min_lr"] == ["6e-05", "float", "~ learning_rate / 10"]
     assert keys["optimizer"][2] == '"adamw" for every parameter, or "muon" for the blocks\' weight matrices and ' \
                                    'AdamW for the rest'
@@ -136,7 +136,7 @@ def test_train_help_text_of_some_keys(capsys):
     assert lines[header + 1].startswith("    --max_nonfinite_skips=0 ")
     # the groups of StepConfig (the base class) come before TrainConfig's
     assert lines.index("  data") < lines.index("  I/O") < lines.index("  logging")
-    assert out.index("StepConfig (train.py)") < out.index("TrainConfig (train.py)")
+    assert out.index("StepConfig (step.py)") < out.index("TrainConfig (train.py)")
 
 
 def test_sample_help_continues_a_comment_inside_parentheses(capsys):
@@ -161,11 +161,3 @@ def test_help_anywhere_wins_over_bad_arguments(capsys):
     result = run_in_process(["train.py", "--no_such_key=1", "config/missing.py", "--help"], capsys)
     assert result.returncode == 0 and result.stderr == ""
     assert "--eval_only=False" in result.stdout
-
-
-def test_help_of_the_library_in_a_real_process():
-    """benchmarks/measure.py is a library; run as a script from a fresh interpreter (its folder on sys.path, not
-    the repo root, which run_path cannot imitate once the modules are imported), it failed to import common."""
-    result = run_script(["benchmarks/measure.py", "--help"], timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("What bench.py and the studies beside it share")

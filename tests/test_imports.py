@@ -43,7 +43,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_the_graph_sees_the_imports_it_must():
     graph = import_graph()
     assert {"checkpoint", "common", "model"} <= graph["train"]
-    assert "benchmarks.measure" in graph["bench"] and "bench" in graph["benchmarks.ablation"]
+    assert "measure" in graph["bench"] and "bench" in graph["benchmarks.ablation"]
     assert "dataio" in graph["data.shakespeare_char.prepare"]
 
 

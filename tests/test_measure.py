@@ -1,4 +1,4 @@
-"""benchmarks/measure.py: what bench.py and the studies share."""
+"""measure.py: what bench.py and the studies share."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from bench import BenchConfig
-from benchmarks import measure
+import measure
 
 
 def test_allocator_is_read_from_the_mapped_libraries_or_ld_preload():

@@ -15,11 +15,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model as model_module
-from errors import GPTError
-from hardware import device_peak_flops, gpu_peak_flops, sdpa_kernel_compiles
-from model import GPT, GPTConfig, KVCache
-from sampling import sample_next_token, top_k_filter, top_p_filter
+import engine
+import hardware
+from errors import UserError
+from hardware import check_attention_kernel, device_peak_flops, gpu_peak_flops, sdpa_kernel_compiles
+from engine import KVCache
+from model import GPT, GPTConfig
+from engine import sample_next_token, top_k_filter, top_p_filter
 
 VOCAB = 101  # not a multiple of 64: padding adds 27 rows
 SDPA_BACKENDS_ON_CPU = ("auto", "math", "flash")
@@ -285,7 +287,7 @@ def test_kv_cache_forward_matches_full_forward(attention: str) -> None:
         pieces = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in steps]
     assert (cache.pos, cache.length) == (16, 16)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
-    with pytest.raises(GPTError, match="longer than block_size=16"):
+    with pytest.raises(UserError, match="longer than block_size=16"):
         model(idx[:, :1], kv_cache=cache)
 
 
@@ -330,7 +332,7 @@ def test_the_cache_holds_the_positions_generation_feeds_and_tokens_do_not_change
             self.written.update(pos.tolist())
             return super().update(layer, k, v, pos)
 
-    monkeypatch.setattr(model_module, "KVCache", Recorded)
+    monkeypatch.setattr(engine, "KVCache", Recorded)
     model = make_model(seed=40)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(41))
 
@@ -354,9 +356,9 @@ def test_a_cache_smaller_than_the_block_refuses_positions_past_its_size() -> Non
     cache = KVCache(model.config, 1, size=5)
     with torch.no_grad():
         model(idx[:, :5], kv_cache=cache)
-        with pytest.raises(GPTError, match="6 positions do not fit the KV cache, which holds 5"):
+        with pytest.raises(UserError, match="6 positions do not fit the KV cache, which holds 5"):
             model(idx[:, 5:], kv_cache=cache)
-    with pytest.raises(GPTError, match="must hold 1 to block_size=16"):
+    with pytest.raises(UserError, match="must hold 1 to block_size=16"):
         KVCache(model.config, 1, size=17)
 
 
@@ -462,18 +464,18 @@ def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int, activat
 @pytest.mark.usefixtures("offline")
 def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> None:
     allowed = r"only \['attention', 'dropout', 'fused_loss', 'sdpa_backend'\]"
-    with pytest.raises(GPTError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):
+    with pytest.raises(UserError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):
         GPT.from_pretrained("gpt2", override_args={"n_layer": 4})
-    with pytest.raises(GPTError, match=r"unknown GPT-2 model 'gpt3': use gpt2, gpt2-medium"):
+    with pytest.raises(UserError, match=r"unknown GPT-2 model 'gpt3': use gpt2, gpt2-medium"):
         GPT.from_pretrained("gpt3")
-    with pytest.raises(GPTError, match="unknown GPT-2 model"):
+    with pytest.raises(UserError, match="unknown GPT-2 model"):
         GPT.from_pretrained(str(tmp_path / "no-such-folder"))
 
-    with pytest.raises(GPTError, match=r"unsupported GPT-2 activation 'relu': this model supports gelu_new, gelu_pytorch_tanh, gelu"):
+    with pytest.raises(UserError, match=r"unsupported GPT-2 activation 'relu': this model supports gelu_new, gelu_pytorch_tanh, gelu"):
         GPT.from_hf_model(tiny_hf_gpt2("relu"))
     hf = tiny_hf_gpt2()
     hf.transformer.h[1].mlp.c_fc.bias = nn.Parameter(torch.zeros(100))  # expected 4 * 64 = 256
-    with pytest.raises(GPTError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
+    with pytest.raises(UserError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
         GPT.from_hf_model(hf)
 
 
@@ -484,18 +486,18 @@ def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> Non
 def test_cuda_only_sdpa_backends_fail_clearly_on_cpu(backend: str) -> None:
     model = make_model(sdpa_backend=backend)
     idx = torch.randint(0, VOCAB, (1, 8))
-    with pytest.raises(GPTError, match=rf"sdpa_backend='{backend}' cannot run on cpu.*use 'flash', 'math' or 'auto'"):
+    with pytest.raises(UserError, match=rf"sdpa_backend='{backend}' cannot run on cpu.*use 'flash', 'math' or 'auto'"):
         model(idx)
 
 
 def test_unknown_attention_settings_list_the_choices() -> None:
-    with pytest.raises(GPTError, match=r"attention='flashy' is not one of math, sdpa"):
+    with pytest.raises(UserError, match=r"attention='flashy' is not one of math, sdpa"):
         tiny_config(attention="flashy")
-    with pytest.raises(GPTError, match=r"sdpa_backend='fast' is not one of auto, flash, efficient, cudnn, math"):
+    with pytest.raises(UserError, match=r"sdpa_backend='fast' is not one of auto, flash, efficient, cudnn, math"):
         tiny_config(sdpa_backend="fast")
-    with pytest.raises(GPTError, match=r"gelu='exact' is not one of tanh, erf"):
+    with pytest.raises(UserError, match=r"gelu='exact' is not one of tanh, erf"):
         tiny_config(gelu="exact")
-    with pytest.raises(GPTError) as info:  # both at once: one error naming both
+    with pytest.raises(UserError) as info:  # both at once: one error naming both
         tiny_config(attention="flashy", sdpa_backend="fast")
     assert "attention='flashy'" in str(info.value) and "sdpa_backend='fast'" in str(info.value)
 
@@ -577,9 +579,9 @@ def test_sample_next_token_greedy_seeded_and_temperature() -> None:
     ],
 )
 def test_bad_sampling_arguments_raise(kwargs: dict, message: str) -> None:
-    with pytest.raises(GPTError, match=message):
+    with pytest.raises(UserError, match=message):
         sample_next_token(torch.zeros(1, 5), **kwargs)
-    with pytest.raises(GPTError, match=message):
+    with pytest.raises(UserError, match=message):
         make_model().generate(torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
 
 
@@ -632,9 +634,9 @@ def test_crop_block_size_shrinks_wpe_and_still_runs() -> None:
     torch.testing.assert_close(after, before, atol=0, rtol=0)  # causal: the first 16 positions do not change
     out = model.generate(idx[:, :5], 20, temperature=0.0)
     assert out.shape == (2, 25) and torch.equal(out, model.generate(idx[:, :5], 20, temperature=0.0, use_cache=False))
-    with pytest.raises(GPTError, match="longer than block_size=16"):
+    with pytest.raises(UserError, match="longer than block_size=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(GPTError, match="must be between 1 and the model's 16"):
+    with pytest.raises(UserError, match="must be between 1 and the model's 16"):
         model.crop_block_size(32)
 
 
@@ -726,7 +728,7 @@ def test_peak_flops_asks_for_the_runs_gpu(monkeypatch) -> None:
 
 def test_sequence_longer_than_block_size_is_an_error() -> None:
     model = make_model()  # block_size 16
-    with pytest.raises(GPTError, match=r"sequence of 17 tokens is longer than block_size=16: crop the input"):
+    with pytest.raises(UserError, match=r"sequence of 17 tokens is longer than block_size=16: crop the input"):
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
@@ -775,11 +777,11 @@ def test_attention_dropout_is_applied_on_both_paths(attention: str) -> None:
 
 
 def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
-    """On CUDA, PyTorch words a refused kernel "No available kernel"; the model must turn it into a GPTError
+    """On CUDA, PyTorch words a refused kernel "No available kernel"; the model must turn it into a UserError
     (simulated here: the CPU cannot run the CUDA kernels)."""
     import torch.nn.functional as F
 
-    from errors import GPTError
+    from errors import UserError
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16, sdpa_backend="flash"))
@@ -788,7 +790,7 @@ def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
         raise RuntimeError("No available kernel. Aborting execution.")
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
-    with pytest.raises(GPTError, match=r"sdpa_backend='flash' cannot run on cpu with dtype torch.float32"):
+    with pytest.raises(UserError, match=r"sdpa_backend='flash' cannot run on cpu with dtype torch.float32"):
         model(torch.zeros(1, 8, dtype=torch.long))
 
 
@@ -819,7 +821,7 @@ def test_a_cuda_refusal_names_the_chosen_kernels_reasons_only():
 
 
 def test_a_refused_forced_kernel_is_the_one_line_error_even_compiled(tmp_path) -> None:
-    # flash refuses dropout on the CPU: eager and compiled runs both stop with the GPTError before any step (the
+    # flash refuses dropout on the CPU: eager and compiled runs both stop with the UserError before any step (the
     # compiled one raised torch._dynamo's TorchRuntimeError from inside the compiler)
     from helpers import make_char_dataset, tiny_config as train_config
     from train import train
@@ -828,10 +830,10 @@ def test_a_refused_forced_kernel_is_the_one_line_error_even_compiled(tmp_path) -
     for compile in (False, True):
         cfg = train_config(tmp_path / "data", tmp_path / f"out{compile}", compile=compile, attention="sdpa",
                           sdpa_backend="flash", dropout=0.1, max_iters=2)
-        with pytest.raises(GPTError, match="sdpa_backend='flash' cannot run on cpu .*dropout"):
+        with pytest.raises(UserError, match="sdpa_backend='flash' cannot run on cpu .*dropout"):
             train(cfg)
     model = make_model(attention="sdpa", sdpa_backend="flash", dropout=0.1)
-    model.eval().check_attention_kernel(compile=True)  # without dropout (eval) flash runs: nothing raised
+    check_attention_kernel(model.eval(), compile=True)  # without dropout (eval) flash runs: nothing raised
 
 
 def test_forced_kernel_compiles_into_one_graph_or_is_refused(monkeypatch) -> None:
@@ -842,10 +844,10 @@ def test_forced_kernel_compiles_into_one_graph_or_is_refused(monkeypatch) -> Non
     explanation = torch._dynamo.explain(model)(idx, idx)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert sdpa_kernel_compiles()
-    monkeypatch.setattr(model_module, "sdpa_kernel_compiles", lambda: False)  # a torch whose dynamo cannot
-    with pytest.raises(GPTError, match="needs torch 2.5 or later"):
-        model.check_attention_kernel(compile=True)
-    model.check_attention_kernel(compile=False)  # eager: fine on any torch
+    monkeypatch.setattr(hardware, "sdpa_kernel_compiles", lambda: False)  # a torch whose dynamo cannot
+    with pytest.raises(UserError, match="needs torch 2.5 or later"):
+        check_attention_kernel(model, compile=True)
+    check_attention_kernel(model, compile=False)  # eager: fine on any torch
 
 
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
@@ -909,7 +911,7 @@ def test_the_window_runs_its_last_block_for_the_last_position_alone_and_gives_th
     for block in model.transformer.h:
         block.mlp.c_fc.register_forward_hook(lambda m, i, o: rows.append(o.size(1)))
     with torch.no_grad():
-        window = model._window_logits(idx)  # (B, vocab_size)
+        window = engine.window_logits(model, idx)  # (B, vocab_size)
         assert rows == [16, 16, 1]
         full = model(idx)[0][:, -1]  # (B, vocab_size), float64
     torch.testing.assert_close(window, full.float(), atol=1e-7, rtol=0)  # _window_logits returns float32

@@ -330,7 +330,7 @@ def test_nanogpt_readme_commands_are_valid_here():
     import sample as sample_module
     from configurator import configure
     from helpers import ROOT
-    from train import TrainConfig, check_config
+    from train import TrainConfig
 
     lines = NANOGPT_COMMANDS.strip().splitlines()
     assert len(lines) == 19
@@ -341,7 +341,7 @@ def test_nanogpt_readme_commands_are_valid_here():
         assert os.path.isfile(os.path.join(ROOT, script)), line
         world = int(dict(re.findall(r"--(nproc_per_node)=(\d+)", line)).get("nproc_per_node", 1))
         if script == "train.py":
-            check_config(configure(TrainConfig(), args), world)
+            configure(TrainConfig(), args).check(world)
         elif script == "sample.py":
             sample_module.check_config(configure(SampleConfig(), args))
         elif script == "bench.py":

@@ -6,13 +6,14 @@ import dataclasses
 import pytest
 import torch
 
-from common import UserError
+from errors import UserError
 from distributed import Dist
 from checkpoint import load_checkpoint
 from helpers import config_args, make_char_dataset, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer
-from train import TrainConfig, train, train_step
+from train import TrainConfig, train
+from step import train_step
 
 
 @pytest.fixture()

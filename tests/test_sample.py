@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from common import UserError
+from errors import UserError
 from checkpoint import load_checkpoint, save_checkpoint
 from helpers import make_char_dataset, run_in_process, run_script, tiny_config
 from sample import SEPARATOR, SampleConfig, check_config, load_model, sample

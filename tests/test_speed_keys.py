@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 
 import float8
-from common import UserError
+from errors import UserError
 from helpers import make_char_dataset, tiny_config
 from model import GPT, GPTConfig
-from train import check_config, train
+from train import train
 
 
 @pytest.fixture()
@@ -45,7 +45,7 @@ def test_fp8_problems_name_each_cause(monkeypatch):
 def test_compile_mode_is_checked_and_cuda_graphs_are_refused_off_cuda(data_dir, tmp_path):
     with pytest.raises(UserError, match=r"compile_mode='fastest' is not one of default, max-autotune-no-cudagraphs, "
                                         r"max-autotune, reduce-overhead"):
-        check_config(tiny_config(data_dir, tmp_path, compile_mode="fastest"), 1)
+        tiny_config(data_dir, tmp_path, compile_mode="fastest").check(1)
     for mode in ("reduce-overhead", "max-autotune"):
         with pytest.raises(UserError) as e:
             train(tiny_config(data_dir, tmp_path / "out", compile_mode=mode))

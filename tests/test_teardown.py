@@ -26,7 +26,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import train
-from common import exit_on_user_error
+from errors import exit_on_user_error
 from signal_at_step import signal_during_step
 
 def gloo_threads():

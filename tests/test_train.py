@@ -18,8 +18,9 @@ from helpers import (HANG_S, config_args, hide_module, make_char_dataset, run_in
                      tiny_config)
 from model import GPT, GPTConfig
 from optim import build_optimizer
-from train import TrainConfig, batch_generator, get_batch, get_lr, train, train_step
-from common import UserError
+from train import TrainConfig, get_lr, train
+from step import batch_generator, get_batch, train_step
+from errors import UserError
 
 
 @pytest.fixture()
@@ -403,7 +404,7 @@ def readme_train_commands() -> list[tuple[str, list[str], int]]:
 
 def test_every_readme_train_command_is_a_valid_config_for_its_world_size():
     from configurator import configure
-    from train import check_config
+    pass
 
     commands = readme_train_commands()
     assert len(commands) >= 7  # quickstart, one GPU, overrides, 8 GPUs, CPU DDP, two multi-node lines
@@ -412,7 +413,7 @@ def test_every_readme_train_command_is_a_valid_config_for_its_world_size():
     for line, args, world_size in commands:
         cfg = configure(TrainConfig(), args)
         try:
-            check_config(cfg, world_size)
+            cfg.check(world_size)
         except UserError as e:
             pytest.fail(f"README/docs command `{line}`: {e}")
 

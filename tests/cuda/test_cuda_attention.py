@@ -1,7 +1,7 @@
 """
 CUDA attention: every SDPA kernel (flash, efficient, cudnn, math, auto) against the project's math attention and a
 float64 reference, forward and backward, in float32, bfloat16 and float16, causal, with a padding mask, and with
-the KV cache. A kernel that cannot run a case must say so with the project's one-line GPTError.
+the KV cache. A kernel that cannot run a case must say so with the project's one-line UserError.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from cuda_helpers import DTYPES, has_bf16, relative_error, requires_cuda
-from errors import GPTError
-from model import GPT, GPTConfig, KVCache
+from errors import UserError
+from engine import KVCache
+from model import GPT, GPTConfig
 
 pytestmark = requires_cuda
 
@@ -79,13 +80,13 @@ def test_sdpa_kernel_matches_math_attention_and_float64(backend: str, case: str,
     y_math, grads_math = _run(dataclasses.replace(CONFIG, attention="math"), case, dtype)
     try:
         y, grads = _run(dataclasses.replace(CONFIG, attention="sdpa", sdpa_backend=backend), case, dtype)
-    except GPTError as e:  # the kernel refuses this case: the one-line error that names it and the way out
+    except UserError as e:  # the kernel refuses this case: the one-line error that names it and the way out
         message = str(e)
         assert "\n" not in message and f"sdpa_backend={backend!r} cannot run on cuda" in message, message
         assert "choose another sdpa_backend" in message
         assert "runtime disabled" not in message  # the chosen kernel's reasons, not the other kernels' (turned off)
         assert backend in ("flash", "efficient", "cudnn"), f"{backend} must run every case: {message}"
-        pytest.skip(f"refused, as a GPTError: {message[:200]}")
+        pytest.skip(f"refused, as a UserError: {message[:200]}")
     tol = REL[dtype]
     assert relative_error(y, y_ref) < tol, (relative_error(y, y_ref), relative_error(y_math, y_ref))
     assert relative_error(y, y_math) < 2 * tol
@@ -99,10 +100,10 @@ def test_known_refusals_are_one_line_errors() -> None:
     # flash has no float32 kernel and takes no arbitrary mask: PyTorch's reasons, in one line
     x, grad_out, mask = _inputs("padding")
     flash = _attention(dataclasses.replace(CONFIG, attention="sdpa", sdpa_backend="flash"))
-    with pytest.raises(GPTError, match=r"sdpa_backend='flash' cannot run on cuda with dtype torch.float32"):
+    with pytest.raises(UserError, match=r"sdpa_backend='flash' cannot run on cuda with dtype torch.float32"):
         flash(x.cuda())
     if has_bf16():
-        with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(GPTError, match="flash' cannot run on cuda"):
+        with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(UserError, match="flash' cannot run on cuda"):
             flash(x.cuda(), key_padding_mask=mask.cuda())
 
 
@@ -137,9 +138,9 @@ def test_kv_cache_logits_match_the_full_forward_in_float64(backend: str, dtype: 
                 steps = [model.lm_head(model._hidden(idx[:, :40], kv_cache=cache))]
                 for t in range(40, 64):
                     steps.append(model.lm_head(model._hidden(idx[:, t : t + 1], kv_cache=cache)))
-        except GPTError as e:
+        except UserError as e:
             assert "\n" not in str(e) and f"sdpa_backend={backend!r} cannot run on cuda" in str(e)
             assert backend in ("flash", "efficient", "cudnn"), str(e)
-            pytest.skip(f"refused, as a GPTError: {str(e)[:200]}")
+            pytest.skip(f"refused, as a UserError: {str(e)[:200]}")
     logits = torch.cat(steps, dim=1)  # (B, 64, padded V)
     assert relative_error(logits, ref_logits) < REL[dtype]

@@ -10,7 +10,8 @@ import torch
 
 from cuda_helpers import requires_cuda
 from helpers import ROOT
-from model import GPT, GPTConfig, KVCache
+from engine import KVCache
+from model import GPT, GPTConfig
 
 sys.path.insert(0, f"{ROOT}/benchmarks")
 from generation import TOLERANCE, first_divergence  # noqa: E402

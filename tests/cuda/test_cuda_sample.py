@@ -11,7 +11,8 @@ import torch
 from checkpoint import load_checkpoint
 from cuda_helpers import has_bf16, requires_cuda
 from helpers import run_script, tiny_config
-from model import GPT, KVCache
+import engine
+from engine import KVCache
 from sample import SampleConfig, load_model
 from train import train
 
@@ -35,7 +36,7 @@ def _greedy_with_logits(model, idx, n: int, use_cache: bool):
     chosen = []
     with torch.no_grad():
         for _ in range(n):
-            logits = model._next_token_logits(idx, cache, GPT._decode_step)  # (B, V)
+            logits = engine._next_token_logits(model, idx, cache, engine.decode_step)  # (B, V)
             chosen.append(logits)
             idx = torch.cat((idx, logits.argmax(-1, keepdim=True)), dim=1)
     return idx, torch.stack(chosen, dim=1)

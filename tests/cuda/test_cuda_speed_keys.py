@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from common import UserError
+from errors import UserError
 from cuda_helpers import capability, requires_cuda
 from helpers import tiny_config
 from train import train

@@ -17,11 +17,10 @@ from typing import TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # run as a script (--help), common and configurator are in the repo root
+from common import run_info, synchronize
+from configurator import configure, exit_on_help, help_requested, script_doc
 
-from common import run_info, synchronize  # noqa: E402
-from configurator import configure, exit_on_help, help_requested, script_doc  # noqa: E402
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 T = TypeVar("T")
 
@@ -233,7 +232,7 @@ def run_child(argv: list[str], overrides: dict, result_path: str, script: str = 
     """
     One bench run in a fresh process, with the same interpreter and environment (so the same allocator and
     threads): the user's argv, then `overrides`. Its result JSON, or status "n/a" with the reason when the run
-    stops with a user error (a kernel the device lacks: the model's GPTError), or "failed" for a crash.
+    stops with a user error (a kernel the device lacks: the model's UserError), or "failed" for a crash.
     """
     cmd = [sys.executable, os.path.join(ROOT, script), *argv, *override_args(overrides), f"--result_json={result_path}"]
     t0 = time.perf_counter()
@@ -381,10 +380,3 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best * 1000, len(calls)
-
-
-if __name__ == "__main__":  # a library, not a script: --help says what it holds, anything else where to go
-    exit_on_help(sys.argv[1:], __doc__)
-    print("error: benchmarks/measure.py is a library: run bench.py or a study in benchmarks/ (--help lists its keys)",
-          file=sys.stderr)
-    sys.exit(2)

@@ -1,0 +1,292 @@
+"""
+One training step and what it needs, for train.py's loop and bench.py's timing alike: the keys of a step
+(StepConfig: data, model, optimizer, device and precision), the model they make, the device and compile setup, the
+optimizer and grad scaler, the micro-batches of a step, and train_step itself.
+
+Imports the model, optim.py, parallel.py, float8.py, dataio.py and the device modules; never a script.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+import dataio
+import float8
+import parallel
+from common import (
+    autocast_context,
+    keep_freed_memory,
+    resolve_attention,
+    resolve_device,
+    resolve_dtype,
+    resolve_fused_loss,
+    set_deterministic,
+    set_tf32,
+)
+from distributed import Dist
+from errors import UserError
+from model import GPT, GPTConfig
+from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
+
+
+@dataclass
+class StepConfig:
+    """
+    What one training step needs (the batch, the model, AdamW, device and precision): train.py's TrainConfig and
+    bench.py's BenchConfig extend it. The model keys default to GPTConfig's (model.py), the one source, except
+    bias, which a model trained from scratch leaves out.
+    """
+    # data
+    dataset: str = "openwebtext"
+    data_dir: str | None = None  # default: data/<dataset> beside this file
+    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
+    batch_size: int = 12  # micro-batch size per rank
+    block_size: int = GPTConfig.block_size
+
+    # model
+    n_layer: int = GPTConfig.n_layer
+    n_head: int = GPTConfig.n_head
+    n_embd: int = GPTConfig.n_embd
+    dropout: float = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
+    bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
+    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (faster there), else sdpa
+    sdpa_backend: str = GPTConfig.sdpa_backend  # "auto", "flash", "efficient", "cudnn", "math"
+    vocab_padding_multiple: int = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
+    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
+    # the CPU, plain on a GPU
+    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, the faster CPU kernel); None: erf from
+    # scratch, else what the checkpoint or GPT-2 weights were trained with
+
+    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
+    optimizer: str = "adamw"
+    muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
+    muon_momentum: float = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
+    muon_ns_dtype: str = "auto"  # "bfloat16" (torch's), "float32"; auto: float32 on CPUs without bf16 kernels
+
+    # AdamW
+    learning_rate: float = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
+    weight_decay: float = 1e-1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # clip the gradient norm at this value; 0 disables clipping
+    fused_adamw: bool | None = None  # None: fused where the device has the kernel
+
+    # system
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
+    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
+    compile: bool = True  # torch.compile the model
+    compile_mode: str = "default"  # torch.compile's mode: "default", "max-autotune-no-cudagraphs"; "max-autotune" and
+    # "reduce-overhead" add CUDA graphs (CUDA only)
+    fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
+    fp8_recipe: str = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
+    fp8_layers: str = "auto"  # "auto": only the layers large enough for float8 to pay (float8.py); "all": every one
+    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
+    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (faster steps)
+    peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
+    # matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
+    seed: int = 1337
+
+    def problems(self, world_size: int) -> list[str]:
+        """What is wrong with these keys for a run of world_size ranks, one phrase each (TrainConfig adds its own)."""
+        cfg = self
+        problems = []
+        if cfg.gradient_accumulation_steps % world_size:
+            problems.append(
+                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
+                f"{world_size} DDP processes: make it a multiple of {world_size}"
+            )
+        for key in ("batch_size", "block_size", "gradient_accumulation_steps"):
+            if getattr(cfg, key) < 1:
+                problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+        if cfg.compile_mode not in COMPILE_MODES:
+            problems.append(f"compile_mode={cfg.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
+        if cfg.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
+            problems.append(f"muon_ns_dtype={cfg.muon_ns_dtype!r} is not one of auto, {', '.join(NS_DTYPES)}")
+        if cfg.optimizer == "muon" and cfg.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
+            problems.append(f"learning_rate={cfg.learning_rate} must be > 0 with optimizer='muon'")
+        return problems
+
+
+# From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
+SCRATCH_GELU = "erf"
+# The config keys that shape the weights (with the dataset's vocab_size), and those that change only how the
+# model computes. model_config assembles them, the one place a config becomes a GPTConfig.
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
+SETTING_KEYS = ("dropout", "attention", "sdpa_backend", "fused_loss")
+
+
+def model_settings(cfg: StepConfig) -> dict:
+    """The settings that do not touch the weights: they apply to a checkpoint's or GPT-2's model too. train.py and
+    bench.py resolve attention="auto" first (to log why); a direct call resolves it for the configured device."""
+    settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
+    if settings["attention"] == "auto":
+        device = resolve_device(cfg.device)
+        settings["attention"] = resolve_attention("auto", device, resolve_dtype(cfg.dtype, device))[0]
+    if settings["fused_loss"] is None:
+        settings["fused_loss"] = resolve_fused_loss(None, resolve_device(cfg.device))
+    return settings
+
+
+def model_config(cfg: StepConfig, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of a new model: the config's model keys, the dataset's vocabulary, and SCRATCH_GELU unless a
+    GELU is set."""
+    args = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"}
+    return GPTConfig(**args, **model_settings(cfg), vocab_size=vocab_size, gelu=cfg.gelu or SCRATCH_GELU)
+
+
+def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, AbstractContextManager, bool]:
+    """
+    The process-wide setup of training steps, for train.py and bench.py alike. Returns the dtype ('auto'
+    resolved), its autocast context, and whether glibc's malloc now keeps freed memory (CPU). Seeds torch with
+    seed + rank (dropout differs between DDP ranks; the data has its own generators), sets deterministic
+    algorithms and TF32 (CUDA).
+    """
+    dtype = resolve_dtype(cfg.dtype, device)
+    problems = float8.fp8_problems(cfg.fp8, cfg.fp8_recipe, device, dtype, cfg.fp8_layers)
+    if cfg.compile_mode in CUDA_GRAPH_MODES and device.split(":")[0] != "cuda":
+        problems.append(f"compile_mode={cfg.compile_mode!r} records CUDA graphs, which need a CUDA device, not "
+                        f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
+    if problems:
+        raise UserError("; ".join(problems))
+    torch.manual_seed(cfg.seed + rank)
+    set_deterministic(cfg.deterministic)
+    device_type = device.split(":")[0]
+    if device_type == "cuda":
+        set_tf32(cfg.tf32)
+    kept = device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory)
+    return dtype, autocast_context(device, dtype), kept
+
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
+
+
+def compile_model(model: torch.nn.Module, cfg: StepConfig) -> torch.nn.Module:
+    """torch.compile with the configured mode ('default' passes none: torch's own default)."""
+    return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+
+
+def optimizer_and_scaler(
+    model: GPT, cfg: StepConfig, device: str, dtype: str, verbose: bool
+) -> tuple[Optimizers, torch.amp.GradScaler]:
+    """The optimizer cfg.optimizer names (optim.build_optimizer: AdamW, or Muon + AdamW), and the grad scaler
+    (enabled for float16 only)."""
+    device_type = device.split(":")[0]
+    optimizer = build_optimizer(model, cfg, device_type, verbose=verbose)
+    return optimizer, torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def data_paths(cfg: StepConfig) -> str:
+    return dataio.dataset_dir(cfg.dataset, cfg.data_dir)
+
+
+STREAMS = {"train": 0, "eval_train": 1, "eval_val": 2}  # training batches, and the fixed batches of each eval
+
+
+def batch_generator(seed: int, stream: str, step: int, index: int) -> torch.Generator:
+    """
+    The generator for one micro-batch, derived from (seed, stream, step, micro-batch index over all ranks).
+    So the data stream is a function of the step alone: a resumed run continues it instead of replaying it,
+    each rank reads different windows, and 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps reads.
+    """
+    state = np.random.SeedSequence([seed, STREAMS[stream], step, index]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def get_batch(
+    source: str | dataio.TokenSplit, batch_size: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of block_size tokens from a token file or a dataset split (dataio.open_split, sharded or
+    not): x (B, T) and the next tokens y (B, T), int64 on the CPU."""
+    split = source if isinstance(source, dataio.TokenSplit) else dataio.TokenSplit([source], str(source))
+    return split.get_batch(batch_size, block_size, generator)
+
+
+def train_batches(
+    split: dataio.TokenSplit, cfg: StepConfig, iter_num: int, rank: int, accum_steps: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of step iter_num: its micro-step i is micro-step rank * accum_steps + i of the step
+    over all ranks, so 2 ranks x 1 micro-step read exactly what 1 rank x 2 micro-steps read."""
+    return [
+        get_batch(split, cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, "train", iter_num, index))
+        for index in range(rank * accum_steps, (rank + 1) * accum_steps)
+    ]
+
+
+def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    if device.startswith("cuda"):  # pinned memory lets the copy run asynchronously with compute
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# ----------------------------------------------------------------------------------------------- the step
+
+
+class StepInterrupted(Exception):
+    """A stop was requested between two micro-steps: the step was abandoned (its gradients dropped), not applied."""
+
+
+def train_step(
+    model, optimizer, scaler, batches, ctx, cfg: StepConfig, dist: Dist, stop: Callable[[], bool] | None = None
+) -> tuple[float, float, bool]:
+    """
+    One optimizer step over the micro-batches of this rank. Returns (mean loss over all micro-batches and ranks,
+    gradient norm, whether the step was applied). `stop` is asked between micro-steps (the ranks agree on its
+    answer): True drops the gradients so far and raises StepInterrupted, so a stop waits for one micro-step, not
+    a whole step of gradient accumulation.
+
+    The gradient equals that of one big batch of the same tokens: each micro-batch's mean loss is weighted by
+    its share of all target tokens (those not -1) over every micro-step and rank, so the weighting stays right
+    when some targets are ignored. DDP averages gradients over ranks, hence the factor world_size.
+    """
+    counts = [int((y != -1).sum()) for _, y in batches]  # on the CPU: no device sync
+    n_tokens = torch.tensor(float(sum(counts)), device=dist.device)
+    if dist.enabled:
+        torch_dist.all_reduce(n_tokens)
+    loss_sum = torch.zeros((), device=dist.device)
+    # The step's host-to-device copies are queued up front (pinned, non-blocking): they overlap the first
+    # micro-steps' compute instead of each waiting for the one before it. A no-op on the CPU.
+    batches = [(to_device(x, dist.device), to_device(y, dist.device)) for x, y in batches]
+    for i, ((x, y), n) in enumerate(zip(batches, counts)):
+        last = i == len(batches) - 1
+        if i > 0 and stop is not None and stop():
+            optimizer.zero_grad(set_to_none=True)
+            raise StepInterrupted
+        # DDP all-reduces (FSDP reduce-scatters) gradients in backward; only the last micro-step needs it.
+        with parallel.gradient_sync(model, dist, sync=last):
+            with ctx:  # the loss only: with fused_loss the (tokens x vocab) logits are never formed
+                _, loss = model(x, y, return_logits=False)
+            weight = n * dist.world_size / n_tokens
+            scaler.scale(loss * weight).backward()
+        loss_sum += loss.detach().float() * n
+    if dist.enabled:
+        torch_dist.all_reduce(loss_sum)
+    scaler.unscale_(optimizer)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = parallel.clip_grad_norm_(model.parameters(), max_norm)  # the total norm over all ranks' shards
+    mean_loss, norm = (torch.stack([loss_sum / n_tokens, grad_norm.float()])).tolist()
+    # float16: the scaler skips steps whose gradients overflowed, and lowers its scale; a non-finite loss is
+    # not an overflow it can fix, so it is counted like any other non-finite step.
+    if math.isfinite(mean_loss) and (math.isfinite(norm) or scaler.is_enabled()):
+        scaler.step(optimizer)
+        applied = math.isfinite(norm)
+    else:
+        applied = False
+    # Also after a skipped step: update() is what clears unscale_'s record for this optimizer (without it the next
+    # step's unscale_ raises "already been called"); it lowers the scale when the gradients were not finite.
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return mean_loss, norm, applied
