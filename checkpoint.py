@@ -15,6 +15,17 @@ resumes from either, with any number of ranks. Everything that reads weights (sa
 init_from=PATH) takes a file or a sharded folder alike, maps a file instead of reading it, and never touches the
 optimizer state. nanoGPT's ckpt.pt files are read too (model_args, model, optimizer, iter_num, best_val_loss).
 
+Its functions, by what they do:
+  write        RunSaver (a run's saves in its format, in the background too), train_state, save_checkpoint,
+               save_run_checkpoint, save_sharded, start_sharded_save (-> ShardedSave), keep_as, fsync_folder
+  find         find_checkpoint (-> Found: .read() is what a resume continues from), checkpoint_path
+  resume       load_training_state (model, optimizer), restore_rng
+  weights      load_for_inference (sample.py, hellaswag.py), read_weights, model_from_checkpoint,
+               checkpoint_model_config, load_model_state, weights_tokenizer, load_checkpoint, load_sharded,
+               load_sharded_as_full, read_train_state, clean_state_dict
+  convert      convert_to_single_file (parallel.py's script)
+What a resume takes of the run's settings is run_dir.py's; a checkpoint's tokenizer is dataio.py's.
+
 Never imports a script (train, sample, export, hellaswag, parallel, bench).
 """
 from __future__ import annotations
@@ -27,7 +38,7 @@ import re
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -35,7 +46,7 @@ import torch.nn as nn
 
 import dataio
 import run_dir
-from common import autocast_context, resolve_device, resolve_dtype
+from common import autocast_context, resolve_dtype
 from errors import UserError
 from hardware import check_attention_kernel
 from distributed import Dist, is_dtensor
@@ -337,7 +348,7 @@ def load_model_state(model: nn.Module, state: dict[str, Any], source: str) -> No
 # ----------------------------------------------------------------------------------------------- finding
 
 
-def is_sharded(path: str) -> bool:
+def _is_sharded(path: str) -> bool:
     """A sharded checkpoint: a folder (or the link ckpt_sharded to one) that holds train_state.pt."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, STATE_FILE))
 
@@ -352,10 +363,10 @@ def read_train_state(folder: str) -> dict[str, Any]:
     return {**torch.load(path, map_location="cpu", weights_only=True), "sharded": folder}
 
 
-def read_state(path: str) -> dict[str, Any]:
+def _read_state(path: str) -> dict[str, Any]:
     """A checkpoint file's or sharded folder's contents without reading any tensor: a file is mapped (its tensors
     are read on first use), a folder gives its train state."""
-    return read_train_state(path) if is_sharded(path) else load_checkpoint(path, mmap=True)
+    return read_train_state(path) if _is_sharded(path) else load_checkpoint(path, mmap=True)
 
 
 @dataclass
@@ -368,6 +379,12 @@ class Found:
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
+
+    def read(self) -> dict[str, Any]:
+        """What a resume continues from: ckpt.pt's contents (mapped: the ranks of a node share one copy of its
+        pages), or a sharded folder's train state (its tensors are loaded by load_training_state once the model is
+        built and sharded)."""
+        return self.state or _read_state(self.path)
 
     def describe(self, verb: str) -> str:
         """One line, e.g. 'resuming from ckpt_sharded at iter 15 (ckpt.pt is at iter 10, older)'."""
@@ -429,7 +446,7 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
 
 
 def _found(path: str) -> Found:
-    state = read_state(path)
+    state = _read_state(path)
     return Found(path, int(state.get("iter_num", 0)), "", state)
 
 
@@ -441,9 +458,9 @@ def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, An
     The weights of a checkpoint file or sharded folder, for inference and export: {"model": state dict,
     "model_args", "config", "iter_num", "meta"}. A file is mapped, not read, and its optimizer state is never
     touched (a 45M model's ckpt.pt: 615 instead of 1,031 MB max RSS); a sharded folder is gathered into this one
-    process on the CPU. `state`: read_state(path), when the caller has it already.
+    process on the CPU. `state`: _read_state(path), when the caller has it already.
     """
-    if is_sharded(path):
+    if _is_sharded(path):
         model, state = load_sharded_as_full(path)
         weights = model.state_dict()
     else:
@@ -456,7 +473,7 @@ def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, An
 def checkpoint_path(path: str) -> str | None:
     """The checkpoint that `path` names: a checkpoint file, a sharded folder, or a run's folder (its newest
     checkpoint); None for anything else (a GPT-2 name, a HF folder)."""
-    if os.path.isfile(path) or is_sharded(path):
+    if os.path.isfile(path) or _is_sharded(path):
         return path
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")) and any(
             os.path.exists(os.path.join(path, name)) for name in (CKPT_NAME, SHARDED_NAME)):
@@ -467,66 +484,19 @@ def checkpoint_path(path: str) -> str | None:
 GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257}  # GPT-2's weights, and HF GPT-2 folders of that vocabulary
 
 
-def recorded_meta(ckpt: dict[str, Any]) -> tuple[dict | None, str]:
-    """The tokenizer a checkpoint's model was trained with, and where that was found: the one it records, else its
-    dataset's meta.json; (None, why) when neither is there (nanoGPT's GPT-2 BPE runs name none)."""
-    if ckpt.get("meta"):
-        return ckpt["meta"], "recorded in the checkpoint"
-    run_config = ckpt.get("config") or {}
-    if "dataset" not in run_config and not run_config.get("data_dir"):
-        return None, "the checkpoint names no dataset"
-    data_dir = dataio.dataset_dir(run_config.get("dataset", ""), run_config.get("data_dir"))
-    meta = dataio.find_meta(data_dir)
-    return (dataio.tokenizer_meta(meta), f"from {data_dir}") if meta else (None, f"no tokenizer description in "
-                                                                                   f"{data_dir}")
-
-
 def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, dict | None]:
     """The vocabulary size and tokenizer (None: unknown) of the weights init_from names, read before the weights
     are: `ckpt` is the resumed checkpoint's state (init_from="resume")."""
     if ckpt is None and (path := checkpoint_path(init_from)) is not None:
-        ckpt = read_state(path)
+        ckpt = _read_state(path)
     if ckpt is not None:
-        return int(ckpt["model_args"]["vocab_size"]), recorded_meta(ckpt)[0]
+        return int(ckpt["model_args"]["vocab_size"]), dataio.recorded_meta(ckpt)[0]
     config = os.path.join(init_from, "config.json")
     if os.path.isfile(config):  # a HF folder
         with open(config) as f:
             vocab = int(json.load(f).get("vocab_size", 0))
         return vocab, GPT2_META if vocab == GPT2_META["vocab_size"] else None
     return GPT2_META["vocab_size"], GPT2_META  # gpt2, gpt2-medium, ... (train.check_config refused anything else)
-
-
-def checkpoint_tokenizer(ckpt: dict[str, Any], log: Callable[[str], None] = print) -> dataio.Tokenizer:
-    """The tokenizer the checkpoint's model was trained with (recorded_meta), else GPT-2 BPE (nanoGPT's checkpoints
-    of GPT-2 BPE data name no tokenizer)."""
-    meta, where = recorded_meta(ckpt)
-    if meta is None:
-        log(f"tokenizer: GPT-2 BPE ({where})")
-        return dataio.gpt2_tokenizer()
-    log(f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, {where})")
-    return dataio.get_tokenizer(meta)
-
-
-def check_tokenizer(model_vocab: int, model_meta: dict | None, meta: dict, source: str, dataset: str) -> None:
-    """
-    A model trains on a dataset only with the tokenizer it was trained with: the same tokenizer (when the model's
-    is known: GPT-2's weights use GPT-2 BPE, a checkpoint records its dataset's) and a vocabulary that holds every
-    id of the dataset. nanoGPT's GPT-2 runs have 50304 rows for BPE's 50257 tokens: more rows are fine for BPE.
-    """
-    problem = None
-    if model_meta is not None and (model_meta["tokenizer"], model_meta.get("itos")) != (meta["tokenizer"],
-                                                                                      meta.get("itos")):
-        problem = "the tokenizers differ" if model_meta["tokenizer"] != meta["tokenizer"] else "the characters differ"
-    elif model_vocab < meta["vocab_size"] or (model_vocab > meta["vocab_size"] and meta["tokenizer"] != "gpt2"):
-        problem = "the vocabulary sizes differ"
-    if problem is None:
-        return
-    what = f"{model_meta['tokenizer']}, {model_vocab} tokens" if model_meta else f"{model_vocab} tokens"
-    raise UserError(
-        f"{source} was trained with another tokenizer ({what}) than dataset {dataset!r} ({meta['tokenizer']}, "
-        f"{meta['vocab_size']} tokens): {problem}; train it on a dataset prepared with its tokenizer (GPT-2 "
-        f"weights: GPT-2 BPE, e.g. data/shakespeare/prepare.py), or start from scratch"
-    )
 
 
 def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,
@@ -546,7 +516,7 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
         weights = read_weights(path, found.state if found is not None else None)
         log(f"checkpoint: {path} at iter {weights['iter_num']}")
         model = model_from_checkpoint(weights, **overrides)
-        tokenizer = checkpoint_tokenizer(weights, log)
+        tokenizer = dataio.checkpoint_tokenizer(weights, log)
         source = f"the tokenizer of {path}"
         del weights
     else:
@@ -738,7 +708,7 @@ def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> 
 def convert_to_single_file(folder: str, path: str | None = None) -> str:
     """Write a sharded checkpoint as one ckpt.pt (default: beside the folder) in the format train.py writes
     without FSDP: the model, the optimizer state (torch's format), and the train state. Returns the file."""
-    if not is_sharded(folder):
+    if not _is_sharded(folder):
         raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED_NAME}")
     path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT_NAME)
     model, state = load_sharded_as_full(folder)
@@ -757,13 +727,6 @@ def convert_to_single_file(folder: str, path: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- resuming
-
-
-def read_resume(found: Found) -> dict[str, Any]:
-    """The checkpoint a resume continues: ckpt.pt's contents (mapped: the ranks of a node share one copy of its
-    pages), or a sharded folder's train state (its tensors are loaded by load_training_state once the model is
-    built and sharded)."""
-    return found.state or read_state(found.path)
 
 
 def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
@@ -786,63 +749,6 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
-
-
-def resume_changes(saved: dict, model_args: dict, cfg, world_size: int, saved_world_size: int,
-                   model_keys: tuple[str, ...]) -> list[str]:
-    """Settings of `cfg` (train.py's TrainConfig) that differ from the checkpoint's run (its config and
-    model_args). A different model shape (`model_keys`) or GELU cannot resume (UserError); anything else is
-    allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
-    load_training_state)."""
-    changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
-        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
-        for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
-        and getattr(cfg, k) != "auto" and saved[k] != "auto"
-    ]
-    model = [c for c in changed if c.split(":")[0] in model_keys]
-    saved_gelu = checkpoint_model_config(model_args).gelu
-    if cfg.gelu is not None and cfg.gelu != saved_gelu:
-        model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
-    if model:
-        raise UserError(
-            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
-            f"out_dir to start a new run"
-        )
-    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
-    if saved_optimizer != cfg.optimizer:
-        raise UserError(
-            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
-            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
-        )
-    if world_size != saved_world_size:
-        changed.append(f"world_size: {saved_world_size} -> {world_size}")
-    return changed
-
-
-# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
-NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
-
-
-def settings_of_the_run(cfg, given: set[str]):
-    """
-    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
-    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
-    settings, data, schedule), so the resume continues that run; returns the config (train.py's
-    TrainConfig) and the settings taken.
-    """
-    saved = find_checkpoint(cfg.out_dir).state.get("config") or {}
-    names = {f.name for f in fields(cfg)}
-    taken = {k: v for k, v in saved.items()
-             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    notes = []
-    if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
-        try:
-            resolve_dtype(taken["dtype"], resolve_device(cfg.device))
-        except UserError:
-            notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
-                         f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
-    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()] + notes
 
 
 def _optimizer_stepped(optim_sd: dict) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -542,3 +542,53 @@ def get_tokenizer(meta: dict[str, Any]) -> CharTokenizer | GPT2Tokenizer:
             )
         return CharTokenizer(itos)
     raise UserError(f"meta.json tokenizer {kind!r} is unknown: expected 'char' or 'gpt2'")
+
+
+# ----------------------------------------------------------------------------------------------- a model's tokenizer
+
+
+def recorded_meta(ckpt: dict[str, Any]) -> tuple[dict | None, str]:
+    """The tokenizer a checkpoint's model was trained with, and where that was found: the one it records, else its
+    dataset's meta.json; (None, why) when neither is there (nanoGPT's GPT-2 BPE runs name none)."""
+    if ckpt.get("meta"):
+        return ckpt["meta"], "recorded in the checkpoint"
+    run_config = ckpt.get("config") or {}
+    if "dataset" not in run_config and not run_config.get("data_dir"):
+        return None, "the checkpoint names no dataset"
+    data_dir = dataset_dir(run_config.get("dataset", ""), run_config.get("data_dir"))
+    meta = find_meta(data_dir)
+    return (tokenizer_meta(meta), f"from {data_dir}") if meta else (None, f"no tokenizer description in "
+                                                                                   f"{data_dir}")
+
+
+def checkpoint_tokenizer(ckpt: dict[str, Any], log: Callable[[str], None] = print) -> Tokenizer:
+    """The tokenizer the checkpoint's model was trained with (recorded_meta), else GPT-2 BPE (nanoGPT's checkpoints
+    of GPT-2 BPE data name no tokenizer)."""
+    meta, where = recorded_meta(ckpt)
+    if meta is None:
+        log(f"tokenizer: GPT-2 BPE ({where})")
+        return gpt2_tokenizer()
+    log(f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, {where})")
+    return get_tokenizer(meta)
+
+
+def check_tokenizer(model_vocab: int, model_meta: dict | None, meta: dict, source: str, dataset: str) -> None:
+    """
+    A model trains on a dataset only with the tokenizer it was trained with: the same tokenizer (when the model's
+    is known: GPT-2's weights use GPT-2 BPE, a checkpoint records its dataset's) and a vocabulary that holds every
+    id of the dataset. nanoGPT's GPT-2 runs have 50304 rows for BPE's 50257 tokens: more rows are fine for BPE.
+    """
+    problem = None
+    if model_meta is not None and (model_meta["tokenizer"], model_meta.get("itos")) != (meta["tokenizer"],
+                                                                                      meta.get("itos")):
+        problem = "the tokenizers differ" if model_meta["tokenizer"] != meta["tokenizer"] else "the characters differ"
+    elif model_vocab < meta["vocab_size"] or (model_vocab > meta["vocab_size"] and meta["tokenizer"] != "gpt2"):
+        problem = "the vocabulary sizes differ"
+    if problem is None:
+        return
+    what = f"{model_meta['tokenizer']}, {model_vocab} tokens" if model_meta else f"{model_vocab} tokens"
+    raise UserError(
+        f"{source} was trained with another tokenizer ({what}) than dataset {dataset!r} ({meta['tokenizer']}, "
+        f"{meta['vocab_size']} tokens): {problem}; train it on a dataset prepared with its tokenizer (GPT-2 "
+        f"weights: GPT-2 BPE, e.g. data/shakespeare/prepare.py), or start from scratch"
+    )

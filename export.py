@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = checkpoint.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
     check_expressible(ckpt["model_args"])
     log(f"checkpoint: {path} at iter {ckpt['iter_num']}")
-    tokenizer = checkpoint.checkpoint_tokenizer(ckpt, log)  # the tokenizer sample.py would use
+    tokenizer = dataio.checkpoint_tokenizer(ckpt, log)  # the tokenizer sample.py would use
     config = checkpoint_model_config(ckpt["model_args"])
     if not isinstance(tokenizer, dataio.GPT2Tokenizer) and tokenizer.vocab_size != config.vocab_size:
         raise UserError(f"the run's tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "

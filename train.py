@@ -333,12 +333,13 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if cfg.init_from == "resume":
         found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=cfg.parallelism == "fsdp")
         log.print(found.describe("resuming from"))
-        ckpt = checkpoint.read_resume(found)
+        ckpt = found.read()
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
         saved_world_size = ckpt.get("world_size", 1)
-        changes = checkpoint.resume_changes(ckpt["config"], ckpt["model_args"], cfg, dist.world_size, saved_world_size,
-                                            MODEL_KEYS)
+        saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
+        changes = run_dir.resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, saved_world_size,
+                                         MODEL_KEYS)
         for change in changes:
             log.print(f"resuming with a changed setting (it applies from here on): {change}")
         iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
@@ -351,7 +352,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
-        checkpoint.check_tokenizer(*checkpoint.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
+        dataio.check_tokenizer(*checkpoint.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
         model = init_model(cfg, meta, ckpt)
     shape = {k: getattr(model.config, k) for k in SHAPE_KEYS}  # the shape that trains, for the checkpoint and report
@@ -530,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
         print(why, flush=True)
     cfg = replace(cfg, init_from=init_from)
     if cfg.init_from == "resume":
-        cfg, taken = checkpoint.settings_of_the_run(cfg, given)
+        saved = checkpoint.find_checkpoint(cfg.out_dir).read().get("config") or {}
+        cfg, taken = run_dir.settings_of_the_run(cfg, given, saved)
         if taken and int(os.environ.get("RANK", "0")) == 0:
             print(f"resuming the run's settings (not given here): {', '.join(taken)}", flush=True)
     try:

@@ -279,7 +279,7 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert len([f for f in os.listdir(out) if f.startswith(checkpoint.SHARDED_NAME + "_")]) == 2  # the killed save's too
-    ckpt = checkpoint.read_resume(checkpoint.find_checkpoint(str(out), prefer_sharded=True))
+    ckpt = checkpoint.find_checkpoint(str(out), prefer_sharded=True).read()
     assert ckpt["iter_num"] == 2
     model, _ = checkpoint.load_sharded_as_full(ckpt["sharded"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -379,7 +379,7 @@ def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_d
     r = subprocess.run([sys.executable, "-c", child, "after_link"], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert int(json.loads(open(out / "metrics.jsonl").readlines()[-1])["iter"]) > 4  # training went on
-    assert checkpoint.read_resume(checkpoint.find_checkpoint(str(out), prefer_sharded=True))["iter_num"] == 4
+    assert checkpoint.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
     resumed = train(tiny_config(data_dir, out, **ASYNC, parallelism="fsdp", async_save=True, init_from="resume"))
     assert resumed["iter_num"] == 8
     diff = max_diff(reference["model"].state_dict(), sharded_params(out))
