@@ -1,0 +1,72 @@
+"""Tests for hf_gpt2.py through GPT.from_pretrained: a random HF GPT-2 saved locally loads with the same logits, and bad
+overrides, names and shapes are one-line errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from errors import UserError
+from model import GPT
+from model_helpers import max_err
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing may reach for the network: HF reads HF_HUB_OFFLINE at import, so patch the constant too."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def tiny_hf_gpt2(activation: str = "gelu_new"):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(14)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=300, bos_token_id=0, eos_token_id=0,
+                        activation_function=activation)
+    hf = GPT2LMHeadModel(config)
+    with torch.no_grad():  # non-trivial biases and LayerNorm gains, so a mis-copied one shows in the logits
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return hf.eval()
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("multiple, activation, gelu", [(64, "gelu_new", "tanh"), (1, "gelu_new", "tanh"), (64, "gelu", "erf")])
+def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int, activation: str, gelu: str) -> None:
+    hf = tiny_hf_gpt2(activation)
+    path = tmp_path / "tiny-gpt2"
+    hf.save_pretrained(path)
+    model = GPT.from_pretrained(str(path), vocab_padding_multiple=multiple).eval()
+    assert model.config.vocab_size == 300 and model.config.gelu == gelu
+    assert model.lm_head.weight.shape[0] == (320 if multiple == 64 else 300)
+    idx = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        theirs = hf(idx).logits
+    assert ours.shape == theirs.shape == (2, 64, 300)
+    print(f"\nHF parity (padding multiple {multiple}, {activation}): max |logit diff| {max_err(ours, theirs):.3g}")
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)  # float32
+    if multiple == 64:
+        assert torch.count_nonzero(model.lm_head.weight[300:]) == 0
+
+
+@pytest.mark.usefixtures("offline")
+def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> None:
+    allowed = r"only \['attention', 'dropout', 'fused_loss', 'sdpa_backend'\]"
+    with pytest.raises(UserError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):
+        GPT.from_pretrained("gpt2", override_args={"n_layer": 4})
+    with pytest.raises(UserError, match=r"unknown GPT-2 model 'gpt3': use gpt2, gpt2-medium"):
+        GPT.from_pretrained("gpt3")
+    with pytest.raises(UserError, match="unknown GPT-2 model"):
+        GPT.from_pretrained(str(tmp_path / "no-such-folder"))
+
+    with pytest.raises(UserError, match=r"unsupported GPT-2 activation 'relu': this model supports gelu_new, gelu_pytorch_tanh, gelu"):
+        GPT.from_hf_model(tiny_hf_gpt2("relu"))
+    hf = tiny_hf_gpt2()
+    hf.transformer.h[1].mlp.c_fc.bias = nn.Parameter(torch.zeros(100))  # expected 4 * 64 = 256
+    with pytest.raises(UserError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
+        GPT.from_hf_model(hf)
