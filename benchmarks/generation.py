@@ -28,6 +28,7 @@ and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import dataclasses
 import os
@@ -81,17 +82,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_at_revision(rev: str) -> types.ModuleType:
-    """model.py as it was at git revision rev, imported as its own module."""
+    """model.py as it was at git revision rev, imported as its own module, with the project modules it imports (and
+    theirs) as they were at rev too: another revision's model.py may import modules this tree no longer has."""
+    loaded: dict[str, types.ModuleType] = {}
+    return _module_at_revision(rev, "model", loaded)
+
+
+def _module_at_revision(rev: str, name: str, loaded: dict[str, types.ModuleType]) -> types.ModuleType:
+    if name in loaded:
+        return loaded[name]
     try:
         source = subprocess.run(
-            ["git", "show", f"{rev}:model.py"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "show", f"{rev}:{name}.py"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        raise UserError(f"--before={rev!r}: cannot read model.py at that git revision ({e})") from None
-    module = types.ModuleType(f"model_{rev}")
+        raise UserError(f"--before={rev!r}: cannot read {name}.py at that git revision ({e})") from None
+    module = types.ModuleType(f"{name}_{rev}")
+    loaded[name] = module
+    project = {os.path.basename(f)[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names if not isinstance(node, ast.ImportFrom) or node.level == 0}
+    at_rev = {dep: _module_at_revision(rev, dep, loaded) for dep in sorted(imported - {name})
+              if dep in project or _exists_at(rev, dep)}
+    saved = {dep: sys.modules.get(dep) for dep in at_rev}
     sys.modules[module.__name__] = module  # dataclasses look their module up there
-    exec(compile(source, f"model.py@{rev}", "exec"), module.__dict__)
+    sys.modules.update(at_rev)  # its imports find the revision's modules while it runs
+    try:
+        exec(compile(source, f"{name}.py@{rev}", "exec"), module.__dict__)
+    finally:
+        for dep, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(dep, None)
+            else:
+                sys.modules[dep] = previous
     return module
+
+
+def _exists_at(rev: str, name: str) -> bool:
+    """Whether the repo at rev has name.py in its root (a module this tree may have removed since)."""
+    result = subprocess.run(["git", "cat-file", "-e", f"{rev}:{name}.py"], cwd=ROOT, capture_output=True)
+    return result.returncode == 0
 
 
 def nanogpt_generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

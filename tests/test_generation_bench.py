@@ -37,24 +37,31 @@ def test_near_ties_pass_and_a_clearly_worse_token_is_named() -> None:
 def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch, capsys) -> None:
     """--before=REV builds the model of model.py at REV (read with git show) with this model's weights, passing only
     the settings REV knows: a revision whose GPTConfig has no `fused_loss` (today's model.py without that field
-    stands in for it) still loads, and its greedy tokens equal today's."""
+    stands in for it) still loads, and its greedy tokens equal today's. The project modules it imports are read at
+    REV too (a revision's model.py may import a module this tree no longer has), not taken from this tree."""
+    import os
     import subprocess
 
     import generation
 
-    source = "".join(line for line in open(f"{ROOT}/model.py") if not line.startswith("    fused_loss: bool"))
     shown = []
 
-    def git_show(cmd, **kw):
-        shown.append(cmd)
+    def git(cmd, **kw):  # REV is this tree, but for model.py's fused_loss field
+        path = os.path.join(ROOT, cmd[-1].split(":", 1)[1])
+        if cmd[1] == "cat-file":
+            return subprocess.CompletedProcess(cmd, 0 if os.path.exists(path) else 1, stdout="", stderr="")
+        shown.append(cmd[-1])
+        source = "".join(line for line in open(path) if not line.startswith("    fused_loss: bool"))
         return subprocess.CompletedProcess(cmd, 0, stdout=source, stderr="")
 
-    monkeypatch.setattr(generation.subprocess, "run", git_show)
+    monkeypatch.setattr(generation.subprocess, "run", git)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
     modes = build_modes(model, argparse.Namespace(before="abc123", uncached=False, device="cpu", attention="auto"),
                         "cpu")
-    assert shown == [["git", "show", "abc123:model.py"]]
+    assert shown[0] == "abc123:model.py" and {"abc123:engine.py", "abc123:errors.py"} <= set(shown)
+    assert len(shown) == len(set(shown))  # each module read once
+    assert generation.model_at_revision("abc123").engine.__name__ == "engine_abc123"  # REV's engine, not this tree's
     assert "--before=abc123: its GPTConfig has no fused_loss: built without" in capsys.readouterr().out
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
     before, dtype, compiled = modes["before (abc123), fp32"]
