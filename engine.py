@@ -9,7 +9,8 @@ fills). Imports errors.py only.
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -94,8 +95,8 @@ def generate(
     The context is the last block_size tokens, exactly as without the cache: past block_size the window
     slides, so every new position changes every position embedding, and each step recomputes the whole window
     (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
-    one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it under that autocast,
-    and with compile=True it is compiled too (one shape: (B, block_size)).
+    one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it with the weights in that
+    dtype for the phase (restored after), and with compile=True it is compiled too (one shape: (B, block_size)).
     The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
     """
     was_training = model.training
@@ -120,9 +121,9 @@ def generate(
         new = 0
         while new < max_new_tokens and idx.size(1) <= model.config.block_size:  # within the block: the cache
             idx, new = append_next(idx, _next_token_logits(model, idx, cache, step)), new + 1
-        # past block_size the window slides: each step recomputes it whole, under one autocast context for the
-        # whole phase (it casts each weight once, not once a step), else under the caller's, if any
-        with _autocast_to(idx.device.type, window_dtype):
+        # past block_size the window slides: each step recomputes it whole, in window_dtype if given (weights of a
+        # higher precision converted once for the whole phase), else under the caller's autocast, if any
+        with _window_precision(model, idx.device.type, window_dtype if new < max_new_tokens else None):
             while new < max_new_tokens:
                 # contiguous: the same strides at every step, so the compiled window compiles once
                 logits = window(model, idx[:, -model.config.block_size:].contiguous())
@@ -165,13 +166,28 @@ def last_logits(model, x: torch.Tensor) -> torch.Tensor:
     return model.lm_head(x[:, -1, :])[:, : model.config.vocab_size].float()
 
 
-def _autocast_to(device_type: str, dtype: torch.dtype | None) -> AbstractContextManager:
-    """Autocast to dtype (float32: autocast off, the model's float32 itself); None: the caller's context, if any."""
+@contextmanager
+def _window_precision(model: nn.Module, device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
+    """
+    The window phase's precision. None: the caller's autocast, if any. The weights' own dtype: autocast off (so a
+    caller's bf16 autocast does not apply). A lower one (bf16 for float32 weights): the weights themselves in that
+    dtype for the phase, converted once and restored after, with autocast off, so that no step casts a weight or an
+    activation and the elementwise work (softmax, GELU, norms, residuals) reads half the bytes; the float32
+    originals are kept, not rounded: the cached steps before and every later call see them unchanged.
+    """
     if dtype is None:
-        return nullcontext()
-    if dtype == torch.float32:
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=dtype)
+        yield
+        return
+    params = [p for p in model.parameters() if p.dtype.is_floating_point and p.dtype != dtype]
+    originals = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        for p, original in zip(params, originals):
+            p.data = original
 
 
 _COMPILED: dict = {}

@@ -62,7 +62,7 @@ class SampleConfig:
     seed: int = 1337
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
-    window_dtype: str | None = None  # past block_size every token recomputes the whole window: its autocast dtype
+    window_dtype: str | None = None  # past block_size every token recomputes the whole window: its dtype
     # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is faster than float32)
     compile: bool = False  # torch.compile the one-token decoding step (its compile takes a while: long runs only)
     attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past

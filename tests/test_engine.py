@@ -267,9 +267,9 @@ def test_the_window_runs_its_last_block_for_the_last_position_alone_and_gives_th
 
 
 def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a_step() -> None:
-    """The window past block_size runs under one autocast context for the whole phase, which keeps its casts of
-    the weights: 9 window steps cast the (128, 32) weights (each block's c_fc, the head) to bf16 as often as 2 steps
-    do (a context per step cast them once a step)."""
+    """The window past block_size runs with the weights converted to its dtype once for the whole phase: 9 window
+    steps cast the (128, 32) weights (each block's c_fc, the head) to bf16 as often as 2 steps do (autocast in a
+    context per step would cast them once a step); after it the model holds its float32 weights, bit for bit."""
     from torch.profiler import ProfilerActivity, profile
 
     model = make_model(seed=52)  # block_size 16
@@ -282,7 +282,10 @@ def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a
         return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                    and tuple(e.input_shapes[0]) == (128, 32))
 
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     assert weight_casts(9) == weight_casts(2) > 0
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_a_float32_window_dtype_runs_the_window_in_float32_without_warnings() -> None:
