@@ -48,13 +48,13 @@ SEPARATOR = "---------------"
 @dataclass
 class SampleConfig:
     init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", ..., a HF GPT-2 folder, or
-
     # a checkpoint file or sharded folder
     out_dir: str = "out"  # with init_from=resume: the training run's folder
     ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
-    num_samples: int = 10
+    num_samples: int = 10  # drawn together as one batch, each from its own random stream
+    batch_size: int | None = None  # at most this many samples per batch, to bound memory (None: all num_samples)
     max_new_tokens: int = 500  # tokens generated per sample
     temperature: float = 0.8  # 1.0: the model's distribution; lower: more conservative; 0: greedy
     top_k: int | None = 200  # keep only the top_k most likely tokens (None: all)
@@ -95,6 +95,8 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
             f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 "
             f"model, or a checkpoint file or sharded folder"
         )
+    if cfg.batch_size is not None and cfg.batch_size < 1:
+        problems.append(f"batch_size={cfg.batch_size} must be at least 1 (or None: all num_samples at once)")
     for key in ("num_samples", "max_new_tokens"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
@@ -165,22 +167,26 @@ def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], 
 
 def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConfig) -> Generation:
     """num_samples continuations of `prompt`, generated together as one batch (each step reads the weights once
-    for all of them) from one seeded generator: the same seed and settings give the same text. cfg.device and
-    cfg.dtype: resolved (check_config)."""
+    for all of them; batch_size: at most that many at once) from one seeded generator, each row its own draws: the
+    same seed and settings give the same text. cfg.device and cfg.dtype: resolved (check_config)."""
     device, dtype = cfg.device, cfg.dtype
     ids, hidden = encode_prompt(tokenizer, prompt)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    x = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)  # (num_samples, T)
+    batch = cfg.batch_size or cfg.num_samples
+    outputs: list[list[int]] = []
     synchronize(device)
     t0 = time.perf_counter()
-    with autocast_context(device, dtype):
-        y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p, generator=generator,
-                           vocab_size=tokenizer.vocab_size, compile=cfg.compile,
-                           window_dtype=DTYPES[cfg.window_dtype] if cfg.window_dtype else None)
+    for first in range(0, cfg.num_samples, batch):
+        rows = min(batch, cfg.num_samples - first)
+        x = torch.tensor([ids] * rows, dtype=torch.long, device=device)  # (rows, T)
+        with autocast_context(device, dtype):
+            y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
+                               generator=generator, vocab_size=tokenizer.vocab_size, compile=cfg.compile,
+                               window_dtype=DTYPES[cfg.window_dtype] if cfg.window_dtype else None)
+        outputs += y.tolist()
     synchronize(device)
     seconds = time.perf_counter() - t0
-    outputs = y.tolist()
     texts = [tokenizer.decode(out[hidden:]) for out in outputs]
     return Generation(outputs, texts, cfg.num_samples * cfg.max_new_tokens, seconds)
 
