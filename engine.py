@@ -111,8 +111,8 @@ def generate(
             # tokens, 109 positions (319 MiB in float32) instead of block_size's 1024 (2.9 GiB)
             size = min(idx.size(1) + max_new_tokens - 1, model.config.block_size)
             cache = KVCache(model.config, idx.size(0), dtype, idx.device, static=compile, size=size)
-        step = _compiled("step") if compile and use_cache else decode_step
-        window = _compiled("window") if compile else window_logits
+        step = _compiled("step", idx.device.type) if compile and use_cache else decode_step
+        window = _compiled("window", idx.device.type) if compile else window_logits
 
         def append_next(idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
             logits = logits[:, :vocab_size]  # (B, vocab_size)
@@ -193,14 +193,16 @@ def _window_precision(model: nn.Module, device_type: str, dtype: torch.dtype | N
 _COMPILED: dict = {}
 
 
-def _compiled(name: str):
-    """decode_step ("step") or window_logits ("window") through torch.compile, made once per process:
-    fullgraph (one graph for every layer, no per-layer variants) and static shapes (a new batch size or dtype
-    compiles a new variant, not a dynamic one)."""
-    if name not in _COMPILED:
+def _compiled(name: str, device_type: str):
+    """decode_step ("step") or window_logits ("window") through torch.compile, made once per process and device
+    type: fullgraph (one graph for every layer, no per-layer variants) and static shapes (a new batch size or dtype
+    compiles a new variant, not a dynamic one). On a CPU the one-token step is called from C++ (inductor's
+    cpp_wrapper): at batch 1 its Python wrapper would be a large share of a step whose matmuls take microseconds."""
+    if (name, device_type) not in _COMPILED:
         function = {"step": decode_step, "window": window_logits}[name]
-        _COMPILED[name] = torch.compile(function, fullgraph=True, dynamic=False)
-    return _COMPILED[name]
+        options = {"cpp_wrapper": True} if name == "step" and device_type == "cpu" else None
+        _COMPILED[name, device_type] = torch.compile(function, fullgraph=True, dynamic=False, options=options)
+    return _COMPILED[name, device_type]
 
 
 # ----------------------------------------------------------------------------------------------- sampling

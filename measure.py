@@ -361,13 +361,23 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
     `repeats`, in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms,
     GELU, casts, AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
     """
-    recorder = MatmulRecorder()
-    with recorder:
+    def step() -> None:
         for x, y in batches:
             with ctx:
                 _, loss = model(x.to(device), y.to(device), return_logits=False)  # as train_step
             loss.backward()
+
+    floor = replayed_matmuls(step, device, repeats)
     model.zero_grad(set_to_none=True)
+    return floor
+
+
+def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
+    """The matmuls `run()` does (MatmulRecorder), run alone back to back on fresh tensors of their shapes, strides and
+    dtypes: the best of `repeats` in ms, and their number."""
+    recorder = MatmulRecorder()
+    with recorder:
+        run()
     made: dict = {}
     calls = [(op, [_fresh(a, device, made) for a in args], {k: _fresh(v, device, made) for k, v in kw.items()})
              for op, args, kw in recorder.calls]

@@ -7,21 +7,27 @@ Generation speed of GPT.generate's modes side by side in one run, on a randomly 
     python benchmarks/generation.py --nanogpt      # nanoGPT's sample command on its baby GPT, against its way
 
 Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
-weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 autocast past
+weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 past
 block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each
 mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work and the block (math on
 a CPU under bf16 for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's
 `python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65 characters, the exact GELU as nanoGPT and train.py from scratch use, 10 samples of 500
 tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
 after another, each token a whole forward pass over the last block_size tokens, no cache, float32, SDPA).
-`--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git revision REV (same
+After the table `--nanogpt` runs the command itself, `python sample.py --out_dir=OUT` on a checkpoint of the same
+weights (sampled, as nanoGPT's defaults: temperature 0.8, top_k 200), in a fresh process per round, and prints its
+wall time against nanoGPT's way and against its compute bound: the matmuls of the exact recompute (the prefill, the
+cached one-token steps, and past block_size every window step, in the window's dtype), each replayed alone
+back to back (x of the bound: bound / wall time, process start and checkpoint load included); the command and its
+bound alternate round by round. Then the batch-1 cached step of a 4 x 128 model, eager and compiled, against the
+matmul floor of one step (its matmuls replayed alone). `--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git revision REV (same
 weights, the batch's samples one after another, as sample.py generated them before it batched them), to measure
 a change side by side. In every round the modes run one after another, the order reversed each round so that a
 shared machine's drift favours none; each mode's figure is its best round. Compile time is measured apart: the
 first compiled call's time minus the next one's, on a few tokens.
 
-Every mode decodes greedily from the same random prompt. Its tokens are checked against a float64 forward pass
-over its own output: each chosen token's float64 logit must be within the mode's tolerance of the best one (a
+Every mode decodes greedily from the same random prompt. Its tokens (of the first CHECKED_ROWS samples) are checked
+against a float64 forward pass over its own output: each chosen token's float64 logit must be within the mode's tolerance of the best one (a
 closer call is a near-tie that rounding may flip, not an error); otherwise the script names the first divergence
 and exits with status 1.
 """
@@ -34,6 +40,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -41,7 +48,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
-from common import resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
+import engine  # noqa: E402
+from checkpoint import save_checkpoint  # noqa: E402
+from common import cpu_has_native_bf16, resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
+from measure import replayed_matmuls  # noqa: E402
 from errors import UserError, exit_on_user_error  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -49,6 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A chosen token's float64 logit may be this far below the best one: float32 steps differ from float64 by ~1e-5
 # here, bf16 weights (8 mantissa bits) by ~1e-2 on logits of size ~0.4.
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1}
+CHECKED_ROWS = 2  # the samples the float64 check reads (a float64 forward pass per token past block_size each)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,6 +219,81 @@ def first_divergence(reference: GPT, out: torch.Tensor, prompt_len: int, tol: fl
     return None
 
 
+# nanoGPT's README sample command, run as it is (its defaults: 10 samples of 500 tokens from "\n", temperature 0.8,
+# top_k 200) on a checkpoint of the benchmark's model
+NANOGPT_SAMPLE = ["sample.py", "--out_dir={out_dir}"]
+TINY = dict(n_layer=4, n_head=4, n_embd=128, block_size=1024, vocab_size=65, gelu="erf")  # the batch-1 floor's model
+
+
+@torch.no_grad()
+def cached_step_floor(model: GPT, batch: int, position: int, device: str, dtype: torch.dtype) -> tuple[float, int]:
+    """The matmul floor of one cached one-token step at `position` (keys before it cached): ms, and its matmuls."""
+    cache = engine.KVCache(model.config, batch, dtype, device, size=position + 1)
+    idx = torch.randint(0, model.config.vocab_size, (batch, position + 1), device=device)
+    model._hidden(idx[:, :position], kv_cache=cache)  # the prompt, cached
+    return replayed_matmuls(lambda: engine._next_token_logits(model, idx, cache, engine.decode_step), device)
+
+
+@torch.no_grad()
+def window_step_floor(model: GPT, batch: int, device: str, dtype: torch.dtype) -> tuple[float, int]:
+    """The matmul floor of one window step past block_size, with the weights in `dtype` (as generate runs it): ms,
+    and its matmuls."""
+    idx = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size), device=device)
+    with engine._window_precision(model, device.split(":")[0], dtype):
+        return replayed_matmuls(lambda: engine.window_logits(model, idx), device)
+
+
+@torch.no_grad()
+def sample_command_bound(model: GPT, batch: int, prompt_len: int, new: int, device: str,
+                         window: torch.dtype) -> tuple[float, int]:
+    """The compute bound of generating `new` tokens after a prompt of prompt_len for `batch` samples, exactly (every
+    token past block_size recomputes the window): the matmul floors of the prefill, of each cached step (taken at
+    the middle of the block) and of each window step, in seconds; and the number of matmuls that makes."""
+    bs = model.config.block_size
+    cached = min(new, bs - prompt_len + 1)  # tokens from the cache: the prefill's, then one per one-token step
+    prefill = replayed_matmuls(lambda: engine.generate(model, torch.zeros(batch, prompt_len, dtype=torch.long,
+                                                                          device=device), 1, 0.0), device)
+    step = cached_step_floor(model, batch, bs // 2, device, torch.float32)
+    windows = window_step_floor(model, batch, device, window) if new > cached else (0.0, 0)
+    seconds = (prefill[0] + (cached - 1) * step[0] + (new - cached) * windows[0]) / 1000
+    return seconds, prefill[1] + (cached - 1) * step[1] + (new - cached) * windows[1]
+
+
+def whole_sample_command_s(model: GPT, device: str) -> tuple[float, str]:
+    """nanoGPT's sample command (sample.py with its defaults) on a checkpoint of `model`, in a fresh process: its
+    wall time (process start, imports and checkpoint load included), and the command."""
+    with tempfile.TemporaryDirectory(prefix="generation_") as out_dir:
+        chars = [chr(c) for c in range(32, 32 + model.config.vocab_size - 1)] + ["\n"]
+        meta = {"vocab_size": len(chars), "tokenizer": "char", "itos": chars}
+        save_checkpoint(os.path.join(out_dir, "ckpt.pt"), {
+            "model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "iter_num": 0,
+            "best_val_loss": float("inf"), "config": {}, "meta": meta})
+        cmd = [a.format(out_dir=out_dir) for a in NANOGPT_SAMPLE] + [f"--device={device}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise UserError(f"sample.py failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return seconds, "python " + " ".join(cmd[:1] + ["--out_dir=OUT"] + cmd[2:])
+
+
+def tiny_step_figures(device: str) -> str:
+    """The batch-1 cached step of the tiny model (4 x 128), 256 tokens from one, eager and compiled, against its
+    matmul floor (one step's matmuls replayed), in microseconds per token."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, attention="math")).to(device).eval()
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    per_token = {}
+    for compiled in (False, True):
+        model.generate(prompt, 256, temperature=0.0, compile=compiled)  # warm-up (and compile)
+        per_token[compiled] = min(timed(lambda p, n: model.generate(p, n, temperature=0.0, compile=compiled),
+                                        prompt, 256, device)[1] for _ in range(3)) / 256 * 1e6
+    floor = cached_step_floor(model, 1, 128, device, torch.float32)[0] * 1000
+    return (f"batch-1 cached step, {TINY['n_layer']} x {TINY['n_embd']} model, math attention, 256 tokens: eager "
+            f"{per_token[False]:.0f} us/token, compiled {per_token[True]:.0f} us/token; its matmul floor {floor:.0f} "
+            f"us: compiled = {per_token[True] / floor:.2f}x the floor")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.prompt_len < 1 or min(args.max_new_tokens) < 1 or args.repeats < 1 or args.batch_size < 1:
@@ -255,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"{name}: {s:.1f} s" for name, s in compile_s.items()))
 
     failed = False
+    best_of: dict[str, float] = {}  # each mode's best time at the first length
     for n in args.max_new_tokens:
         best = {name: float("inf") for name in modes}
         outputs = {}
@@ -270,24 +357,48 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  round {r + 1}, {name}: {dt:.2f} s", flush=True)
                 best[name] = min(best[name], dt)
                 outputs[name] = out
+        best_of = best_of or dict(best)
         base = next(iter(modes))
         print(f"\n{n} new tokens x batch {args.batch_size}; speed-up against '{base}'")
         if n + args.prompt_len > config.block_size + 1:  # the token after a full block is the first past it
             past = n + args.prompt_len - config.block_size - 1
             print(f"(the float64 check: a forward pass for each of the {past} tokens past block_size, per distinct "
-                  f"output)", flush=True)
+                  f"output, on its first {min(CHECKED_ROWS, args.batch_size)} samples)", flush=True)
         print(f"{'mode':<32} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check", flush=True)
         checked = {}  # modes that chose the same tokens share one check
         for name, (_, dtype, _) in modes.items():
             key = (outputs[name].cpu().numpy().tobytes(), TOLERANCE[dtype])
             if key not in checked:
-                checked[key] = first_divergence(reference, outputs[name], args.prompt_len, TOLERANCE[dtype])
+                checked[key] = first_divergence(reference, outputs[name][:CHECKED_ROWS], args.prompt_len,
+                                                TOLERANCE[dtype])
             why = checked[key]
             failed |= why is not None
             check = f"DIVERGES at {why}" if why else f"ok (tol {TOLERANCE[dtype]:g})"
             tokens_per_s = args.batch_size * n / best[name]
             print(f"{name:<32} {best[name]:>9.2f} {tokens_per_s:>10.1f} {best[base] / best[name]:>8.2f}x  {check}",
                   flush=True)
+    if args.nanogpt:
+        # the command and its bound alternate, round by round: a shared machine's speed drifts by tens of percent
+        window = torch.bfloat16 if device == "cpu" and cpu_has_native_bf16() else torch.float32  # sample.py's auto
+        bound_model = with_attention(model, resolve_sampling_attention(
+            "auto", device, "bfloat16" if window == torch.bfloat16 else "float32", config.block_size)[0])
+        rounds = []
+        for _ in range(args.repeats):
+            whole, command = whole_sample_command_s(model, device)
+            bound = sample_command_bound(bound_model, args.batch_size, args.prompt_len, args.max_new_tokens[0],
+                                         device, window)[0]
+            rounds.append((whole, bound))
+        whole, bound = min(rounds)
+        nano = best_of.get("no cache, fp32 (nanoGPT's way)")
+        print(f"\nnanoGPT's sample command, whole process (start, imports, checkpoint load, 10 x 500 tokens): "
+              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _ in rounds)})")
+        if nano is not None:
+            print(f"  against nanoGPT's way (its generation alone, in this process, above): {nano:.1f} s, "
+                  f"{nano / whole:.2f}x faster")
+        print(f"  its compute bound (the matmuls of the exact recompute, each replayed alone; the window in "
+              f"{str(window).split('.')[-1]}): {bound:.1f} s: {bound / whole:.2f} of the bound (each round's: "
+              f"{', '.join(f'{b / w:.2f}' for w, b in rounds)})")
+        print(f"  {tiny_step_figures(device)}", flush=True)
     if failed:
         print("MISMATCH: a mode chose a token that the float64 model ranks clearly below the best", file=sys.stderr)
         sys.exit(1)

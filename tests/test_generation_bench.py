@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import pytest
 import torch
 
 from helpers import ROOT
@@ -98,3 +99,37 @@ def test_nanogpt_rows_way_and_the_modes_give_the_tokens_of_generate_without_the_
 
     assert attention_paths("eager, fp32") == {"sdpa"}
     assert attention_paths("eager, fp32, bf16 window") == {"math"}
+
+
+def linear_flops(run) -> int:
+    """The FLOPs of the (b)mm-free matmuls `run()` does: its linear layers' (mm, addmm), whose shapes do not depend
+    on the position a step is at."""
+    from measure import MatmulRecorder
+
+    recorder = MatmulRecorder()
+    with recorder:
+        run()
+    flops = 0
+    for op, args, _ in recorder.calls:
+        name = str(op)
+        if "bmm" in name or not ("mm" in name):
+            continue
+        a, b = [x for x in args if isinstance(x, tuple) and x[0] == "tensor"][-2:]
+        flops += 2 * a[1][0] * a[1][1] * b[1][1]
+    return flops
+
+
+@pytest.mark.parametrize("new", [5, 12, 30])  # within the block, reaching it, past it
+def test_the_sample_commands_bound_adds_up_the_work_generate_does(new, monkeypatch) -> None:
+    """The bound of `--nanogpt` adds up the floors of the prefill, the cached steps and the window steps: with each
+    floor replaced by the linear layers' FLOPs it replays, the sum is the FLOPs the real generate's linear layers
+    do, within the block and past it (the window in bf16, as sample.py runs it)."""
+    import generation
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16, attention="math")).eval()
+    prompt = torch.zeros(3, 4, dtype=torch.long)
+    real = linear_flops(lambda: model.generate(prompt, new, temperature=0.8, top_k=200, window_dtype=torch.bfloat16))
+    monkeypatch.setattr(generation, "replayed_matmuls", lambda run, device, repeats=3: (linear_flops(run), 0))
+    seconds, _ = generation.sample_command_bound(model, 3, 4, new, "cpu", torch.bfloat16)
+    assert round(seconds * 1000) == real
