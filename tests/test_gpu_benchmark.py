@@ -10,7 +10,7 @@ import pytest
 
 from errors import UserError
 from helpers import ROOT, run_script
-from test_model import DEVICE_PEAKS
+from test_hardware import DEVICE_PEAKS
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu  # noqa: E402
