@@ -178,8 +178,10 @@ class RunSaver:
         self.group = background_group  # distributed.checkpoint_group(): background saves only
         self.in_flight: tuple[ShardedSave, str] | None = None
 
-    def save(self, model: nn.Module, optimizer, state: dict, improved: bool, background: bool = False) -> str | None:
-        """Save the model, the optimizer (optim.Optimizers) and the train state `state`."""
+    def save(self, model: nn.Module, optimizer, state: dict, improved: bool, background: bool = False) -> list[str]:
+        """Save the model, the optimizer (optim.Optimizers) and the train state `state`, once a save still written
+        in the background is linked (one in flight at a time). Returns the lines to print."""
+        lines = [line] if (line := self.finish()) is not None else []
         t0 = time.time()
         best_note = "" if improved or self.always_save else (
             f" (the best val loss's weights stay in {SHARDED_BEST_NAME if self.sharded else BEST_NAME})")
@@ -187,20 +189,20 @@ class RunSaver:
             pending = start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist, self.group,
                                          improved, keep_best=not self.always_save)
             self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME}{best_note}"
-            return f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in " \
-                   f"{time.time() - t0:.1f} s)"
+            return lines + [f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in "
+                            f"{time.time() - t0:.1f} s)"]
         if self.sharded:
             save_sharded(self.out_dir, model, optimizer.as_torch(), state, self.dist, improved,
                          keep_best=not self.always_save)
-            return (f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME} in "
-                    f"{time.time() - t0:.1f} s{best_note}")
+            return lines + [f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME} "
+                            f"in {time.time() - t0:.1f} s{best_note}"]
         if not self.dist.master:
-            return None
+            return lines
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}
         self.best_file = save_run_checkpoint(state, self.out_dir, improved, self.best_file, self.always_save,
                                              self.keep_last)
-        return (f"saved checkpoint at iter {state['iter_num']} to {self.out_dir} in {time.time() - t0:.1f} s"
-                + (best_note if self.best_file == BEST_NAME else ""))
+        return lines + [f"saved checkpoint at iter {state['iter_num']} to {self.out_dir} in {time.time() - t0:.1f} s"
+                        + (best_note if self.best_file == BEST_NAME else "")]
 
     def finish(self, if_done: bool = False) -> str | None:
         """Link the save written in the background once its shards are on disk (if_done: only if they already
@@ -641,7 +643,6 @@ def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Op
     coordinating the ranks over `process_group`, a group of its own (the training's collectives keep their order
     on the default one). Call finish() before the next save and before the process ends.
     """
-
     import torch.distributed.checkpoint as dcp
 
     started = time.time()

@@ -405,15 +405,14 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
 
-    last_save = {"iter": iter_num, "time": time.time()}  # where a hard kill would resume from
+    last_save = {"iter": iter_num, "time": time.time()}  # the last save begun: the cadence counts from it
     saver = checkpoint.RunSaver(cfg.out_dir, dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
                                 cfg.keep_last, best_file, checkpoint_group(dist) if cfg.async_save else None)
 
     def save(iter_num: int, best_val_loss: float, improved: bool, background: bool = False) -> None:
-        finish_save()  # one save in flight at a time
         state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, saved_cfg, dist, log.elapsed(),
                                        meta, run_id)
-        if (line := saver.save(raw_model, optimizer, state, improved, background)) is not None:
+        for line in saver.save(raw_model, optimizer, state, improved, background):
             log.print(line)
         last_save.update(iter=iter_num, time=time.time())
 

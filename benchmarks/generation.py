@@ -95,11 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_at_revision(rev: str) -> types.ModuleType:
     """model.py as it was at git revision rev, imported as its own module, with the project modules it imports (and
     theirs) as they were at rev too: another revision's model.py may import modules this tree no longer has."""
-    loaded: dict[str, types.ModuleType] = {}
-    return _module_at_revision(rev, "model", loaded)
+    try:
+        listing = subprocess.run(["git", "ls-tree", "--name-only", rev], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise UserError(f"--before={rev!r}: cannot list that git revision ({e})") from None
+    modules = {f[:-3] for f in listing.split() if f.endswith(".py")}  # the root's modules at rev
+    return _module_at_revision(rev, "model", modules, {})
 
 
-def _module_at_revision(rev: str, name: str, loaded: dict[str, types.ModuleType]) -> types.ModuleType:
+def _module_at_revision(rev: str, name: str, modules: set[str],
+                        loaded: dict[str, types.ModuleType]) -> types.ModuleType:
     if name in loaded:
         return loaded[name]
     try:
@@ -110,12 +116,10 @@ def _module_at_revision(rev: str, name: str, loaded: dict[str, types.ModuleType]
         raise UserError(f"--before={rev!r}: cannot read {name}.py at that git revision ({e})") from None
     module = types.ModuleType(f"{name}_{rev}")
     loaded[name] = module
-    project = {os.path.basename(f)[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
     imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
                 for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
                 for alias in node.names if not isinstance(node, ast.ImportFrom) or node.level == 0}
-    at_rev = {dep: _module_at_revision(rev, dep, loaded) for dep in sorted(imported - {name})
-              if dep in project or _exists_at(rev, dep)}
+    at_rev = {dep: _module_at_revision(rev, dep, modules, loaded) for dep in sorted((imported & modules) - {name})}
     saved = {dep: sys.modules.get(dep) for dep in at_rev}
     sys.modules[module.__name__] = module  # dataclasses look their module up there
     sys.modules.update(at_rev)  # its imports find the revision's modules while it runs
@@ -128,12 +132,6 @@ def _module_at_revision(rev: str, name: str, loaded: dict[str, types.ModuleType]
             else:
                 sys.modules[dep] = previous
     return module
-
-
-def _exists_at(rev: str, name: str) -> bool:
-    """Whether the repo at rev has name.py in its root (a module this tree may have removed since)."""
-    result = subprocess.run(["git", "cat-file", "-e", f"{rev}:{name}.py"], cwd=ROOT, capture_output=True)
-    return result.returncode == 0
 
 
 def nanogpt_generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
