@@ -125,8 +125,10 @@ def generate(
         # higher precision converted once for the whole phase), else under the caller's autocast, if any
         with _window_precision(model, idx.device.type, window_dtype if new < max_new_tokens else None):
             while new < max_new_tokens:
-                # contiguous: the same strides at every step, so the compiled window compiles once
-                logits = window(model, idx[:, -model.config.block_size:].contiguous())
+                # a copy, so that the strides are the same at every step and the compiled window compiles once
+                # (.contiguous() would keep a single row's slice as it is: its stride, the whole length, grows)
+                last_block = idx[:, -model.config.block_size:].clone(memory_format=torch.contiguous_format)
+                logits = window(model, last_block)
                 idx, new = append_next(idx, logits), new + 1
     finally:
         model.train(was_training)

@@ -162,7 +162,8 @@ def test_bf16_model_cache_follows_the_weights_dtype_and_tracks_float32() -> None
 
 def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_matches_eager() -> None:
     """10 layers (more than dynamo's recompile limit of 8, which per-layer compiles hit). The step's shapes are
-    fixed by the cache's size, so a generation compiles at most once however many positions it steps through; a
+    fixed by the cache's size, so a generation compiles at most once however many positions it steps through (and
+    the window once however many steps slide it, at any batch size, 1 included); a
     later one with a cache of the same size compiles nothing, one with another size (within block_size) its own
     variant, once. Compiles are counted by dynamo's graph counter. Greedy tokens equal the uncached ones, and
     seeded sampling gives the same tokens as eager (the sampler runs eagerly on the same logits up to rounding,
@@ -191,7 +192,11 @@ def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_match
     within = counted(lambda: model.generate(prompt, 6, temperature=0.0, compile=True))  # 10 positions
     within_sampled = counted(lambda: sample(True, prompt[:, :3], 8))  # another prompt length, 10 positions again
     longer = counted(lambda: model.generate(prompt, 40, temperature=0.0, compile=True))  # more window steps: none
-    assert compiles == [2, 0, 1, 0, 0]
+    # one sample: a batch of 1 compiles its own variants, once each, though a slice of one row is "contiguous"
+    # with the stride of the whole sequence (which grows every step)
+    single = counted(lambda: model.generate(prompt[:1], 30, temperature=0.0, compile=True))
+    assert compiles == [2, 0, 1, 0, 0, 2]
+    assert torch.equal(single, past[:1])
     assert torch.equal(past, greedy_reference(model, prompt, 30))
     assert torch.equal(longer, greedy_reference(model, prompt, 40))
     assert torch.equal(within, greedy_reference(model, prompt, 6))
