@@ -30,6 +30,7 @@ from common import (
     DTYPES,
     autocast_context,
     cpu_has_native_bf16,
+    keep_freed_memory,
     plural,
     resolve_attention,
     resolve_device,
@@ -68,6 +69,8 @@ class SampleConfig:
     attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
     # block_size) for windows up to 256 positions, where its plain bf16 matmuls beat the CPU flash kernel, else sdpa
     sdpa_backend: str | None = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
+    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of handing them back to the OS
+    # (every window step past block_size allocates the same large buffers again: fresh pages fault in each time)
 
 
 @dataclass
@@ -194,6 +197,8 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
 def main(argv: list[str] | None = None) -> None:
     cfg = configure(SampleConfig(), sys.argv[1:] if argv is None else argv)
     cfg = check_config(cfg)
+    if cfg.device == "cpu":
+        keep_freed_memory(cfg.keep_freed_memory)
     prompt = read_prompt(cfg.start)
     model, tokenizer = load_model(cfg)
     result = sample(model, tokenizer, prompt, cfg)

@@ -50,7 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import engine  # noqa: E402
 from checkpoint import save_checkpoint  # noqa: E402
-from common import cpu_has_native_bf16, resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
+from common import (  # noqa: E402
+    cpu_has_native_bf16, keep_freed_memory, resolve_device, resolve_sampling_attention, synchronize,
+)
 from measure import replayed_matmuls  # noqa: E402
 from errors import UserError, exit_on_user_error  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -311,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompt_len > config.block_size:
         raise UserError(f"--prompt_len={args.prompt_len} is longer than --block_size={config.block_size}")
 
+    kept = device == "cpu" and keep_freed_memory(True)  # as sample.py's default: every mode gains from it
     torch.manual_seed(args.seed)
     model = GPT(config).to(device).eval()
     reference = copy.deepcopy(model).double()
@@ -328,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"run: {device}, {torch.get_num_threads()} threads, gelu={config.gelu}, attention={args.attention}, "
         f"batch {args.batch_size}, prompt {args.prompt_len}, greedy, best of {args.repeats}, torch {torch.__version__}"
+        + (", glibc malloc keeps freed memory (as sample.py)" if kept else "")
     )
 
     compile_s = {}
