@@ -11,8 +11,8 @@ weights and with the weights converted to bfloat16, and float32 with the window 
 block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each
 mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work and the block (math on
 a CPU under bf16 for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's
-`python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65 characters, the exact GELU as nanoGPT and train.py from scratch use, 10 samples of 500
-tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
+`python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65 characters, no biases
+and the exact GELU, as nanoGPT's train.py and ours train it; 10 samples of 500 tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
 after another, each token a whole forward pass over the last block_size tokens, no cache, float32, SDPA).
 After the table `--nanogpt` runs the command itself, `python sample.py --out_dir=OUT` on a checkpoint of the same
 weights (sampled, as nanoGPT's defaults: temperature 0.8, top_k 200), in a fresh process per round, and prints its
@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", help="math, sdpa, or auto: each mode's as sample.py resolves it "
                    "(math on a CPU under bf16 for a block of at most 256, else sdpa)")
     p.add_argument("--gelu", default="tanh", help="tanh (GPT-2's) or erf (nanoGPT's, and train.py's from scratch)")
+    p.add_argument("--no_bias", action="store_true", help="no biases in Linears and LayerNorms (nanoGPT's and "
+                   "train.py's from scratch; GPT-2 has them)")
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, nargs="+", default=[256, 1000], help="one table per length")
     p.add_argument("--batch_size", type=int, default=1)
@@ -89,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nanogpt:
         args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size = 6, 6, 384, 256, 65
-        args.gelu = "erf"
+        args.gelu, args.no_bias = "erf", True  # as nanoGPT's train.py trains it
         args.batch_size, args.prompt_len, args.max_new_tokens, args.uncached = 10, 1, [500], True
     return args
 
@@ -307,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             n_head=args.n_head,
             n_embd=args.n_embd,
             gelu=args.gelu,
+            bias=not args.no_bias,
         )
     except UserError as e:
         raise UserError(str(e)) from None
@@ -329,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         f"vocab {config.vocab_size}, {model.get_num_params() / 1e6:.1f}M params"
     )
     print(
-        f"run: {device}, {torch.get_num_threads()} threads, gelu={config.gelu}, attention={args.attention}, "
+        f"run: {device}, {torch.get_num_threads()} threads, gelu={config.gelu}, bias={config.bias}, "
+        f"attention={args.attention}, "
         f"batch {args.batch_size}, prompt {args.prompt_len}, greedy, best of {args.repeats}, torch {torch.__version__}"
         + (", glibc malloc keeps freed memory (as sample.py)" if kept else "")
     )
