@@ -9,6 +9,7 @@ fills). Imports errors.py only.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -96,7 +97,8 @@ def generate(
     slides, so every new position changes every position embedding, and each step recomputes the whole window
     (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
     one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it with the weights in that
-    dtype for the phase (restored after), and with compile=True it is compiled too (one shape: (B, block_size)).
+    dtype for the phase (restored after), packed once for oneDNN's bf16 matmuls where those run it, and with
+    compile=True it is compiled too (one shape: (B, block_size)).
     The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
     """
     was_training = model.training
@@ -123,7 +125,8 @@ def generate(
             idx, new = append_next(idx, _next_token_logits(model, idx, cache, step)), new + 1
         # past block_size the window slides: each step recomputes it whole, in window_dtype if given (weights of a
         # higher precision converted once for the whole phase), else under the caller's autocast, if any
-        with _window_precision(model, idx.device.type, window_dtype if new < max_new_tokens else None):
+        sliding = new < max_new_tokens
+        with window_phase(model, idx, window_dtype if sliding else None, pack=sliding and not compile):
             while new < max_new_tokens:
                 # a copy, so that the strides are the same at every step and the compiled window compiles once
                 # (.contiguous() would keep a single row's slice as it is: its stride, the whole length, grows)
@@ -169,6 +172,15 @@ def last_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
+def window_phase(model: nn.Module, idx: torch.Tensor, dtype: torch.dtype | None, pack: bool = True) -> Iterator[None]:
+    """The weights as the window steps past block_size run them, for windows of idx's batch: in `dtype`
+    (_window_precision) and, if pack, packed for oneDNN where it runs them (_prepacked_linears)."""
+    rows = idx.size(0) * model.config.block_size  # of a window step's matmuls
+    with _window_precision(model, idx.device.type, dtype), _prepacked_linears(model, rows, enabled=pack):
+        yield
+
+
+@contextmanager
 def _window_precision(model: nn.Module, device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
     """
     The window phase's precision. None: the caller's autocast, if any. The weights' own dtype: autocast off (so a
@@ -190,6 +202,37 @@ def _window_precision(model: nn.Module, device_type: str, dtype: torch.dtype | N
     finally:
         for p, original in zip(params, originals):
             p.data = original
+
+
+@contextmanager
+def _prepacked_linears(model: nn.Module, rows: int, enabled: bool = True) -> Iterator[None]:
+    """
+    The window phase's Linears run from weights packed once for the phase, where that is oneDNN's bf16 matmul on a
+    CPU (bf16 weights, autocast off: the window in bf16 as _window_precision sets it): each weight reordered into
+    oneDNN's blocked layout for matmuls of `rows` rows (torch.ops.mkldnn._reorder_linear_weight) and each Linear run
+    from it (mkldnn._linear_pointwise), the kernel inductor's weight freezing uses. F.linear calls the same oneDNN
+    matmul but reorders the weight on every call. The packed copies are dropped after. Elsewhere: nothing.
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
+    if not (enabled and linears and torch.backends.mkldnn.is_available()
+            and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 for m in linears)
+            and not torch.is_autocast_enabled("cpu") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        yield
+        return
+    try:
+        for m in linears:
+            m.forward = functools.partial(_packed_linear, torch.ops.mkldnn._reorder_linear_weight(m.weight, rows),
+                                          m.bias)
+        yield
+    finally:
+        for m in linears:
+            vars(m).pop("forward", None)
+
+
+def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ weight.T + bias, the weight packed by _prepacked_linears: (..., out)."""
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), weight, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.size(-1))
 
 
 _COMPILED: dict = {}

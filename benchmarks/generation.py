@@ -6,30 +6,31 @@ Generation speed of GPT.generate's modes side by side in one run, on a randomly 
     python benchmarks/generation.py --max_new_tokens 100 --uncached  # and without the KV cache (slow)
     python benchmarks/generation.py --nanogpt      # nanoGPT's sample command on its baby GPT, against its way
 
-Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32
-weights and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 past
-block_size (sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each
-mode's attention is the one sample.py's attention=auto picks for the dtype of its heavy work and the block (math on
-a CPU under bf16 for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's
-`python sample.py --out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65 characters, no biases
-and the exact GELU, as nanoGPT's train.py and ours train it; 10 samples of 500 tokens from one), against nanoGPT's way of generating as the first row (its sample.py's loop: the samples one
-after another, each token a whole forward pass over the last block_size tokens, no cache, float32, SDPA).
-After the table `--nanogpt` runs the command itself, `python sample.py --out_dir=OUT` on a checkpoint of the same
-weights (sampled, as nanoGPT's defaults: temperature 0.8, top_k 200), in a fresh process per round, and prints its
-wall time against nanoGPT's way and against its compute bound: the matmuls of the exact recompute (the prefill, the
-cached one-token steps, and past block_size every window step, in the window's dtype), each replayed alone
-back to back (x of the bound: bound / wall time, process start and checkpoint load included); the command and its
-bound alternate round by round. Then the batch-1 cached step of a 4 x 128 model, eager and compiled, against the
-matmul floor of one step (its matmuls replayed alone). `--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git revision REV (same
-weights, the batch's samples one after another, as sample.py generated them before it batched them), to measure
-a change side by side. In every round the modes run one after another, the order reversed each round so that a
-shared machine's drift favours none; each mode's figure is its best round. Compile time is measured apart: the
-first compiled call's time minus the next one's, on a few tokens.
+Modes: the static KV cache eager and compiled (torch.compile of the one-token step), each with the float32 weights
+and with the weights converted to bfloat16, and float32 with the window recomputed in bf16 past block_size
+(sample.py's dtype=auto on a CPU with bf16 matmuls; compiled: the window step compiled too). Each mode's attention
+is the one sample.py's attention=auto picks for the dtype of its heavy work and the block (math on a CPU under bf16
+for a block of at most 256 positions, else SDPA). `--nanogpt` is nanoGPT's `python sample.py
+--out_dir=out-shakespeare-char` on its baby GPT (6 x 384, block 256, 65 characters, no biases and the exact GELU, as
+nanoGPT's train.py and ours train it; 10 samples of 500 tokens from one), against nanoGPT's way of generating as the
+first row (its sample.py's loop: the samples one after another, each token a whole forward pass over the last
+block_size tokens, no cache, float32, SDPA). After the table `--nanogpt` runs the command itself, `python sample.py
+--out_dir=OUT` on a checkpoint of the same weights (sampled, as nanoGPT's defaults: temperature 0.8, top_k 200), in
+a fresh process per round, and prints its wall time against nanoGPT's way and against its compute bound: the matmuls
+of the exact recompute (the prefill, the cached one-token steps, and past block_size every window step, in the
+window's dtype and from packed weights, as generate runs it), each replayed alone back to back (x of the bound:
+bound / wall time, process start and checkpoint load included); the command and its bound alternate round by round.
+Then the batch-1 cached step of a 4 x 128 model, eager and compiled, against the matmul floor of one step (its
+matmuls replayed alone). `--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git
+revision REV (same weights, the batch's samples one after another, as sample.py generated them before it batched
+them), to measure a change side by side. In every round the modes run one after another, the order reversed each
+round so that a shared machine's drift favours none; each mode's figure is its best round. Compile time is measured
+apart: the first compiled call's time minus the next one's, on a few tokens.
 
 Every mode decodes greedily from the same random prompt. Its tokens (of the first CHECKED_ROWS samples) are checked
-against a float64 forward pass over its own output: each chosen token's float64 logit must be within the mode's tolerance of the best one (a
-closer call is a near-tie that rounding may flip, not an error); otherwise the script names the first divergence
-and exits with status 1.
+against a float64 forward pass over its own output: each chosen token's float64 logit must be within the mode's
+tolerance of the best one (a closer call is a near-tie that rounding may flip, not an error); otherwise the script
+names the first divergence and exits with status 1.
 """
 from __future__ import annotations
 
@@ -238,10 +239,10 @@ def cached_step_floor(model: GPT, batch: int, position: int, device: str, dtype:
 
 @torch.no_grad()
 def window_step_floor(model: GPT, batch: int, device: str, dtype: torch.dtype) -> tuple[float, int]:
-    """The matmul floor of one window step past block_size, with the weights in `dtype` (as generate runs it): ms,
-    and its matmuls."""
+    """The matmul floor of one window step past block_size, with the weights in `dtype` and packed (as generate
+    runs it, uncompiled): ms, and its matmuls."""
     idx = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size), device=device)
-    with engine._window_precision(model, device.split(":")[0], dtype):
+    with engine.window_phase(model, idx, dtype):
         return replayed_matmuls(lambda: engine.window_logits(model, idx), device)
 
 

@@ -2,6 +2,7 @@
 and sampling's filters. Tiny configs on the CPU, fixed seeds."""
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import warnings
@@ -9,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine
 from engine import KVCache, sample_next_token, top_k_filter, top_p_filter
@@ -291,6 +293,47 @@ def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a
     assert weight_casts(9) == weight_casts(2) > 0
     after = model.state_dict()
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops run below autograd, by name (e.g. 'mkldnn._linear_pointwise.default')."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="packing is for oneDNN's bf16 matmuls")
+def test_the_bf16_window_runs_its_linears_from_weights_packed_once_for_the_phase() -> None:
+    """On a CPU with oneDNN's bf16 matmuls the window phase packs each Linear's weight once (4 per block and the
+    head: 9 for 2 blocks), 9 window steps as 2 do, and runs every Linear of every step from it; its logits are
+    the unpacked bf16 window's (the same oneDNN matmul); after the phase the Linears run F.linear again."""
+    model = make_model(seed=57)  # 2 layers, block_size 16
+    prompt = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(58))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    runs = {}
+    for window_steps in (2, 9):
+        with OpCounter() as ops:  # 8 + 8 positions fill the block; each token after the next one slides it
+            model.generate(prompt, 9 + window_steps, temperature=0.0, window_dtype=torch.bfloat16)
+        runs[window_steps] = (ops.counts["mkldnn._reorder_linear_weight.default"],
+                              ops.counts["mkldnn._linear_pointwise.default"])
+    assert runs == {2: (9, 2 * 9), 9: (9, 9 * 9)}
+    assert not any("forward" in vars(m) for m in linears)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(59))
+    with torch.no_grad():
+        with engine.window_phase(model, idx, torch.bfloat16, pack=False):
+            plain = engine.window_logits(model, idx)
+        with OpCounter() as ops, engine.window_phase(model, idx, torch.bfloat16):
+            packed = engine.window_logits(model, idx)
+    assert ops.counts["mkldnn._linear_pointwise.default"] == 9
+    torch.testing.assert_close(packed, plain, atol=2e-2, rtol=0)
 
 
 def test_a_float32_window_dtype_runs_the_window_in_float32_without_warnings() -> None:

@@ -102,8 +102,8 @@ def test_nanogpt_rows_way_and_the_modes_give_the_tokens_of_generate_without_the_
 
 
 def linear_flops(run) -> int:
-    """The FLOPs of the (b)mm-free matmuls `run()` does: its linear layers' (mm, addmm), whose shapes do not depend
-    on the position a step is at."""
+    """The FLOPs of the (b)mm-free matmuls `run()` does: its linear layers' (mm, addmm, or from a packed weight),
+    whose shapes do not depend on the position a step is at."""
     from measure import MatmulRecorder
 
     recorder = MatmulRecorder()
@@ -112,6 +112,9 @@ def linear_flops(run) -> int:
     flops = 0
     for op, args, _ in recorder.calls:
         name = str(op)
+        if name == "mkldnn._linear_pointwise.default":  # a Linear from a packed weight (the bf16 window)
+            flops += 2 * args[0][1][0] * args[0][1][1] * args[1][1].size(0)
+            continue
         if "bmm" in name or not ("mm" in name):
             continue
         a, b = [x for x in args if isinstance(x, tuple) and x[0] == "tensor"][-2:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from bench import BenchConfig
 import measure
@@ -62,3 +63,24 @@ def test_the_matmul_floor_of_a_float8_model_replays_its_scaled_matmuls():
     assert len(recorder.calls) == 15  # and the head's three, in bf16
     ms, n = measure.matmul_floor(model, [(x, x)], torch.autocast("cpu", dtype=torch.bfloat16), "cpu")
     assert n == 15 and ms > 0
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="packed weights are oneDNN's bf16 matmuls")
+def test_a_linear_from_a_packed_weight_is_recorded_and_replayed_from_that_weight():
+    """engine's window phase runs its Linears from weights packed for oneDNN (mkldnn._linear_pointwise): the floor
+    records those calls, the packed weight as itself (an opaque tensor, no strides to lay a fresh one out by),
+    and replays them."""
+    weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 64, dtype=torch.bfloat16), 8)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+
+    def run() -> None:
+        torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+    recorder = measure.MatmulRecorder()
+    with recorder:
+        run()
+    assert [(str(op), args[0], args[1]) for op, args, _ in recorder.calls] == [
+        ("mkldnn._linear_pointwise.default", ("tensor", (8, 64), (64, 1), torch.bfloat16), ("packed", weight))]
+    ms, n = measure.replayed_matmuls(run, "cpu")
+    assert n == 1 and ms > 0
