@@ -161,16 +161,21 @@ class CausalSelfAttention(nn.Module):
         return mask | torch.eye(T, dtype=torch.bool, device=mask.device)
 
     def _math_attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        T = q.size(-2)
-        q = q * (1.0 / math.sqrt(k.size(-1)))  # scaled before the product: (T, hs) numbers, not (T, S)
-        att = q @ k.transpose(-2, -1)  # (B, nh, T, S)
+        B, nh, T, hs = q.size()
+        S = k.size(-2)
+        scale = 1.0 / math.sqrt(hs)
         if mask is None and T > 1:  # plain causal (one query, a window's last or a cached step's, sees every key)
             mask = causal_mask(T, q.device)  # (T, T)
-        if mask is not None and att.dtype == torch.float16:  # a masked score may overflow to inf: replace it
-            att = att.masked_fill(~mask, float("-inf"))
-        elif mask is not None:
-            # the mask as 0 / -inf to add: the scores masked_fill gives, and faster on a CPU than filling every head
-            att = att + torch.zeros(mask.shape, dtype=att.dtype, device=att.device).masked_fill_(~mask, float("-inf"))
+        if mask is None or q.dtype == torch.float16:
+            att = (q * scale) @ k.transpose(-2, -1)  # (B, nh, T, S); scaled before: (T, hs) numbers, not (T, S)
+            if mask is not None:  # float16: a masked score may overflow to inf, and inf - inf is NaN: replace it
+                att = att.masked_fill(~mask, float("-inf"))
+        else:
+            # the mask as 0 / -inf added by the matmul itself (its C operand; the scale as its alpha): the scores
+            # masked_fill gives, without a pass of their own over the (T, S) scores of every head
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            att = torch.baddbmm(bias.expand(B, nh, T, S).reshape(B * nh, T, S), q.reshape(B * nh, T, hs),
+                                k.reshape(B * nh, S, hs).transpose(1, 2), alpha=scale).view(B, nh, T, S)
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
         return att @ v  # (B, nh, T, S) x (B, nh, S, hs) -> (B, nh, T, hs)

@@ -333,6 +333,31 @@ def test_float16_math_attention_ignores_a_masked_key_whose_score_overflows() -> 
     assert torch.equal(y[0, 0, :2], torch.stack([v[0, 0, 0], v[0, 0, :2].mean(0)]))  # equal scores: a mean
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_math_attention_adds_the_mask_inside_the_scores_matmul(padded: bool) -> None:
+    """The causal (or padding) mask and the 1/sqrt(hs) scale go into the matmul that makes the scores (baddbmm's C
+    operand and alpha): no op of its own passes over the (B, nh, T, T) scores but that matmul and the softmax."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    attn = make_model(seed=58, attention="math").transformer.h[0].attn
+    q, k, v = torch.randn(3, 2, 2, 7, 16).unbind(0)  # (B, nh, T, hs) each
+    mask = attn._mask(7, torch.tensor([[1] * 7, [1] * 5 + [0] * 2]) if padded else None, q.device)
+    ops = []
+
+    class Scores(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == 2 * 2 * 7 * 7 and out.dim() >= 3:
+                ops.append(str(func))
+            return out
+
+    with Scores():
+        attn._math_attention(q, k, v, mask)
+    # a padding mask differs per sample: expanded over the heads, it is copied to (B * nh, T, T) for the matmul
+    expected = ["aten.clone.default"] * padded + ["aten.baddbmm.default", "aten._softmax.default"]
+    assert [op for op in ops if not any(word in op for word in ("view", "expand", "reshape"))] == expected
+
+
 def test_last_only_refuses_a_padding_mask_or_a_cache() -> None:
     block = make_model(seed=57).transformer.h[0]
     x = torch.randn(2, 4, 32)
