@@ -39,6 +39,7 @@ import ast
 import copy
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -262,9 +263,10 @@ def sample_command_bound(model: GPT, batch: int, prompt_len: int, new: int, devi
     return seconds, prefill[1] + (cached - 1) * step[1] + (new - cached) * windows[1]
 
 
-def whole_sample_command_s(model: GPT, device: str) -> tuple[float, str]:
+def whole_sample_command_s(model: GPT, device: str) -> tuple[float, float, str]:
     """nanoGPT's sample command (sample.py with its defaults) on a checkpoint of `model`, in a fresh process: its
-    wall time (process start, imports and checkpoint load included), and the command."""
+    wall time (process start, imports and checkpoint load included), the generation's own time (its tokens/s
+    line), and the command."""
     with tempfile.TemporaryDirectory(prefix="generation_") as out_dir:
         chars = [chr(c) for c in range(32, 32 + model.config.vocab_size - 1)] + ["\n"]
         meta = {"vocab_size": len(chars), "tokenizer": "char", "itos": chars}
@@ -277,7 +279,8 @@ def whole_sample_command_s(model: GPT, device: str) -> tuple[float, str]:
         seconds = time.perf_counter() - t0
         if proc.returncode != 0:
             raise UserError(f"sample.py failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    return seconds, "python " + " ".join(cmd[:1] + ["--out_dir=OUT"] + cmd[2:])
+    generation = float(re.search(r"^tokens/s: .* new tokens in ([0-9.]+) s", proc.stderr, re.M).group(1))
+    return seconds, generation, "python " + " ".join(cmd[:1] + ["--out_dir=OUT"] + cmd[2:])
 
 
 def tiny_step_figures(device: str) -> str:
@@ -391,20 +394,22 @@ def main(argv: list[str] | None = None) -> None:
             "auto", device, "bfloat16" if window == torch.bfloat16 else "float32", config.block_size)[0])
         rounds = []
         for _ in range(args.repeats):
-            whole, command = whole_sample_command_s(model, device)
+            whole, generation, command = whole_sample_command_s(model, device)
             bound = sample_command_bound(bound_model, args.batch_size, args.prompt_len, args.max_new_tokens[0],
                                          device, window)[0]
-            rounds.append((whole, bound))
-        whole, bound = min(rounds)
+            rounds.append((whole, bound, generation))
+        whole, bound, generation = min(rounds)
         nano = best_of.get("no cache, fp32 (nanoGPT's way)")
         print(f"\nnanoGPT's sample command, whole process (start, imports, checkpoint load, 10 x 500 tokens): "
-              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _ in rounds)})")
+              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _, _ in rounds)}); of it, the "
+              f"generation (sample.py's tokens/s line) {generation:.1f} s, process start, imports and checkpoint load "
+              f"{whole - generation:.1f} s")
         if nano is not None:
             print(f"  against nanoGPT's way (its generation alone, in this process, above): {nano:.1f} s, "
                   f"{nano / whole:.2f}x faster")
         print(f"  its compute bound (the matmuls of the exact recompute, each replayed alone; the window in "
               f"{str(window).split('.')[-1]}): {bound:.1f} s: {bound / whole:.2f} of the bound (each round's: "
-              f"{', '.join(f'{b / w:.2f}' for w, b in rounds)})")
+              f"{', '.join(f'{b / w:.2f}' for w, b, _ in rounds)})")
         print(f"  {tiny_step_figures(device)}", flush=True)
     if failed:
         print("MISMATCH: a mode chose a token that the float64 model ranks clearly below the best", file=sys.stderr)

@@ -136,3 +136,14 @@ def test_the_sample_commands_bound_adds_up_the_work_generate_does(new, monkeypat
     monkeypatch.setattr(generation, "replayed_matmuls", lambda run, device, repeats=3: (linear_flops(run), 0))
     seconds, _ = generation.sample_command_bound(model, 3, 4, new, "cpu", torch.bfloat16)
     assert round(seconds * 1000) == real
+
+
+def test_the_whole_command_is_timed_apart_from_its_generation() -> None:
+    """`--nanogpt` runs sample.py in a fresh process: its wall time, and of it the generation sample.py reports
+    (its tokens/s line), the rest being process start, imports and checkpoint load."""
+    import generation
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=16)).eval()
+    whole, generating, command = generation.whole_sample_command_s(model, "cpu")
+    assert 0 < generating < whole
+    assert command == "python sample.py --out_dir=OUT --device=cpu"
