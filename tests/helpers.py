@@ -1,6 +1,7 @@
 """Small datasets and configs that the tests build themselves (nothing downloaded, nothing large)."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -88,23 +89,23 @@ def run_script(args: list[str], timeout: float = HANG_S, env: dict | None = None
                           env=full_env, **kw)
 
 
-def run_script_timed(args: list[str], timeout: float = HANG_S, env: dict | None = None,
-                     preload: str = "") -> tuple[subprocess.CompletedProcess, float]:
-    """run_script(args) for a script, and the seconds the script took once imported: it runs (runpy, as __main__) in
-    a process that imported it and `preload` (import statements) first, so a bound on the time is a bound on the
-    script's work, not on how long a busy machine takes to import torch. Its output is the script's own."""
-    fd, seconds_file = tempfile.mkstemp(suffix=".seconds")
+def run_script_waiting(args: list[str], timeout: float = HANG_S,
+                       env: dict | None = None) -> tuple[subprocess.CompletedProcess, list[float]]:
+    """run_script(args) for a script, and every wait it asked time.sleep for, in seconds: it runs (runpy, as
+    __main__) in a process whose time.sleep records them, so that a test can say a script gave up without retrying
+    and backing off, whatever the machine's speed. Its output is the script's own."""
+    fd, waits_file = tempfile.mkstemp(suffix=".waits")
     os.close(fd)
-    module = args[0].removesuffix(".py").replace("/", ".")
-    code = (f"import runpy, time\n{preload}\nimport {module}\nt0 = time.perf_counter()\n"
-            f"try:\n    runpy.run_path({args[0]!r}, run_name='__main__')\n"
-            f"finally:\n    open({seconds_file!r}, 'w').write(str(time.perf_counter() - t0))\n")
+    code = ("import runpy, time\n_sleep, waits = time.sleep, []\n"
+            "def sleep(seconds):\n    waits.append(seconds)\n    _sleep(seconds)\n"
+            f"time.sleep = sleep\ntry:\n    runpy.run_path({args[0]!r}, run_name='__main__')\n"
+            f"finally:\n    open({waits_file!r}, 'w').write(repr(waits))\n")
     try:
         r = run_script(["-c", code, *args[1:]], timeout=timeout, env=env)
-        with open(seconds_file) as f:
-            return r, float(f.read())
+        with open(waits_file) as f:
+            return r, ast.literal_eval(f.read())
     finally:
-        os.remove(seconds_file)
+        os.remove(waits_file)
 
 
 def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
