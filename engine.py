@@ -213,7 +213,8 @@ def _prepacked_linears(model: nn.Module, rows: int, enabled: bool = True) -> Ite
     from it (mkldnn._linear_pointwise), the kernel inductor's weight freezing uses. F.linear calls the same oneDNN
     matmul but reorders the weight on every call. The packed copies are dropped after. Elsewhere: nothing.
     """
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
+    # plain Linears only: a subclass (torchao's Float8Linear) computes its own way
+    linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
     if not (enabled and linears and torch.backends.mkldnn.is_available()
             and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 for m in linears)
             and not torch.is_autocast_enabled("cpu") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
