@@ -136,7 +136,8 @@ def test_gpt2_name_with_the_hub_unreachable_fails_fast_naming_hf_hub_offline(tmp
         + re.escape(f") and they are not in the HF cache {tmp_path / 'hf-home' / 'hub'}): connect once to download "
                     f"them, or pass a local folder written by save_pretrained; offline, set HF_HUB_OFFLINE=1 so that "
                     f"nothing waits on the network"), line), line
-    assert waits == []  # from_pretrained's retries back off: 1, 2, 4, 8, 8 s
+    # no backoff: from_pretrained's retries wait 1, 2, 4, 8, 8 s (a polling loop on a busy machine may nap for 1 ms)
+    assert sum(waits) < 0.5, waits
 
 
 def test_gpt2_name_offline_without_cache_is_a_one_line_error(tmp_path):
