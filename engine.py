@@ -97,8 +97,8 @@ def generate(
     slides, so every new position changes every position embedding, and each step recomputes the whole window
     (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
     one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it with the weights in that
-    dtype for the phase (restored after), packed once for oneDNN's bf16 matmuls where those run it, and with
-    compile=True it is compiled too (one shape: (B, block_size)).
+    dtype for the phase (restored after) and, uncompiled, packed once for oneDNN's bf16 matmuls where those run it;
+    with compile=True it is compiled instead (one shape: (B, block_size)).
     The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
     """
     was_training = model.training
@@ -208,10 +208,13 @@ def _window_precision(model: nn.Module, device_type: str, dtype: torch.dtype | N
 def _prepacked_linears(model: nn.Module, rows: int, enabled: bool = True) -> Iterator[None]:
     """
     The window phase's Linears run from weights packed once for the phase, where that is oneDNN's bf16 matmul on a
-    CPU (bf16 weights, autocast off: the window in bf16 as _window_precision sets it): each weight reordered into
-    oneDNN's blocked layout for matmuls of `rows` rows (torch.ops.mkldnn._reorder_linear_weight) and each Linear run
-    from it (mkldnn._linear_pointwise), the kernel inductor's weight freezing uses. F.linear calls the same oneDNN
-    matmul but reorders the weight on every call. The packed copies are dropped after. Elsewhere: nothing.
+    CPU (bf16 weights, autocast off: the window in bf16 as _window_precision sets it): each weight laid out in
+    oneDNN's blocked format for matmuls of `rows` rows (torch.ops.mkldnn._reorder_linear_weight) and each Linear run
+    from it (mkldnn._linear_pointwise, the kernel inductor's weight freezing uses), which reads it faster than
+    F.linear's matmul reads the plain (out, in) weight; the same products, the same logits. A weight no other
+    module reads (all but the head, tied to the token embedding) gives its dense copy up for the phase and gets it
+    back, bit for bit, from the packed one after: the phase holds one bf16 copy of each weight but the head's.
+    Elsewhere (another device or dtype, autocast, compiled): nothing.
     """
     # plain Linears only: a subclass (torchao's Float8Linear) computes its own way
     linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
@@ -220,14 +223,24 @@ def _prepacked_linears(model: nn.Module, rows: int, enabled: bool = True) -> Ite
             and not torch.is_autocast_enabled("cpu") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         yield
         return
+    read_elsewhere = {id(p) for m in model.modules() if type(m) is not nn.Linear for p in m.parameters(recurse=False)}
+    freed = {}  # id(Linear) -> its packed weight, for the Linears whose dense copy was given up
     try:
         for m in linears:
-            m.forward = functools.partial(_packed_linear, torch.ops.mkldnn._reorder_linear_weight(m.weight, rows),
-                                          m.bias)
+            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight, rows)
+            m.forward = functools.partial(_packed_linear, packed, m.bias)
+            if id(m.weight) not in read_elsewhere:
+                freed[id(m)] = packed
+                m.weight.data = m.weight.data.new_empty(0)
+        del packed
         yield
     finally:
-        for m in linears:
+        for m in linears:  # one at a time: each packed copy goes as its dense one comes back
             vars(m).pop("forward", None)
+            packed = freed.pop(id(m), None)
+            if packed is not None:
+                m.weight.data = packed.to_dense()
+            del packed
 
 
 def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

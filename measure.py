@@ -293,11 +293,13 @@ class MatmulRecorder(TorchDispatchMode):
 
     OPS = {getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")}
     OPS |= {getattr(torch.ops.aten, name).out for name in ("mm", "addmm", "bmm", "baddbmm")}
-    OPS.add(torch.ops.mkldnn._linear_pointwise.default)  # a Linear from a packed weight (engine's window phase)
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # PyTorch built with oneDNN
+        OPS.add(torch.ops.mkldnn._linear_pointwise.default)  # a Linear from a packed weight (engine's window phase)
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple] = []  # (op, args, kwargs), every tensor as ("tensor", shape, stride, dtype)
+        self.calls: list[tuple] = []  # (op, args, kwargs), every tensor as ("tensor", shape, stride, dtype), a
+        # packed weight as ("packed", the tensor)
 
     @staticmethod
     def _spec(value):

@@ -279,8 +279,10 @@ def whole_sample_command_s(model: GPT, device: str) -> tuple[float, float, str]:
         seconds = time.perf_counter() - t0
         if proc.returncode != 0:
             raise UserError(f"sample.py failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    generation = float(re.search(r"^tokens/s: .* new tokens in ([0-9.]+) s", proc.stderr, re.M).group(1))
-    return seconds, generation, "python " + " ".join(cmd[:1] + ["--out_dir=OUT"] + cmd[2:])
+    found = re.search(r"^tokens/s: .* in ([0-9.]+) s", proc.stderr, re.M)
+    if found is None:
+        raise UserError(f"sample.py printed no tokens/s line: {proc.stderr[-2000:]}")
+    return seconds, float(found.group(1)), "python " + " ".join(cmd[:1] + ["--out_dir=OUT"] + cmd[2:])
 
 
 def tiny_step_figures(device: str) -> str:

@@ -314,8 +314,12 @@ ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
 def test_the_bf16_window_runs_its_linears_from_weights_packed_once_for_the_phase() -> None:
     """On a CPU with oneDNN's bf16 matmuls the window phase packs each Linear's weight once (4 per block and the
     head: 9 for 2 blocks), 9 window steps as 2 do, and runs every Linear of every step from it; its logits are
-    the unpacked bf16 window's (the same oneDNN matmul); after the phase the Linears run F.linear again."""
+    the unpacked bf16 window's, bit for bit (biases included); after the phase the Linears run F.linear again."""
     model = make_model(seed=57)  # 2 layers, block_size 16
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # trained weights have biases; the init's are zeros
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
     prompt = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(58))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     runs = {}
@@ -333,7 +337,25 @@ def test_the_bf16_window_runs_its_linears_from_weights_packed_once_for_the_phase
         with OpCounter() as ops, engine.window_phase(model, idx, torch.bfloat16):
             packed = engine.window_logits(model, idx)
     assert ops.counts["mkldnn._linear_pointwise.default"] == 9
-    torch.testing.assert_close(packed, plain, atol=2e-2, rtol=0)
+    assert torch.equal(packed, plain)
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="packing is for oneDNN's bf16 matmuls")
+def test_packing_holds_one_copy_of_each_weight_and_gives_a_bf16_model_its_weights_back() -> None:
+    """While packed, a Linear whose weight nothing else reads holds no dense copy (the phase's memory: one bf16 copy
+    of each weight, not two); the head's weight is the token embedding's too and stays. A bf16 model (nothing to
+    convert) has every weight back after the phase, bit for bit, and generates the same tokens again."""
+    model = make_model(seed=60).to(torch.bfloat16)  # block_size 16
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(61))
+    with torch.no_grad(), engine.window_phase(model, idx, None):
+        assert model.transformer.h[0].mlp.c_fc.weight.numel() == 0
+        assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.numel() > 0
+        engine.window_logits(model, idx)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    prompt = idx[:, :5]
+    assert torch.equal(model.generate(prompt, 20, temperature=0.0), model.generate(prompt, 20, temperature=0.0))
 
 
 def test_a_float32_window_dtype_runs_the_window_in_float32_without_warnings() -> None:
