@@ -9,6 +9,7 @@ fills). Imports errors.py only.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -223,13 +224,13 @@ def _prepacked_linears(model: nn.Module, rows: int, enabled: bool = True) -> Ite
             and not torch.is_autocast_enabled("cpu") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         yield
         return
-    read_elsewhere = {id(p) for m in model.modules() if type(m) is not nn.Linear for p in m.parameters(recurse=False)}
+    holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     freed = {}  # id(Linear) -> its packed weight, for the Linears whose dense copy was given up
     try:
         for m in linears:
             packed = torch.ops.mkldnn._reorder_linear_weight(m.weight, rows)
             m.forward = functools.partial(_packed_linear, packed, m.bias)
-            if id(m.weight) not in read_elsewhere:
+            if holders[id(m.weight)] == 1:  # no other module reads it
                 freed[id(m)] = packed
                 m.weight.data = m.weight.data.new_empty(0)
         del packed
