@@ -313,15 +313,16 @@ def set_deterministic(enabled: bool) -> None:
     torch.use_deterministic_algorithms(enabled, warn_only=True)
 
 
-def keep_freed_memory(enabled: bool) -> bool:
+def keep_freed_memory(enabled: bool, device: str = "cpu") -> bool:
     """
     glibc's malloc hands freed memory back to the OS (heap trimming, and mmap for large blocks with a threshold
     that keeps moving), while a training step frees and re-allocates the same activation buffers every step: the
     page faults and the zeroing of fresh pages are a large share of a small model's CPU step. Keep freed
     memory instead: a 1 GiB trim threshold, 256 MiB heap padding, and the mmap threshold fixed at its 32 MiB
-    maximum. Returns whether it applied (glibc on Linux only; jemalloc/tcmalloc users need nothing).
+    maximum. For a run on `device`: a CPU's ("cpu", "cpu:0"); a GPU's activations are not malloc's. Returns whether
+    it applied (glibc on Linux only; jemalloc/tcmalloc users need nothing).
     """
-    if not enabled or not sys.platform.startswith("linux"):
+    if not enabled or device.split(":")[0] != "cpu" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -197,8 +197,7 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
 def main(argv: list[str] | None = None) -> None:
     cfg = configure(SampleConfig(), sys.argv[1:] if argv is None else argv)
     cfg = check_config(cfg)
-    if cfg.device.split(":")[0] == "cpu":
-        keep_freed_memory(cfg.keep_freed_memory)
+    keep_freed_memory(cfg.keep_freed_memory, cfg.device)
     prompt = read_prompt(cfg.start)
     model, tokenizer = load_model(cfg)
     result = sample(model, tokenizer, prompt, cfg)

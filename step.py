@@ -163,7 +163,7 @@ def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, Abst
     device_type = device.split(":")[0]
     if device_type == "cuda":
         set_tf32(cfg.tf32)
-    kept = device_type == "cpu" and keep_freed_memory(cfg.keep_freed_memory)
+    kept = keep_freed_memory(cfg.keep_freed_memory, device)
     return dtype, autocast_context(device, dtype), kept
 
 

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompt_len > config.block_size:
         raise UserError(f"--prompt_len={args.prompt_len} is longer than --block_size={config.block_size}")
 
-    kept = device == "cpu" and keep_freed_memory(True)  # as sample.py's default: every mode gains from it
+    kept = keep_freed_memory(True, device)  # as sample.py's default: every mode gains from it
     torch.manual_seed(args.seed)
     model = GPT(config).to(device).eval()
     reference = copy.deepcopy(model).double()
