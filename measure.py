@@ -6,6 +6,7 @@ back through their result JSON (the studies' only interface to bench.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -389,12 +390,18 @@ def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
     made: dict = {}
     calls = [(op, [_fresh(a, device, made) for a in args], {k: _fresh(v, device, made) for k, v in kw.items()})
              for op, args, kw in recorder.calls]
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first is a warm-up
+
+    def seconds(replays: int) -> float:  # per replay of the whole sequence
         synchronize(device)
         t0 = time.perf_counter()
-        for op, args, kw in calls:
-            op(*args, **kw)
+        for _ in range(replays):
+            for op, args, kw in calls:
+                op(*args, **kw)
         synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1000, len(calls)
+        return (time.perf_counter() - t0) / replays
+
+    seconds(1)  # a warm-up
+    # a short sequence (a batch-1 step's: ~100 us) is timed over back-to-back replays that make ~10 ms, or one
+    # interrupt, a clock's ramp or the timer's own cost would weigh on it as much as its matmuls
+    replays = max(1, math.ceil(0.01 / max(seconds(1), 1e-6)))
+    return min(seconds(replays) for _ in range(repeats)) * 1000, len(calls)

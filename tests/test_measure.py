@@ -84,3 +84,42 @@ def test_a_linear_from_a_packed_weight_is_recorded_and_replayed_from_that_weight
         ("mkldnn._linear_pointwise.default", ("tensor", (8, 64), (64, 1), torch.bfloat16), ("packed", weight))]
     ms, n = measure.replayed_matmuls(run, "cpu")
     assert n == 1 and ms > 0
+
+
+def test_a_short_sequence_of_matmuls_is_timed_over_many_replays(monkeypatch):
+    """A batch-1 step's matmuls take ~100 us: one replay per timing would be as much the timer and the interrupts
+    as the matmuls (the batch-1 floor moved by 2.6x between runs so). Each timing replays the sequence until ~10 ms
+    have passed: a 2 us sequence, thousands of times; a 30 ms one, once."""
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    replays = []
+
+    def replay_of(seconds: float):
+        x = ("tensor", (2, 2), (2, 1), torch.float32)  # as the recorder describes an operand
+
+        def mm(a, b):  # the recorded op, replayed: the clock moves by `seconds` per replay of the sequence
+            clock[0] += seconds
+            replays.append(seconds)
+            return a @ b
+
+        monkeypatch.setattr(measure, "MatmulRecorder", lambda: FakeRecorder([(mm, (x, x), {})]))
+        return measure.replayed_matmuls(lambda: None, "cpu", repeats=2)
+
+    ms, n = replay_of(2e-6)
+    assert n == 1 and ms == pytest.approx(2e-3)
+    assert replays.count(2e-6) == 1 + 1 + 2 * 5000  # a warm-up, the probe, then 2 timings of 10 ms
+    ms, n = replay_of(0.03)
+    assert ms == pytest.approx(30) and replays.count(0.03) == 1 + 1 + 2
+
+
+class FakeRecorder:
+    """A MatmulRecorder that has recorded `calls` (op, args, kwargs), whatever runs inside it."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
