@@ -206,6 +206,38 @@ def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_match
     assert torch.equal(within_sampled, sample(False, prompt[:, :3], 8))
 
 
+def test_compiled_steps_after_each_loops_first_skip_dynamo_guards(monkeypatch) -> None:
+    """The one-token steps after the first, and the window steps after the first, run their compiled code without
+    checking dynamo's guards (the first call of each loop checked them: the later ones have its shapes). Seen from
+    outside: a setting a guard watches (the embedding dropout's training flag; p=0, so the numbers do not change),
+    flipped mid-loop, recompiles nothing; with the checks, each flip would compile a variant. A caller's own stance
+    is kept: under "force_eager" nothing compiles at all."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(seed=39, n_layer=2, n_embd=16)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(40))
+    draws = []
+    sample = engine.sample_next_token
+
+    def flipping(logits, *args, **kwargs):  # draw 4: a cached step's; draw 14: a window step's (12 cached)
+        draws.append(None)
+        if len(draws) in (4, 14):
+            model.transformer.drop.train(not model.transformer.drop.training)
+        return sample(logits, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "sample_next_token", flipping)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    out = model.generate(prompt, 20, temperature=0.0, compile=True)
+    assert counters["stats"]["unique_graphs"] - before == 2  # the step and the window, once each
+    assert len(draws) == 20 and torch.equal(out, greedy_reference(model, prompt, 20))
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("force_eager"):
+        assert torch.equal(model.generate(prompt, 20, temperature=0.0, compile=True), out)
+    assert counters["stats"]["unique_graphs"] == before
+
+
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 def test_eager_cache_reads_only_the_slots_written_and_equals_the_static_one(attention: str) -> None:
     """Eager decoding attends over the positions stored so far; the static cache (the compiled step's) over all
