@@ -20,6 +20,8 @@ a fresh process per round, and prints its wall time against nanoGPT's way and ag
 of the exact recompute (the prefill, the cached one-token steps, and past block_size every window step, in the
 window's dtype and from packed weights, as generate runs it), each replayed alone back to back (x of the bound:
 bound / wall time, process start and checkpoint load included); the command and its bound alternate round by round.
+Beside them, a python process that imports torch and exits: the part of the command no generation removes, which
+caps the fraction of the bound any generation could reach on the machine.
 Then the batch-1 cached step of a 4 x 128 model, eager and compiled, against the matmul floor of one step (its
 matmuls replayed alone). `--uncached` adds that way, and `--before=REV` the KV-cache generate of model.py at git
 revision REV (same weights, the batch's samples one after another, as sample.py generated them before it batched
@@ -285,6 +287,14 @@ def whole_sample_command_s(model: GPT, device: str) -> tuple[float, float, str]:
     return seconds, float(found.group(1)), "python " + " ".join(cmd[:1] + ["--out_dir=OUT"] + cmd[2:])
 
 
+def torch_process_s() -> float:
+    """The wall time of a Python process that imports torch and exits, as sample.py does (its imports frozen out of
+    the collector's way): the share of the sample command that no generation can remove."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import gc, torch; gc.freeze()"], check=True)
+    return time.perf_counter() - t0
+
+
 def tiny_step_figures(device: str) -> str:
     """The batch-1 cached step of the tiny model (4 x 128), 256 tokens from one, eager and compiled, against its
     matmul floor (one step's matmuls replayed), in microseconds per token."""
@@ -399,11 +409,12 @@ def main(argv: list[str] | None = None) -> None:
             whole, generation, command = whole_sample_command_s(model, device)
             bound = sample_command_bound(bound_model, args.batch_size, args.prompt_len, args.max_new_tokens[0],
                                          device, window)[0]
-            rounds.append((whole, bound, generation))
-        whole, bound, generation = min(rounds)
+            rounds.append((whole, bound, generation, torch_process_s()))
+        whole, bound, generation, _ = min(rounds)
+        start = min(r[3] for r in rounds)
         nano = best_of.get("no cache, fp32 (nanoGPT's way)")
         print(f"\nnanoGPT's sample command, whole process (start, imports, checkpoint load, 10 x 500 tokens): "
-              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _, _ in rounds)}); of it, the "
+              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, *_ in rounds)}); of it, the "
               f"generation (sample.py's tokens/s line) {generation:.1f} s, process start, imports and checkpoint load "
               f"{whole - generation:.1f} s")
         if nano is not None:
@@ -411,7 +422,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{nano / whole:.2f}x faster")
         print(f"  its compute bound (the matmuls of the exact recompute, each replayed alone; the window in "
               f"{str(window).split('.')[-1]}): {bound:.1f} s: {bound / whole:.2f} of the bound (each round's: "
-              f"{', '.join(f'{b / w:.2f}' for w, b, _ in rounds)})")
+              f"{', '.join(f'{b / w:.2f}' for w, b, *_ in rounds)})")
+        print(f"  a python process that imports torch and exits, as sample.py does: {start:.1f} s, so that no "
+              f"generation could bring this command above {bound / (bound + start):.2f} of the bound here")
         print(f"  {tiny_step_figures(device)}", flush=True)
     if failed:
         print("MISMATCH: a mode chose a token that the float64 model ranks clearly below the best", file=sys.stderr)

@@ -3,7 +3,9 @@ token is named. The expected choices come from a brute-force float64 forward pas
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -140,10 +142,16 @@ def test_the_sample_commands_bound_adds_up_the_work_generate_does(new, monkeypat
 
 def test_the_whole_command_is_timed_apart_from_its_generation() -> None:
     """`--nanogpt` runs sample.py in a fresh process: its wall time, and of it the generation sample.py reports
-    (its tokens/s line), the rest being process start, imports and checkpoint load."""
+    (its tokens/s line), the rest being process start, imports and checkpoint load, of which a process that only
+    imports torch and exits is the part no generation removes."""
     import generation
 
     model = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=16)).eval()
     whole, generating, command = generation.whole_sample_command_s(model, "cpu")
     assert 0 < generating < whole
+    # importing torch (~0.9 s) is most of a process that does it: dozens of times a bare interpreter's start
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    bare = time.perf_counter() - t0
+    assert generation.torch_process_s() > 5 * bare
     assert command == "python sample.py --out_dir=OUT --device=cpu"
