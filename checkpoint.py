@@ -319,8 +319,8 @@ def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPT
 def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:
     """Rebuild the model from the checkpoint alone (model_args + state). `overrides` may change settings that do
     not touch the weights (dropout, attention, sdpa_backend)."""
-    model = GPT(checkpoint_model_config(ckpt["model_args"], **overrides))
-    load_model_state(model, ckpt["model"], source="checkpoint")
+    model = GPT.uninitialized(checkpoint_model_config(ckpt["model_args"], **overrides))
+    load_model_state(model, ckpt["model"], source="checkpoint")  # every weight, or a UserError
     return model
 
 
@@ -701,8 +701,8 @@ def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> 
     """The whole model of a sharded checkpoint in one process (sample.py, conversion), and its train state.
     `overrides` as in model_from_checkpoint."""
     state = read_train_state(folder)
-    model = GPT(checkpoint_model_config(state["model_args"], **overrides))
-    load_sharded(folder, model, None)
+    model = GPT.uninitialized(checkpoint_model_config(state["model_args"], **overrides))
+    load_sharded(folder, model, None)  # every weight, or an error
     return model.to(device), state
 
 

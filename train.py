@@ -221,8 +221,9 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
             raise UserError(f"init_from=scratch needs the dataset's meta.json (vocab_size) in {data_paths(cfg)}")
         return GPT(model_config(cfg, meta["vocab_size"]))
     if cfg.init_from == "resume":
-        model = GPT(checkpoint_model_config(ckpt["model_args"], **settings))
-        if "model" in ckpt:  # a sharded checkpoint's weights are loaded once the model is sharded
+        # every weight is the checkpoint's: here for ckpt.pt, a sharded checkpoint's once the model is sharded
+        model = GPT.uninitialized(checkpoint_model_config(ckpt["model_args"], **settings))
+        if "model" in ckpt:
             checkpoint.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
         return model
     path = checkpoint.checkpoint_path(cfg.init_from)

@@ -363,3 +363,26 @@ def test_last_only_refuses_a_padding_mask_or_a_cache() -> None:
     x = torch.randn(2, 4, 32)
     with pytest.raises(AssertionError, match="last_only"):
         block.attn(x, key_padding_mask=torch.ones(2, 4), last_only=True)
+
+
+def test_a_model_built_for_loading_draws_no_random_init_and_loads_whole():
+    """GPT.uninitialized (what every load builds: a checkpoint's, a sharded one's, GPT-2's, a resume's) runs none of
+    the random init a load would throw away: the global RNG is where it was, as after no init at all. A checkpoint
+    loaded into it is the saved model exactly, its head tied to the token embedding; and GPT(config) after it
+    initialises as before (the skipping ends with the build)."""
+    from checkpoint import model_from_checkpoint
+
+    torch.manual_seed(0)
+    saved = GPT(tiny_config())
+    state = torch.get_rng_state()
+    empty = GPT.uninitialized(tiny_config())
+    assert torch.equal(torch.get_rng_state(), state)
+    loaded = model_from_checkpoint({"model": saved.state_dict(), "model_args": vars(saved.config)})
+    assert torch.equal(torch.get_rng_state(), state)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight and empty.lm_head.weight is empty.transformer.wte.weight
+    for (name, p), q in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(p, q), name
+    torch.manual_seed(0)
+    again = GPT(tiny_config())
+    for p, q in zip(saved.parameters(), again.parameters()):
+        assert torch.equal(p, q)
