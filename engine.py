@@ -93,7 +93,9 @@ def generate(
     returned, never fed), at most block_size.
     compile=True runs that one-token step through torch.compile: its shapes are the same at every position
     (static cache, positions as a tensor), so it compiles once per batch size, dtype and cache size, for any
-    depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own.
+    depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own. Each
+    loop's calls after its first skip dynamo's guard checks, process-wide (_unchecked_guards): not for a program
+    whose other threads run compiled code meanwhile.
     The context is the last block_size tokens, exactly as without the cache: past block_size the window
     slides, so every new position changes every position embedding, and each step recomputes the whole window
     (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
@@ -268,7 +270,9 @@ def _unchecked_guards(enabled: bool):
     skip_guard_eval_unsafe: only the guards that tell the compiled variants apart run), for a loop whose every call
     has the shapes, dtypes, model and settings of one already made with its guards checked. At batch 1 the check is
     ~10% of a small model's compiled step (20 of ~220 us for 4 x 128). Entering it costs ~50 us: once per loop, not
-    per step. Nothing where compile is off, or where the caller set a stance of its own.
+    per step. Nothing where compile is off, or where the caller set a stance of its own. The setting is PyTorch's,
+    for the whole process: another thread's compiled calls made meanwhile skip their checks too (generate with
+    compile=True is not for threads that run compiled code beside it).
     """
     if not enabled:
         return contextlib.nullcontext()
