@@ -16,6 +16,7 @@ Reads checkpoints and GPT-2 weights through checkpoint.py; imports nothing from 
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import os
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # the ~170k objects the imports made (torch's) are never garbage: no collection walks them again, the
-    # interpreter's last one at exit included (a one-token sample command: 1.4 -> 1.1 s, most of it import torch)
-    gc.freeze()
+    # at exit the interpreter's last collections walk every object left, the ~170k that the imports made (torch's)
+    # among them: frozen just before, they are skipped (a one-token sample command: 1.4 -> 1.1 s, most of it
+    # import torch). At exit only: a host that runs this file as __main__ (IPython's %run) keeps its collector.
+    atexit.register(gc.freeze)
     exit_on_user_error(main)
