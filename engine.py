@@ -137,9 +137,10 @@ def generate(
             return idx, new
 
         # each loop's first compiled call checks dynamo's guards (picks its variant, or compiles one); the later
-        # calls have its shapes, dtypes and model, so they skip the check (_unchecked_guards)
+        # calls have its shapes, dtypes and model, so they skip the check (_unchecked_guards). Without the cache the
+        # steps run eagerly, on a context one longer each time: a caller's own compiled modules must check theirs
         idx, new = cached_steps(idx, 0, min(max_new_tokens, 2))  # the prompt, then the first one-token step
-        with _unchecked_guards(compile):
+        with _unchecked_guards(compile and use_cache):
             idx, new = cached_steps(idx, new, max_new_tokens)
         # past block_size the window slides: each step recomputes it whole, in window_dtype if given (weights of a
         # higher precision converted once for the whole phase), else under the caller's autocast, if any

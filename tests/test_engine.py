@@ -238,6 +238,22 @@ def test_compiled_steps_after_each_loops_first_skip_dynamo_guards(monkeypatch) -
     assert counters["stats"]["unique_graphs"] == before
 
 
+def test_compiled_generation_without_the_cache_leaves_a_callers_compiled_blocks_their_guard_checks() -> None:
+    """Without the cache the steps within the block run eagerly, each on a context one token longer: a caller who
+    compiled the blocks themselves has them recompile for each new length, which a skipped guard check would refuse
+    (PyTorch raises where a recompile is needed under it). The tokens are compile=False's."""
+    model = make_model(seed=5)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(prompt, 25, temperature=0.0, use_cache=False)
+    torch._dynamo.reset()
+    for block in model.transformer.h:
+        block.compile()
+    try:
+        assert torch.equal(model.generate(prompt, 25, temperature=0.0, compile=True, use_cache=False), expected)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 def test_eager_cache_reads_only_the_slots_written_and_equals_the_static_one(attention: str) -> None:
     """Eager decoding attends over the positions stored so far; the static cache (the compiled step's) over all
