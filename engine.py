@@ -145,7 +145,8 @@ def generate(
         # past block_size the window slides: each step recomputes it whole, in window_dtype if given (weights of a
         # higher precision converted once for the whole phase), else under the caller's autocast, if any
         sliding = new < max_new_tokens
-        with window_phase(model, idx, window_dtype if sliding else None, pack=sliding and not compile):
+        with window_phase(model, idx, window_dtype if sliding else None, pack=sliding and not compile), \
+                _tensor_guards_kept(compile):
             idx, new = window_steps(idx, new, min(max_new_tokens, new + 1))
             with _unchecked_guards(compile):
                 idx, new = window_steps(idx, new, max_new_tokens)
@@ -281,6 +282,16 @@ def _unchecked_guards(enabled: bool):
     if stance is None or stance.stance != "default" or stance.skip_guard_eval_unsafe:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True, force_backend=stance.backend)
+
+
+def _tensor_guards_kept(enabled: bool):
+    """The compiled window's guards check every weight: the window phase changes the weights' dtype in place (each
+    parameter's data), and dynamo's shortcut that skips a module's tensor guards while its attributes are the same
+    objects would run another dtype's compiled window on them (PyTorch 2.11 on CUDA did: float32 activations against
+    bf16 weights). A compiled window's guards are built at its first call, under this setting."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=False)
 
 
 _COMPILED: dict = {}

@@ -67,6 +67,17 @@ def test_compiled_step_compiles_once_per_generation_for_a_deep_model_on_cuda():
     check(reference, same_size, 4, torch.float32)
 
 
+def test_a_compiled_window_follows_the_weights_dtype_the_phase_gives_them():
+    """The window phase converts the weights in place (each parameter's data) for window_dtype: the same model's
+    compiled window in float32, then in bf16, then in float32 again, each as its eager window chooses (a compiled
+    variant of the other dtype reused would multiply bf16 activations by float32 weights, or round float32 ones)."""
+    model, reference = tiny()
+    prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    for window_dtype in (None, torch.bfloat16, None):
+        out = model.generate(prompt, 30, temperature=0.0, compile=True, window_dtype=window_dtype)
+        check(reference, out, 5, window_dtype or torch.float32)
+
+
 def test_bf16_autocast_cache_is_bf16_and_tokens_stay_within_tolerance():
     model, reference = tiny()
     prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
