@@ -383,7 +383,8 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
 
 def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
     """The matmuls `run()` does (MatmulRecorder), run alone back to back on fresh tensors of their shapes, strides and
-    dtypes: the best of `repeats` in ms, and their number."""
+    dtypes: the best of `repeats` timings in ms (each the mean of one or more replays of the whole sequence), and
+    their number."""
     recorder = MatmulRecorder()
     with recorder:
         run()

@@ -253,7 +253,7 @@ class GPT(nn.Module):
     def uninitialized(cls, config: GPTConfig) -> "GPT":
         """A GPT of `config` whose weights are allocated but not initialised, for a caller that writes every one of
         them next (a checkpoint's, GPT-2's): the random init GPT(config) does is most of the time it takes to
-        build one (GPT-2 medium: 3.9 of 4.0 s on 2 cores), and a load throws it away. The global RNG is left as it
+        build one (GPT-2 medium: 2.4 s on 2 cores, against 0.01 s without it), and a load throws it away. The global RNG is left as it
         was. The head stays tied to the token embedding."""
         with _SkippedInit():
             return cls(config)
