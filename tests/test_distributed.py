@@ -21,6 +21,13 @@ import checkpoint, train
 from errors import exit_on_user_error
 rank = int(os.environ["RANK"])
 what = os.environ["OBSERVE"]
+
+
+def say(line):  # one write per line: both ranks share the pipe, and print writes a line's end apart, unbuffered
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
 if what == "allreduce":  # count the gradient all-reduces DDP runs
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     calls = [0]
@@ -42,7 +49,7 @@ if what == "slow_save" and rank == 0:  # rank 0's save takes seconds, as a big m
     def slow(*args, **kwargs):
         time.sleep(2)
         out = real_save(*args, **kwargs)
-        print(f"rank 0 saved at {{time.time()}}", flush=True)
+        say(f"rank 0 saved at {{time.time()}}")
         return out
 
     checkpoint.save_run_checkpoint = slow
@@ -63,7 +70,7 @@ if what == "rng":  # the dropout RNG state each rank starts its first step with
     def step(*args, **kwargs):
         if not seen:
             seen.append(1)
-            print(f"rank {{rank}} rng " + hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest(), flush=True)
+            say(f"rank {{rank}} rng " + hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest())
         return real_step(*args, **kwargs)
 
     train.train_step = step
@@ -71,8 +78,8 @@ try:
     exit_on_user_error(lambda: train.main(sys.argv[1:]))
 finally:
     if what == "allreduce":
-        print(f"rank {{rank}} allreduce calls {{calls[0]}}", flush=True)
-    print(f"rank {{rank}} exits at {{time.time()}}", flush=True)
+        say(f"rank {{rank}} allreduce calls {{calls[0]}}")
+    say(f"rank {{rank}} exits at {{time.time()}}")
 """
 
 
