@@ -288,8 +288,8 @@ def whole_sample_command_s(model: GPT, device: str) -> tuple[float, float, str]:
 
 
 def torch_process_s() -> float:
-    """The wall time of a Python process that imports torch and exits, as sample.py does (its imports frozen out of
-    the collector's way): the share of the sample command that no generation can remove."""
+    """The wall time of a Python process that imports torch and exits, as sample.py does (its objects frozen out of
+    the collector's way as it ends): the share of the sample command that no generation can remove."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import gc, torch; gc.freeze()"], check=True)
     return time.perf_counter() - t0
@@ -404,17 +404,18 @@ def main(argv: list[str] | None = None) -> None:
         window = torch.bfloat16 if device == "cpu" and cpu_has_native_bf16() else torch.float32  # sample.py's auto
         bound_model = with_attention(model, resolve_sampling_attention(
             "auto", device, "bfloat16" if window == torch.bfloat16 else "float32", config.block_size)[0])
-        rounds = []
+        rounds, starts = [], []
         for _ in range(args.repeats):
             whole, generation, command = whole_sample_command_s(model, device)
             bound = sample_command_bound(bound_model, args.batch_size, args.prompt_len, args.max_new_tokens[0],
                                          device, window)[0]
-            rounds.append((whole, bound, generation, torch_process_s()))
-        whole, bound, generation, _ = min(rounds)
-        start = min(r[3] for r in rounds)
+            rounds.append((whole, bound, generation))
+            starts.append(torch_process_s())
+        whole, bound, generation = min(rounds)
+        start = min(starts)
         nano = best_of.get("no cache, fp32 (nanoGPT's way)")
         print(f"\nnanoGPT's sample command, whole process (start, imports, checkpoint load, 10 x 500 tokens): "
-              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, *_ in rounds)}); of it, the "
+              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _, _ in rounds)}); of it, the "
               f"generation (sample.py's tokens/s line) {generation:.1f} s, process start, imports and checkpoint load "
               f"{whole - generation:.1f} s")
         if nano is not None:
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{nano / whole:.2f}x faster")
         print(f"  its compute bound (the matmuls of the exact recompute, each replayed alone; the window in "
               f"{str(window).split('.')[-1]}): {bound:.1f} s: {bound / whole:.2f} of the bound (each round's: "
-              f"{', '.join(f'{b / w:.2f}' for w, b, *_ in rounds)})")
+              f"{', '.join(f'{b / w:.2f}' for w, b, _ in rounds)})")
         print(f"  a python process that imports torch and exits, as sample.py does: {start:.1f} s, so that no "
               f"generation could bring this command above {bound / (bound + start):.2f} of the bound here")
         print(f"  {tiny_step_figures(device)}", flush=True)
