@@ -4,14 +4,16 @@ peak memory.
 
 $ python bench.py                       # GPT-2 124M, batch 12 x 1024 on a GPU; on the CPU, config/bench_cpu.py
 $ python bench.py config/bench_cpu.py --dtype=float32 --attention=math
-$ python bench.py --profile=True        # also a chrome trace in results_dir and the table of the top ops
+$ python bench.py --profile=True        # then 5 steps under the profiler: a chrome trace, the top ops, GPU busy
 
 The studies in benchmarks/ (ablation.py, numerics.py, memory.py, gpu.py) run bench.py in fresh processes and read
 its --result_json. Config: step.py's StepConfig keys plus BenchConfig's, through the same configurator; on the
 CPU without a config file, config/bench_cpu.py is loaded first (a line says so).
 
-One run times step.train_step, the real training step, after warm-up steps that absorb one-off costs (allocation,
-kernel choice, compile); data loading is not timed. Every run draws the same batches and starts from the same
+One run times step.train_step, the real training step, as train.py's loop runs it: after warm-up steps that absorb
+one-off costs (allocation, kernel choice, compile), each step's batches are drawn on the host and the step queued while
+the device still runs the one before; the step's figures are read one step late (step.OneStepLate), and nothing inside
+the timed steps waits for the device (the steps' times are CUDA events on a GPU, the optimizer's too). Every run draws the same batches and starts from the same
 weights whatever the vocabulary padding, so runs with different techniques train the same model on the same data
 and their losses compare. On a shared CPU each run says what share of the CPUs other processes took meanwhile.
 
@@ -20,7 +22,6 @@ benchmarks/ build on this script (through its command line and --result_json), n
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -34,11 +35,13 @@ import torch
 import dataio
 import float8
 from measure import (
+    DeviceClock,
     OptimizerTimer,
     OtherLoad,
     PeakMemory,
     allocator_line,
     detect_allocator,
+    gpu_busy_share,
     machine_line,
     matmul_floor,
     step_profiler,
@@ -52,6 +55,7 @@ from distributed import Dist
 from configurator import configure
 from model import GPT
 from step import (
+    OneStepLate,
     StepConfig,
     batch_generator,
     compile_model,
@@ -65,6 +69,7 @@ from step import (
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CPU_CONFIG = os.path.join(ROOT, "config", "bench_cpu.py")
+PROFILED_STEPS = 5  # --profile: steps under the profiler, after the timed ones
 
 
 @dataclass
@@ -75,7 +80,8 @@ class BenchConfig(StepConfig):
     real_data: bool = False  # batches of data/<dataset>/train.bin (step.get_batch) instead of random tokens
     warmup_steps: int = 10  # untimed steps first
     timed_steps: int = 20
-    profile: bool = False  # torch.profiler over the timed steps: a chrome trace in results_dir, the top ops
+    profile: bool = False  # also 5 steps under torch.profiler after the timed ones: a chrome trace in results_dir, the
+    # top ops, and how busy the GPU was (the share of the time it did not wait for the host)
     results_dir: str = "bench_results"  # trace.json, and the studies' JSON and PNG files
     result_json: str = ""  # also write this run's figures to this file (the studies read it)
 
@@ -195,14 +201,17 @@ def setup_run(cfg: BenchConfig) -> dict:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Warm-up steps, then timed steps of train_step; returns the figures (and the profiler, if any)."""
+    """Warm-up steps, then timed steps of train_step as train.py's loop runs them (each step's figures read one step
+    late, nothing waiting for the device inside the loop); returns the figures (and the profiler, if any)."""
     run = setup_run(cfg)
     cfg, device, raw_model = run["cfg"], run["device"], run["raw_model"]
     print_run_header(cfg, run)
+    late = OneStepLate(device)
 
-    def step(i: int) -> float:
-        return train_step(run["model"], run["optimizer"], run["scaler"], step_batches(cfg, i, run["data_path"]),
-                          run["ctx"], cfg, Dist(device=device))[0]
+    def step(i: int) -> None:
+        result = train_step(run["model"], run["optimizer"], run["scaler"], step_batches(cfg, i, run["data_path"]),
+                            run["ctx"], cfg, Dist(device=device))
+        late.push(i, result)
 
     memory = PeakMemory(device)
     optimizer_timer = OptimizerTimer(run["optimizer"], device)
@@ -214,20 +223,30 @@ def run_bench(cfg: BenchConfig) -> dict:
               f"...", flush=True)
     for i in range(cfg.warmup_steps):
         step(i)
+    late.flush()
     memory.before_timed_steps()
     print(f"timing {plural(cfg.timed_steps, 'step')}...", flush=True)
-    ms = []
-    profiler = step_profiler(device) if cfg.profile else contextlib.nullcontext()
     optimizer_timer.timing = True
-    with OtherLoad() as others, profiler as prof:
+    clock = DeviceClock(device)  # the steps' boundaries on the device's timeline: no wait between them
+    with OtherLoad() as others:
+        marks = [clock.mark()]
         for i in range(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps):
-            synchronize(device)
-            t0 = time.perf_counter()
             step(i)
-            synchronize(device)
-            ms.append((time.perf_counter() - t0) * 1000)
+            marks.append(clock.mark())
+        late.flush()
+        synchronize(device)
+    ms = [clock.ms(a, b) for a, b in zip(marks, marks[1:])]
     peak = memory.peak_mib()
     optimizer_timer.timing = False
+    prof = None
+    if cfg.profile:  # steps of their own: the profiler's cost stays out of the timings
+        print(f"profiling {plural(PROFILED_STEPS, 'more step')}...", flush=True)
+        with step_profiler(device) as prof:
+            first = cfg.warmup_steps + cfg.timed_steps
+            for i in range(first, first + PROFILED_STEPS):
+                step(i)
+            late.flush()
+            synchronize(device)
     print("measuring the matmul floor...", flush=True)
     optimizer_ms = {name: total / cfg.timed_steps for name, total in optimizer_timer.ms.items()}
 
@@ -241,10 +260,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         "matmul_floor_ms": floor_ms, "matmuls": n_matmuls, "floor_multiple": median / floor_ms,
         "peak_flops": peak_flops, "peak_source": peak_source,
         "optimizer_ms": optimizer_ms, "optimizer_share": sum(optimizer_ms.values()) / (sum(ms) / len(ms)),
-        "ms_median": median, "ms_min": min(ms), "ms_max": max(ms), "ms_q1": q1, "ms_q3": q3, "ms": ms,
+        "ms_median": median, "ms_mean": sum(ms) / len(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_q1": q1, "ms_q3": q3, "ms": ms,
         "tokens_per_iter": tokens_per_iter, "tokens_per_s": tokens_per_iter / (median / 1000), "mfu": mfu,
         "peak_memory_mib": peak, "memory_measure": memory.measure,
         "loss": held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"]), "initial_loss": initial_loss,
+        "gpu_busy": gpu_busy_share(prof) if cfg.profile else None,
         "device": device, "dtype": dtype_label(run["dtype"]), "allocator": detect_allocator(),
         "threads": torch.get_num_threads(), "others_cpu": others.fraction,
     }
@@ -280,10 +300,9 @@ def print_run_header(cfg: BenchConfig, run: dict) -> None:
           f"{cfg.warmup_steps} warm-up + {plural(cfg.timed_steps, 'timed step')}; {data}", flush=True)
 
 
-def print_result(r: dict, profiling: bool) -> None:
-    note = " (under the profiler: includes its overhead)" if profiling else ""
-    print(f"ms/iter: median {r['ms_median']:.2f} (min {r['ms_min']:.2f}, IQR {r['ms_q1']:.2f}-{r['ms_q3']:.2f}, "
-          f"max {r['ms_max']:.2f}) over {plural(len(r['ms']), 'timed step')}{note}")
+def print_result(r: dict) -> None:
+    print(f"ms/iter: median {r['ms_median']:.2f} (mean {r['ms_mean']:.2f}, min {r['ms_min']:.2f}, IQR "
+          f"{r['ms_q1']:.2f}-{r['ms_q3']:.2f}, max {r['ms_max']:.2f}) over {plural(len(r['ms']), 'timed step')}")
     print(f"tokens/s: {r['tokens_per_s']:,.0f} ({r['tokens_per_iter']:,} tokens/iter at the median)")
     print(f"matmul floor: {r['matmul_floor_ms']:.2f} ms ({plural(r['matmuls'], 'matmul')} of the step, alone back to "
           f"back in its dtypes); the step takes {r['floor_multiple']:.2f}x its floor")
@@ -294,6 +313,9 @@ def print_result(r: dict, profiling: bool) -> None:
         print(f"MFU: {mfu_text(r['mfu'])} (peak {r['peak_flops'] / 1e12:.3f} TFLOP/s: {r['peak_source']})")
     else:
         print(f"MFU: n/a ({r['peak_source']})")
+    if r.get("gpu_busy") is not None:
+        print(f"GPU busy: {r['gpu_busy']:.1%} of the {plural(PROFILED_STEPS, 'profiled step')} (it waited for the host "
+              f"{1 - r['gpu_busy']:.1%} of the time)")
     peak = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB"
     print(f"peak memory: {peak} ({r['memory_measure']})")
     print(f"loss: {r['loss']:.4f} after the timed steps, {r['initial_loss']:.4f} before the first step "
@@ -309,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError("the ablation study is its own script: python benchmarks/ablation.py (same keys)")
     cfg, argv = load_config(argv)
     out = run_bench(cfg)
-    print_result(out["result"], cfg.profile)
+    print_result(out["result"])
     if cfg.profile:
         write_profile(out["profiler"], cfg.results_dir, resolve_device(cfg.device))
     if cfg.result_json:

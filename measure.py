@@ -185,7 +185,7 @@ class PeakMemory:
 
 
 def step_profiler(device: str) -> torch.profiler.profile:
-    """torch.profiler over the timed steps: CPU ops, and the GPU's kernels on CUDA."""
+    """torch.profiler over the profiled steps: CPU ops, and the GPU's kernels on CUDA."""
     cuda = [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else []
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
 
@@ -200,7 +200,7 @@ def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -
     with open(os.path.join(results_dir, "top_ops.txt"), "w") as f:
         f.write(table + "\n")
     print(table)
-    print(f"profile: chrome trace of the timed steps in {path} (open it in chrome://tracing or ui.perfetto.dev), "
+    print(f"profile: chrome trace of the profiled steps in {path} (open it in chrome://tracing or ui.perfetto.dev), "
           f"the table above in {os.path.join(results_dir, 'top_ops.txt')}")
 
 
@@ -264,13 +264,40 @@ def study_config(defaults: T, argv: list[str], bench_defaults) -> tuple[T, list[
     return configure(defaults, mine), [a for a in argv if a not in mine]
 
 
+class DeviceClock:
+    """
+    Time points on the device's own timeline, taken without waiting for it: on CUDA an event recorded in the stream
+    (its time is when the GPU gets there), on the CPU the host clock (the CPU runs each op as it is called); other
+    devices wait for their queue first. Read the times with ms(a, b) after one synchronize at the end: so what is
+    timed is the loop as it runs, with no wait inside it.
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.cuda = device.startswith("cuda")
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        if not self.device.startswith("cpu"):
+            synchronize(self.device)
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        """Milliseconds from mark a to mark b (after the device finished both)."""
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1000
+
+
 class OptimizerTimer:
     """The time of each optimizer's step (the AdamW and Muon of an optim.Optimizers) during the timed steps, in ms
-    per step: their step methods are wrapped, with the device synchronized around each call so that a GPU's kernels
-    are counted, not their launch."""
+    per step: their step methods are wrapped with DeviceClock marks around each call, so a GPU's kernels are counted
+    (not their launch) and nothing waits for the device inside the steps. Read `ms` after synchronizing."""
 
     def __init__(self, optimizers, device: str):
-        self.device, self.timing, self.ms = device, False, {name: 0.0 for name in optimizers.optimizers}
+        self.clock, self.timing = DeviceClock(device), False
+        self.marks: dict[str, list] = {name: [] for name in optimizers.optimizers}
         for name, opt in optimizers.optimizers.items():
             opt.step = self._timed(name, opt.step)
 
@@ -278,13 +305,41 @@ class OptimizerTimer:
         def timed_step(*args, **kwargs):
             if not self.timing:
                 return step(*args, **kwargs)
-            synchronize(self.device)
-            t0 = time.perf_counter()
+            start = self.clock.mark()
             out = step(*args, **kwargs)
-            synchronize(self.device)
-            self.ms[name] += (time.perf_counter() - t0) * 1000
+            self.marks[name].append((start, self.clock.mark()))
             return out
         return timed_step
+
+    @property
+    def ms(self) -> dict[str, float]:
+        """Each optimizer's total time over the timed steps."""
+        return {name: sum(self.clock.ms(a, b) for a, b in pairs) for name, pairs in self.marks.items()}
+
+
+def busy_share(intervals: list[tuple[float, float]]) -> float | None:
+    """The share of the time from the first interval's start to the last one's end that some interval covers: on a
+    profile's GPU kernels and copies, how busy the GPU was (1 - busy: the time it waited for the host). None for
+    no intervals."""
+    if not intervals:
+        return None
+    intervals = sorted(intervals)
+    covered, (start, end) = 0.0, intervals[0]
+    for a, b in intervals[1:]:
+        if a > end:
+            covered, start = covered + end - start, a
+        end = max(end, b)
+    covered += end - start
+    span = max(b for _, b in intervals) - intervals[0][0]
+    return covered / span if span > 0 else 1.0
+
+
+def gpu_busy_share(prof: torch.profiler.profile) -> float | None:
+    """busy_share of a profile's device activity (kernels, copies, fills); None without any (a CPU profile)."""
+    from torch.autograd import DeviceType
+
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return busy_share(spans)
 
 
 class MatmulRecorder(TorchDispatchMode):

@@ -87,13 +87,18 @@ def muon_class() -> type[torch.optim.Optimizer]:
         )
 
     class Muon(torch.optim.Muon):
+        reads_skip = True  # step(skip=) decides on the device (step_unless)
+
         def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kw):
             super().__init__(params, **kw)
             self.ns_dtype = ns_dtype
 
         @torch.no_grad()
-        def step(self) -> None:
+        def step(self, skip: torch.Tensor | None = None) -> None:
+            """skip: a 0-dim tensor on the parameters' device, nonzero to leave parameters and momentum as they are:
+            the step is computed and then not kept, so deciding never waits for the device."""
             # torch.optim._muon._single_tensor_muon (2.9-2.13), with newton_schulz in ns_dtype
+            keep_old = None if skip is None else skip.bool()
             for group in self.param_groups:
                 lr, momentum = group["lr"], group["momentum"]
                 for p in group["params"]:
@@ -103,14 +108,41 @@ def muon_class() -> type[torch.optim.Optimizer]:
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(p.grad)
                     buf = state["momentum_buffer"]
-                    buf.lerp_(p.grad, 1 - momentum)
-                    update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                    new_buf = buf.lerp(p.grad, 1 - momentum)
+                    update = p.grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf
                     update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
                                            self.ns_dtype)
-                    p.mul_(1 - lr * group["weight_decay"])
-                    p.add_(update, alpha=-muon_lr(lr, group["adjust_lr_fn"], p.shape))
+                    new_p = p.mul(1 - lr * group["weight_decay"])
+                    new_p.add_(update, alpha=-muon_lr(lr, group["adjust_lr_fn"], p.shape))
+                    if keep_old is not None:
+                        new_buf, new_p = torch.where(keep_old, buf, new_buf), torch.where(keep_old, p, new_p)
+                    buf.copy_(new_buf)
+                    p.copy_(new_p)
 
     return Muon
+
+
+def step_unless(optimizer, skip: torch.Tensor) -> None:
+    """
+    optimizer.step(), skipped where `skip` (a float32 0-dim tensor on the device, 1.0 or 0.0) says so, leaving the
+    parameters and the optimizer's state as they were. The flag is read on the device, so the host queues the step
+    without waiting: torch's fused optimizers (AdamW's default on CUDA and CPUs) take it as their found_inf, as the
+    grad scaler passes it; Muon selects with it. An optimizer that can do neither (AdamW with fused_adamw=False, a
+    plain torch optimizer) is stepped after reading the flag, which waits for the device.
+    """
+    if isinstance(optimizer, Optimizers):
+        for opt in optimizer.optimizers.values():
+            step_unless(opt, skip)
+    elif getattr(optimizer, "reads_skip", False):
+        optimizer.step(skip=skip)
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = skip  # what torch.amp.GradScaler sets for these optimizers
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not skip.item():
+        optimizer.step()
 
 
 def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,

@@ -32,7 +32,7 @@ from common import (
 from distributed import Dist
 from errors import UserError
 from model import GPT, GPTConfig
-from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer
+from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer, step_unless
 
 
 @dataclass
@@ -239,27 +239,79 @@ class StepInterrupted(Exception):
     """A stop was requested between two micro-steps: the step was abandoned (its gradients dropped), not applied."""
 
 
-def train_step(
-    model, optimizer, scaler, batches, ctx, cfg: StepConfig, dist: Dist, stop: Callable[[], bool] | None = None
-) -> tuple[float, float, bool]:
+@dataclass(frozen=True)
+class StepFigures:
+    """One step's figures on the host: the mean loss over all micro-batches and ranks, the gradient norm, whether the
+    step was applied, and the non-finite steps counted so far (NonFiniteGuard)."""
+    loss: float
+    grad_norm: float
+    applied: bool
+    nonfinite_skips: int
+
+
+class StepResult:
+    """What train_step returns: its figures still on the device, so that returning waits for nothing. read() copies
+    them to the host, which waits for the step to finish; OneStepLate reads them without holding the device back."""
+
+    def __init__(self, stats: torch.Tensor):
+        self.stats = stats  # (4,) float32 on the device: loss, grad norm, applied (1 or 0), non-finite skips so far
+
+    def read(self) -> StepFigures:
+        return figures(self.stats.tolist())
+
+
+def figures(stats: list[float]) -> StepFigures:
+    loss, norm, applied, skips = stats
+    return StepFigures(loss, norm, applied > 0, int(skips))
+
+
+class NonFiniteGuard:
     """
-    One optimizer step over the micro-batches of this rank. Returns (mean loss over all micro-batches and ranks,
-    gradient norm, whether the step was applied). `stop` is asked between micro-steps (the ranks agree on its
-    answer): True drops the gradients so far and raises StepInterrupted, so a stop waits for one micro-step, not
-    a whole step of gradient accumulation.
+    Decides on the device whether a step is applied, so the host never waits to decide: a non-finite loss or gradient
+    norm skips the step (the optimizer reads the flag: optim.step_unless) and is counted, except a finite loss whose
+    float16 gradients overflowed, which is the grad scaler's to skip (it lowers its scale) and is not counted. Once
+    more than `limit` steps are counted, every later step is skipped too: the steps the host queued before it read
+    the count then change nothing, and the run stops with the state the last good step left.
+    """
+
+    def __init__(self, device: str, limit: float = math.inf):
+        self.skips = torch.zeros((), device=device)  # counted so far, float32 (it travels with the step's figures)
+        self.limit = limit
+
+    def skip(self, loss: torch.Tensor, grad_norm: torch.Tensor, scaler_enabled: bool) -> torch.Tensor:
+        """1.0 where the step must be skipped, else 0.0: a float32 scalar on the device."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        counted = ~torch.isfinite(loss) if scaler_enabled else ~finite
+        self.skips += counted
+        return (~finite | (self.skips > self.limit)).float()
+
+
+def train_step(
+    model, optimizer, scaler, batches, ctx, cfg: StepConfig, dist: Dist, stop: Callable[[], bool] | None = None,
+    guard: NonFiniteGuard | None = None,
+) -> StepResult:
+    """
+    One optimizer step over the micro-batches of this rank, queued without waiting for the device: nothing in it
+    reads a value back, so on a GPU the host runs ahead and queues the next step while this one computes. Returns
+    the step's figures on the device (StepResult: the mean loss over all micro-batches and ranks, the gradient norm,
+    whether the step was applied). `guard` decides on the device whether the step applies (NonFiniteGuard; by
+    default one of its own, without a limit). `stop` is asked between micro-steps (the ranks agree on its answer):
+    True drops the gradients so far and raises StepInterrupted, so a stop waits for one micro-step, not a whole step
+    of gradient accumulation.
 
     The gradient equals that of one big batch of the same tokens: each micro-batch's mean loss is weighted by
     its share of all target tokens (those not -1) over every micro-step and rank, so the weighting stays right
     when some targets are ignored. DDP averages gradients over ranks, hence the factor world_size.
     """
-    counts = [int((y != -1).sum()) for _, y in batches]  # on the CPU: no device sync
-    n_tokens = torch.tensor(float(sum(counts)), device=dist.device)
-    if dist.enabled:
-        torch_dist.all_reduce(n_tokens)
-    loss_sum = torch.zeros((), device=dist.device)
+    guard = guard if guard is not None else NonFiniteGuard(dist.device)
     # The step's host-to-device copies are queued up front (pinned, non-blocking): they overlap the first
     # micro-steps' compute instead of each waiting for the one before it. A no-op on the CPU.
     batches = [(to_device(x, dist.device), to_device(y, dist.device)) for x, y in batches]
+    counts = [(y != -1).sum() for _, y in batches]  # target tokens per micro-batch, counted on the device
+    n_tokens = torch.stack(counts).sum().float()
+    if dist.enabled:
+        torch_dist.all_reduce(n_tokens)
+    loss_sum = torch.zeros((), device=dist.device)
     for i, ((x, y), n) in enumerate(zip(batches, counts)):
         last = i == len(batches) - 1
         if i > 0 and stop is not None and stop():
@@ -276,17 +328,51 @@ def train_step(
         torch_dist.all_reduce(loss_sum)
     scaler.unscale_(optimizer)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = parallel.clip_grad_norm_(model.parameters(), max_norm)  # the total norm over all ranks' shards
-    mean_loss, norm = (torch.stack([loss_sum / n_tokens, grad_norm.float()])).tolist()
-    # float16: the scaler skips steps whose gradients overflowed, and lowers its scale; a non-finite loss is
-    # not an overflow it can fix, so it is counted like any other non-finite step.
-    if math.isfinite(mean_loss) and (math.isfinite(norm) or scaler.is_enabled()):
-        scaler.step(optimizer)
-        applied = math.isfinite(norm)
-    else:
-        applied = False
+    grad_norm = parallel.clip_grad_norm_(model.parameters(), max_norm).float()  # the total norm over all ranks' shards
+    mean_loss = loss_sum / n_tokens
+    skip = guard.skip(mean_loss, grad_norm, scaler.is_enabled())
+    step_unless(optimizer, skip)
     # Also after a skipped step: update() is what clears unscale_'s record for this optimizer (without it the next
     # step's unscale_ raises "already been called"); it lowers the scale when the gradients were not finite.
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return mean_loss, norm, applied
+    return StepResult(torch.stack([mean_loss, grad_norm, 1 - skip, guard.skips]))
+
+
+class OneStepLate:
+    """
+    The figures of each step, read one step late: push(step) starts copying the step's figures to the host without
+    waiting and returns those of the step pushed before, which by then has finished or is about to (while the step
+    just pushed keeps the device busy). So reading every step's figures never leaves a GPU idle, and the loop
+    waits for the device only where it must (flush: before an eval, a save, a stop, the end). Each figure comes back
+    with the tag it was pushed with (the iteration, its learning rate).
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self.pending: tuple | None = None  # (tag, host copy, event)
+
+    def push(self, tag, result: StepResult) -> tuple | None:
+        host = torch.empty(result.stats.shape, dtype=result.stats.dtype, pin_memory=self.cuda)
+        host.copy_(result.stats, non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        previous, self.pending = self.pending, (tag, host, event)
+        return self._read(previous)
+
+    def flush(self) -> tuple | None:
+        """The last pushed step's (tag, StepFigures), waiting for it; None if there is none."""
+        previous, self.pending = self.pending, None
+        return self._read(previous)
+
+    @staticmethod
+    def _read(pending: tuple | None) -> tuple | None:
+        if pending is None:
+            return None
+        tag, host, event = pending
+        if event is not None:
+            event.synchronize()  # that step only: the steps queued after it keep running
+        return tag, figures(host.tolist())

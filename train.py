@@ -59,6 +59,8 @@ from configurator import config_summary, configure_keys
 from model import GPT
 from step import (
     MODEL_KEYS,
+    NonFiniteGuard,
+    OneStepLate,
     StepConfig,
     StepInterrupted,
     batch_generator,
@@ -207,6 +209,56 @@ def estimate_loss(
 
 class NonFiniteError(UserError):
     pass
+
+
+class StepReports:
+    """What the loop does with each step's figures once they are read (step.OneStepLate: one step late, so reading
+    never holds the device back): stop the run once more than max_nonfinite_skips steps had a non-finite loss or
+    gradient norm, warn of each such skipped step, and every log_interval steps log the loss, learning rate, time,
+    tokens/s, MFU and gradient norm. A step's time is the time between two steps' figures arriving: in a steady loop,
+    what a step takes on the device."""
+
+    def __init__(self, cfg: TrainConfig, log: Logger, model: GPT, tokens_per_iter: int, accum_steps: int,
+                 peak_flops: float | None, scaler_enabled: bool):
+        self.cfg, self.log, self.model, self.scaler_enabled = cfg, log, model, scaler_enabled
+        self.tokens_per_iter, self.accum_steps, self.peak_flops = tokens_per_iter, accum_steps, peak_flops
+        self.running_mfu = -1.0
+        self.last_loss = float("nan")
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """The next step's time counts from now (after an eval or a save, which are not part of it)."""
+        self.t0 = time.time()
+
+    def report(self, read: tuple | None) -> None:
+        """read: ((iteration, learning rate), StepFigures) of one step, or None."""
+        if read is None:
+            return
+        (it, lr), f = read
+        t1 = time.time()
+        dt, self.t0 = t1 - self.t0, t1
+        cfg = self.cfg
+        if not f.applied and not (self.scaler_enabled and math.isfinite(f.loss)):  # float16 overflow: the scaler's
+            what = "loss" if not math.isfinite(f.loss) else "gradient norm"
+            if f.nonfinite_skips > cfg.max_nonfinite_skips:
+                raise NonFiniteError(
+                    f"non-finite {what} at iter {it} (loss {f.loss}, grad norm {f.grad_norm}); the step was not "
+                    f"applied and the last checkpoint is intact: lower learning_rate, or set max_nonfinite_skips"
+                )
+            self.log.print(f"warning: non-finite {what} at iter {it}: step skipped ({f.nonfinite_skips} so far)")
+        self.last_loss = f.loss
+        if (it + 1) % cfg.log_interval:
+            return
+        mfu = self.model.estimate_mfu(cfg.batch_size * self.accum_steps, dt, self.peak_flops, cfg.block_size)  # per rank
+        if mfu is not None:
+            self.running_mfu = mfu if self.running_mfu < 0 else 0.9 * self.running_mfu + 0.1 * mfu
+        self.log.print(
+            f"iter {it + 1}: loss {f.loss:.4f}, lr {lr:.2e}, time {dt * 1000:.2f}ms, "
+            f"{self.tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text(self.running_mfu if self.running_mfu >= 0 else None)}, "
+            f"grad norm {f.grad_norm:.3f}"
+        )
+        self.log.metrics({"iter": it + 1, "loss": f.loss, "lr": lr, "ms": dt * 1000, "tok_s": self.tokens_per_iter / dt,
+                          "mfu": mfu, "grad_norm": f.grad_norm})
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -435,19 +487,20 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         return cfg.async_save and iter_num < cfg.max_iters  # the last save is written before the run ends
 
     def stop_now(iter_num: int) -> NoReturn:
+        steps.report(late.flush())  # a non-finite step before the stop stops the run as such, saving nothing
         save(iter_num, best_val_loss, improved=False)
         # train() ends the ranks together, once rank 0's checkpoint is on disk
         raise Stopped(stop.message(iter_num), stop.exit_code())
 
     with StopRequest(dist) as stop, contextlib.ExitStack() as on_exit:
         on_exit.callback(finish_save)  # a save written in the background is linked before the run ends, however
-        running_mfu = -1.0
-        nonfinite_skips = 0
-        last_loss = float("nan")
-        t0 = time.time()
+        guard = NonFiniteGuard(device, cfg.max_nonfinite_skips)
+        late = OneStepLate(device)  # each step's figures, read while the next step runs
+        steps = StepReports(cfg, log, raw_model, tokens_per_iter, accum_steps, peak_flops, scaler.is_enabled())
         while True:
             # evaluate, and save the checkpoint
             if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or eval_only:
+                steps.report(late.flush())  # the last step's figures first: a non-finite step stops before the eval
                 last_eval = iter_num >= cfg.max_iters or eval_only  # runs whole: the run ends after it anyway
                 stopping = (lambda: False) if last_eval else stop.signalled
                 losses = estimate_loss(eval_model, cfg, splits, dist, ctx, stopping)
@@ -465,51 +518,28 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
                 if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
                     save(iter_num, best_val_loss, improved, background=background_save(iter_num))
-                t0 = time.time()  # the eval is not part of the next step's time
+                steps.restart_clock()  # the eval is not part of the next step's time
             if periodic_save_due(iter_num):  # between evals (an eval's save counts)
+                steps.report(late.flush())
                 save(iter_num, best_val_loss, improved=False, background=background_save(iter_num))
-                t0 = time.time()
+                steps.restart_clock()
             if iter_num >= cfg.max_iters or eval_only:
                 break
 
-            # one optimizer step
+            # one optimizer step, queued: the host goes on while the device computes it
             lr = get_lr(iter_num, cfg)
             optimizer.set_lr(lr)
             batches = train_batches(splits["train"], cfg, iter_num, dist.rank, accum_steps)
             rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device_type == "cuda" else None
             try:
-                loss, grad_norm, applied = train_step(model, optimizer, scaler, batches, ctx, cfg, dist, stop.requested)
+                result = train_step(model, optimizer, scaler, batches, ctx, cfg, dist, stop.requested, guard)
             except StepInterrupted:  # not applied: save the state before the step, dropout RNG included
                 torch.set_rng_state(rng[0])
                 if rng[1] is not None:
                     torch.cuda.set_rng_state(rng[1], device)
                 stop_now(iter_num)
-            if not applied and not (scaler.is_enabled() and math.isfinite(loss)):
-                nonfinite_skips += 1
-                what = "loss" if not math.isfinite(loss) else "gradient norm"
-                if nonfinite_skips > cfg.max_nonfinite_skips:
-                    raise NonFiniteError(
-                        f"non-finite {what} at iter {iter_num} (loss {loss}, grad norm {grad_norm}); the step was not "
-                        f"applied and the last checkpoint is intact: lower learning_rate, or set max_nonfinite_skips"
-                    )
-                log.print(f"warning: non-finite {what} at iter {iter_num}: step skipped ({nonfinite_skips} so far)")
+            steps.report(late.push((iter_num, lr), result))  # the step before's figures: log, or stop if non-finite
             iter_num += 1
-            last_loss = loss
-
-            # timing and logging
-            t1 = time.time()
-            dt, t0 = t1 - t0, t1
-            if iter_num % cfg.log_interval == 0:
-                mfu = raw_model.estimate_mfu(cfg.batch_size * accum_steps, dt, peak_flops, cfg.block_size)  # per rank
-                if mfu is not None:
-                    running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
-                log.print(
-                    f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.2f}ms, "
-                    f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text(running_mfu if running_mfu >= 0 else None)}, "
-                    f"grad norm {grad_norm:.3f}"
-                )
-                log.metrics({"iter": iter_num, "loss": loss, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt,
-                             "mfu": mfu, "grad_norm": grad_norm})
             if stop.requested():  # before the next eval: a stop skips it
                 stop_now(iter_num)
             finish_save(if_done=True)
@@ -518,7 +548,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
             info = {**run_info(device), "world_size": str(dist.world_size)}
             path = report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print, ctx)
             log.print(f"report: {path}")
-        return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
+        return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": steps.last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
 
 

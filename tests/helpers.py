@@ -153,9 +153,10 @@ def wait_for_iter(metrics_path, at_least: int, proc: subprocess.Popen, timeout: 
     raise TimeoutError(f"no iter {at_least} in {metrics_path}")
 
 
-def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[float]) -> list[tuple]:
+def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[float], guard=None) -> list[tuple]:
     """train.train_step on the batch (x, x) once per loss scale, the model's loss multiplied by it (inf or nan
-    make an overflow or a non-finite step). Returns (loss, grad norm, applied, parameters unchanged) per step."""
+    make an overflow or a non-finite step), with `guard` (step.NonFiniteGuard; None: each step its own). Returns
+    (loss, grad norm, applied, parameters unchanged) per step."""
     import torch
 
     from step import train_step
@@ -175,6 +176,7 @@ def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[f
     for loss_scale in loss_scales:
         scale["now"] = loss_scale
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        loss, norm, applied = train_step(Scaled(), opt, scaler, [(x, x)], ctx, TrainConfig(), dist)
+        f = train_step(Scaled(), opt, scaler, [(x, x)], ctx, TrainConfig(), dist, guard=guard).read()
+        loss, norm, applied = f.loss, f.grad_norm, f.applied
         steps.append((loss, norm, applied, all(torch.equal(before[k], v) for k, v in model.state_dict().items())))
     return steps

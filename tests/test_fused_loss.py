@@ -185,7 +185,8 @@ def test_the_training_step_and_evaluation_form_no_logits_with_the_fused_loss(tmp
         model.lm_head.register_forward_hook(lambda module, args, out: head_outputs.append(out.shape))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        loss, _, applied = train_step(model, opt, scaler, [(idx, targets)], no_autocast, cfg, Dist())
+        f = train_step(model, opt, scaler, [(idx, targets)], no_autocast, cfg, Dist()).read()
+        loss, applied = f.loss, f.applied
         losses = estimate_loss(model, cfg, splits, Dist(), no_autocast)
         assert applied and math.isfinite(loss) and all(math.isfinite(v) for v in losses.values())
         assert (head_outputs == []) == fused, head_outputs  # plain: 1 step + 2 splits x 2 batches

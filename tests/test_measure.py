@@ -123,3 +123,24 @@ class FakeRecorder:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_busy_share_is_the_union_of_the_intervals_over_their_span():
+    # kernels at 0-2, 1-3 (overlapping), 5-6, 6-10: busy 3 + 5 of the 10 from the first start to the last end
+    assert measure.busy_share([(5, 6), (0, 2), (1, 3), (6, 10)]) == pytest.approx(0.8)
+    assert measure.busy_share([(0, 4), (1, 2)]) == 1.0  # one kernel inside another counts once
+    assert measure.busy_share([]) is None
+
+
+def test_a_cpu_profile_has_no_device_activity_to_measure():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8).sum()
+    assert measure.gpu_busy_share(prof) is None
+
+
+def test_the_device_clock_on_the_cpu_reads_the_host_clock(monkeypatch):
+    now = iter([1.0, 1.25])
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(now))
+    clock = measure.DeviceClock("cpu")
+    a, b = clock.mark(), clock.mark()
+    assert clock.ms(a, b) == pytest.approx(250.0)

@@ -1,5 +1,7 @@
 """Tests for step.py: the micro-batches of a step (a function of the step alone) and train_step (gradient accumulation
-equals one big batch, with ignored targets too, for SGD, AdamW and Muon)."""
+equals one big batch, with ignored targets too, for SGD, AdamW and Muon); the non-finite guard decided on the device
+(a skipped step leaves weights and optimizer state as they were; past its limit it skips the steps queued after) and
+the figures read one step late."""
 from __future__ import annotations
 
 import pytest
@@ -7,10 +9,10 @@ import torch
 
 import dataio
 from distributed import Dist
-from helpers import make_char_dataset
+from helpers import make_char_dataset, steps_with_loss_scales
 from model import GPT, GPTConfig
 from optim import build_optimizer
-from step import StepConfig, batch_generator, get_batch, train_step
+from step import NonFiniteGuard, OneStepLate, StepConfig, batch_generator, get_batch, train_step
 
 
 @pytest.fixture()
@@ -70,10 +72,68 @@ def test_accumulation_equals_one_big_batch(ignore, optimizer):
             opt_cfg = StepConfig(optimizer=optimizer, learning_rate=1e-2, muon_ns_dtype="float32")
             opt = build_optimizer(model, opt_cfg, "cpu", verbose=False)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        loss, _, applied = train_step(model, opt, scaler, batches, torch.autocast("cpu", enabled=False), cfg, Dist())
+        f = train_step(model, opt, scaler, batches, torch.autocast("cpu", enabled=False), cfg, Dist()).read()
+        loss, applied = f.loss, f.applied
         assert applied
         results.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
     (loss_big, p_big), (loss_acc, p_acc) = results
     assert loss_acc == pytest.approx(loss_big, abs=1e-6)
     assert max_param_diff(p_big, p_acc) < (1e-6 if optimizer == "sgd" else 1e-4)
     assert max_param_diff(p_big, _tiny_model().state_dict()) > 1e-3  # the step did move the weights
+
+
+def _state_tensors(opt) -> list[torch.Tensor]:
+    """Every tensor of an optimizer's state (AdamW's moments and step counts, Muon's momentum), copied."""
+    opts = opt.optimizers.values() if hasattr(opt, "optimizers") else [opt]
+    return [t.clone() for o in opts for state in o.state.values() for t in state.values() if torch.is_tensor(t)]
+
+
+@pytest.mark.parametrize("optimizer, fused", [("adamw", True), ("adamw", False), ("muon", True)])
+def test_a_skipped_step_leaves_the_weights_and_the_optimizer_state_as_they_were(optimizer, fused):
+    """A NaN loss after a good step: the skipped step changes no weight and no optimizer state (AdamW's moments and
+    step count, whether its fused kernel reads the flag or the flag is read on the host; Muon's momentum)."""
+    model = _tiny_model()
+    cfg = StepConfig(optimizer=optimizer, learning_rate=1e-2, fused_adamw=fused, muon_ns_dtype="float32")
+    opt = build_optimizer(model, cfg, "cpu", verbose=False)
+    x = torch.randint(0, 50, (2, 16))
+    scaler, ctx = torch.amp.GradScaler("cpu", enabled=False), torch.autocast("cpu", enabled=False)
+    steps_with_loss_scales(model, opt, scaler, x, ctx, Dist(), [1.0])
+    state = _state_tensors(opt)
+    [(loss, _, applied, unchanged)] = steps_with_loss_scales(model, opt, scaler, x, ctx, Dist(), [float("nan")])
+    assert not applied and unchanged and loss != loss
+    after = _state_tensors(opt)
+    assert len(after) == len(state) > 0 and all(torch.equal(a, b) for a, b in zip(state, after))
+
+
+def test_past_its_limit_the_guard_skips_every_later_step():
+    """The host reads a step's figures one step late, so a step is queued after the one that went past
+    max_nonfinite_skips: the guard skips it too, and the run stops with the weights of the last good step. Within
+    the limit the next finite step trains."""
+    x = torch.randint(0, 50, (2, 16))
+    scaler, ctx = torch.amp.GradScaler("cpu", enabled=False), torch.autocast("cpu", enabled=False)
+    for limit, expect in ((0, [True, False, False, False]), (1, [True, False, True, True])):
+        model = _tiny_model()
+        opt = build_optimizer(model, StepConfig(learning_rate=1e-2), "cpu", verbose=False)
+        guard = NonFiniteGuard("cpu", limit)
+        steps = steps_with_loss_scales(model, opt, scaler, x, ctx, Dist(), [1.0, float("nan"), 1.0, 1.0], guard)
+        assert [applied for _, _, applied, _ in steps] == expect
+        assert [unchanged for _, _, _, unchanged in steps] == [not a for a in expect]
+        assert guard.skips.item() == 1  # only the NaN step is counted
+
+
+def test_one_step_late_returns_each_steps_figures_with_its_tag_when_the_next_is_pushed():
+    model = _tiny_model()
+    opt = build_optimizer(model, StepConfig(learning_rate=1e-2), "cpu", verbose=False)
+    scaler, ctx = torch.amp.GradScaler("cpu", enabled=False), torch.autocast("cpu", enabled=False)
+    batches = [(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16)))]
+    late = OneStepLate("cpu")
+    assert late.flush() is None
+    results = [train_step(model, opt, scaler, batches, ctx, StepConfig(), Dist()) for _ in range(3)]
+    assert late.push("a", results[0]) is None
+    tag, figures = late.push("b", results[1])
+    assert tag == "a" and figures == results[0].read()
+    assert late.push("c", results[2])[0] == "b"
+    tag, figures = late.flush()
+    assert tag == "c" and figures == results[2].read() and figures.applied and late.flush() is None
+    losses = [r.read().loss for r in results]
+    assert losses[2] < losses[0]  # three different steps: the model trained

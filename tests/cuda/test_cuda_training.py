@@ -115,7 +115,8 @@ def test_accumulated_micro_batches_equal_one_large_batch() -> None:
         model = _model()
         opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda", verbose=False)
         scaler = torch.amp.GradScaler("cuda", enabled=False)
-        loss, norm, applied = train_step(model, opt, scaler, batches, ctx, cfg, dist)
+        f = train_step(model, opt, scaler, batches, ctx, cfg, dist).read()
+        loss, norm, applied = f.loss, f.grad_norm, f.applied
         results.append((loss, norm, [p.detach().clone() for p in model.parameters()]))
     (loss_1, norm_1, p_1), (loss_4, norm_4, p_4) = results
     assert applied and loss_4 == pytest.approx(loss_1, rel=1e-6) and norm_4 == pytest.approx(norm_1, rel=1e-5)
