@@ -25,6 +25,16 @@ Parts (in this order; --parts picks some):
   baby       the baby GPT (config/train_shakespeare_char.py): wall time until its val loss reaches 1.47 (nanoGPT:
              ~3 minutes on an A100); the run is stopped (SIGTERM) at that eval.
 
+nanoGPT side by side (--nanogpt=PATH, a checkout of karpathy/nanoGPT that you have; nothing of it is in this project):
+  nanoGPT's `bench.py --real_data=False` (run in PATH) and this project's bench.py at the same settings (GPT-2 124M,
+  bf16 autocast, torch.compile, fused AdamW, 10 warm-up and 20 timed steps), alternating fresh processes, at nanoGPT's
+  bench shape (12 x 1024) and the FineWeb recipe's (64 x 1024, biases on: nanoGPT's --bias=True), --rounds times:
+  ms/iter (the mean over the timed steps, as nanoGPT's bench.py reports it), tokens/s and the ratio of the times.
+  With --nanogpt only this part runs, unless --parts names others.
+
+    python benchmarks/gpu.py --nanogpt=../nanoGPT --rounds=2
+    python benchmarks/gpu.py --nanogpt=../nanoGPT --ours="--compile_mode='max-autotune'"   # a setting of ours
+
 Every bench row is `python bench.py ... --result_json=FILE` (bench.py's command line and JSON are the interface);
 a row whose settings the GPU cannot run (a kernel it lacks) shows bench.py's one-line reason. The results are
 rewritten after each row, so an interrupted run keeps what it measured. --budget_minutes stops starting new rows
@@ -35,7 +45,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +62,7 @@ from errors import UserError, exit_on_user_error  # noqa: E402
 from hardware import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
 from metrics import read_records  # noqa: E402
 
-PARTS = ("recipe", "headline", "attention", "cumulative", "largest", "baby")
+PARTS = ("nanogpt", "recipe", "headline", "attention", "cumulative", "largest", "baby")
 # config/train_gpt2_fineweb.py per GPU, one micro-step; each RECIPE row changes one key of it
 RECIPE_BENCH = ["--batch_size=64", "--bias=True", "--attention='sdpa'", "--sdpa_backend='flash'"]
 RECIPE = [
@@ -89,13 +102,22 @@ CUMULATIVE = [
     ("flash", "+ SDPA flash", {"attention": "sdpa", "sdpa_backend": "flash"}, 170_000),
     ("padded", "+ padded vocab (64)", {"vocab_padding_multiple": 64}, 175_000),
 ]
+# nanoGPT's bench.py beside ours: (label, batch size, biases), block 1024; nanoGPT times 20 steps after 10 burn-in
+SIDE_BY_SIDE = [("12 x 1024", 12, False), ("64 x 1024, bias", 64, True)]
+SIDE_BY_SIDE_STEPS = ["--warmup_steps=10", "--timed_steps=20"]
 LARGEST = [("math", {"attention": "math"}, 24), ("sdpa", {"attention": "sdpa", "sdpa_backend": "auto"}, 39)]
 BABY_TARGET, BABY_REFERENCE_S = 1.47, 180.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    p.add_argument("--parts", default=None, help=f"comma-separated, of: {', '.join(PARTS)} (default: all but nanogpt; "
+                                                "with --nanogpt, nanogpt alone)")
+    p.add_argument("--nanogpt", default=None, metavar="PATH",
+                   help="a checkout of karpathy/nanoGPT: its bench.py side by side with this project's")
+    p.add_argument("--rounds", type=int, default=2, help="--nanogpt: the alternations of the two (fresh processes)")
+    p.add_argument("--ours", default="", help="--nanogpt: more bench.py keys for this project's runs, e.g. "
+                                              "\"--compile_mode='max-autotune'\"")
     p.add_argument("--results_dir", default="gpu_results", help="where gpu.json and gpu.md go")
     p.add_argument("--peak_flops", type=float, default=None,
                    help="the GPU's dense bf16 peak FLOP/s for MFU (default: hardware.PEAK_FLOPS by device name)")
@@ -104,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timed_steps", type=int, default=15, help="bench.py's timed steps per row")
     p.add_argument("--baby_max_minutes", type=float, default=8.0, help="stop the baby GPT after this, reached or not")
     args = p.parse_args(argv)
+    if args.parts is None:
+        args.parts = "nanogpt" if args.nanogpt else ",".join(p for p in PARTS if p != "nanogpt")
     parts = [s.strip() for s in args.parts.split(",") if s.strip()]
     problems = [f"unknown part {s!r} (parts: {', '.join(PARTS)})" for s in parts if s not in PARTS]
     if not parts:
@@ -113,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("budget_minutes", "baby_max_minutes"):
         if getattr(args, key) <= 0:
             problems.append(f"--{key}={getattr(args, key)} must be positive")
+    if "nanogpt" in parts:
+        problems += nanogpt_problems(args.nanogpt)
+    if args.rounds < 1:
+        problems.append(f"--rounds={args.rounds} must be at least 1")
     if args.warmup_steps < 1 or args.timed_steps < 1:
         problems.append("--warmup_steps and --timed_steps must be at least 1 (compile happens in the warm-up)")
     if problems:
@@ -237,6 +265,81 @@ def run_rows(rows: list[tuple], base: list[str], steps: list[str], budget: Budge
     return out
 
 
+# ----------------------------------------------------------------------------------------------- nanoGPT side by side
+
+
+def nanogpt_problems(path: str | None) -> list[str]:
+    if path is None:
+        return ["the nanogpt part needs --nanogpt=PATH, a checkout of karpathy/nanoGPT (git clone "
+                "https://github.com/karpathy/nanoGPT)"]
+    missing = [f for f in ("bench.py", "model.py", "configurator.py") if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        return [f"--nanogpt={path!r} has no {', '.join(missing)}: give the folder of a checkout of karpathy/nanoGPT "
+                f"(git clone https://github.com/karpathy/nanoGPT)"]
+    return []
+
+
+def nanogpt_bench(path: str, batch: int, bias: bool, timeout_s: float) -> dict:
+    """nanoGPT's `python bench.py --real_data=False` at this batch (block 1024, bf16, compiled) in a fresh process,
+    run in its checkout: the ms/iter it prints (the mean of its 20 timed steps)."""
+    args = ["--real_data=False", f"--batch_size={batch}", "--block_size=1024", f"--bias={bias}", "--dtype=bfloat16",
+            "--compile=True"]
+    command = f"cd {path} && python bench.py {' '.join(args)}"
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "bench.py", *args], cwd=path, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"timed out after {timeout_s:.0f} s", "command": command}
+    found = re.search(r"time per iteration: ([0-9.]+)ms", proc.stdout)
+    if proc.returncode != 0 or found is None:
+        last = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["no output"])[-1]
+        return {"status": "failed", "reason": f"exit {proc.returncode}: {last[:300]}", "command": command}
+    ms = float(found.group(1))
+    return {"status": "ok", "command": command, "wall_s": round(time.perf_counter() - t0, 1), "ms_mean": ms,
+            "tokens_per_s": batch * 1024 / (ms / 1000)}
+
+
+def side_by_side(args, base: list[str], budget: Budget, tmp: str, report: Report) -> dict:
+    """nanoGPT's bench.py and ours at each SIDE_BY_SIDE shape, alternating (nanoGPT first in odd rounds, ours first
+    in even ones), --rounds times; each shape's ratio is nanoGPT's median ms/iter over ours."""
+    ours_extra = shlex.split(args.ours)
+    part = report.parts["nanogpt"] = {"rows": [], "ours_extra": ours_extra, "nanogpt": os.path.abspath(args.nanogpt)}
+    for round_ in range(args.rounds):
+        for label, batch, bias in SIDE_BY_SIDE:
+            runs = [("nanoGPT", lambda: nanogpt_bench(args.nanogpt, batch, bias, max(60.0, budget.left_s()))),
+                    ("ours", lambda: run_bench([*base, f"--batch_size={batch}", f"--bias={bias}", *SIDE_BY_SIDE_STEPS,
+                                                *ours_extra], tmp, timeout_s=max(60.0, budget.left_s())))]
+            for who, run in runs if round_ % 2 == 0 else runs[::-1]:
+                if budget.left_s() <= 0:
+                    entry = {"status": "skipped", "reason": "time budget spent (--budget_minutes)"}
+                else:
+                    progress(budget, f"round {round_ + 1}/{args.rounds}, {label}: {who} ...")
+                    entry = run()
+                part["rows"].append({"shape": label, "who": who, "round": round_ + 1, **entry})
+                progress(budget, f"round {round_ + 1}/{args.rounds}, {label}: {who}: " + (
+                    f"{entry['ms_mean']:.1f} ms/iter, {entry['tokens_per_s']:,.0f} tokens/s"
+                    if entry["status"] == "ok" else f"{entry['status']}: {entry['reason']}"))
+                report.write()
+    part["summary"] = side_by_side_summary(part["rows"])
+    report.write()
+    return part
+
+
+def side_by_side_summary(rows: list[dict]) -> list[dict]:
+    """Per shape: each side's ms/iter over the rounds, their medians, tokens/s at the median, and the ratio of the
+    medians (nanoGPT's time over ours: above 1, ours is faster)."""
+    out = []
+    for label, batch, _ in SIDE_BY_SIDE:
+        ms = {who: [r["ms_mean"] for r in rows if r["shape"] == label and r["who"] == who and r["status"] == "ok"]
+              for who in ("nanoGPT", "ours")}
+        med = {who: statistics.median(v) if v else None for who, v in ms.items()}
+        ratio = med["nanoGPT"] / med["ours"] if med["nanoGPT"] and med["ours"] else None
+        out.append({"shape": label, "ms": ms, "median_ms": med, "ratio": ratio,
+                    "tokens_per_s": {who: batch * 1024 / (m / 1000) if m else None for who, m in med.items()}})
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- the baby GPT
 
 
@@ -308,6 +411,21 @@ def markdown(machine: dict, parts: dict) -> str:
     """The results as markdown tables (pastes into the README)."""
     out = [f"GPU benchmarks on {machine.get('device_name', '?')} (torch {machine.get('torch', '?')}, CUDA "
            f"{machine.get('cuda', '?')}); MFU peak: {machine.get('peak_source', '?')}"]
+    if "nanogpt" in parts and "summary" in parts["nanogpt"]:
+        p = parts["nanogpt"]
+
+        def runs(v: list[float]) -> str:
+            return ", ".join(f"{x:.1f}" for x in v) or "-"
+
+        rows = [[s["shape"], runs(s["ms"]["nanoGPT"]), runs(s["ms"]["ours"]),
+                 *(f"{s['tokens_per_s'][w]:,.0f}" if s["tokens_per_s"][w] else "-" for w in ("nanoGPT", "ours")),
+                 f"{s['ratio']:.3f}x" if s["ratio"] else "-"] for s in p["summary"]]
+        extra = f" with {' '.join(p['ours_extra'])}" if p["ours_extra"] else ""
+        out += ["", f"nanoGPT's bench.py --real_data=False beside this project's bench.py{extra} (GPT-2 124M, bf16, "
+                "compiled, fused AdamW; ms/iter: each run's mean over its 20 timed steps, fresh processes "
+                "alternating; tokens/s and the ratio at the medians):", "",
+                _table(["shape", "nanoGPT ms/iter", "ours ms/iter", "nanoGPT tokens/s", "ours tokens/s",
+                        "speed-up (nanoGPT's time / ours)"], rows)]
     if "recipe" in parts:
         rows = [[r["label"], _ms(r), f"{r['tokens_per_s']:,.0f}" if r.get("status") == "ok" else "-",
                  f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "-",
@@ -373,9 +491,11 @@ def main(argv: list[str] | None = None) -> None:
     steps = [f"--warmup_steps={args.warmup_steps}", f"--timed_steps={args.timed_steps}"]
     base = BENCH + ([f"--peak_flops={peak}"] if peak is not None else [])
     with tempfile.TemporaryDirectory() as tmp:
+        if "nanogpt" in args.parts:
+            side_by_side(args, base, budget, tmp, report)
         if "recipe" in args.parts:
             run_rows(RECIPE, [*base, *RECIPE_BENCH], steps, budget, tmp, "recipe", report)
-            if budget.left_s() > 0:  # the recipe again under torch.profiler (its timings include the profiler's cost)
+            if budget.left_s() > 0:  # the recipe again, then steps under torch.profiler (top kernels, GPU busy)
                 folder = os.path.join(os.path.abspath(args.results_dir), "profile")
                 progress(budget, f"recipe under the profiler (top kernels, trace in {folder}) ...")
                 report.parts["recipe"]["profile"] = run_bench(

@@ -18,7 +18,8 @@ import gpu  # noqa: E402
 
 def test_arguments_are_checked_and_all_problems_named() -> None:
     args = gpu.parse_args([])
-    assert args.parts == list(gpu.PARTS) and args.results_dir == "gpu_results" and args.peak_flops is None
+    assert args.parts == [p for p in gpu.PARTS if p != "nanogpt"] and args.results_dir == "gpu_results"
+    assert args.peak_flops is None
     assert gpu.parse_args(["--parts=baby,headline"]).parts == ["headline", "baby"]  # always in the run's order
     with pytest.raises(UserError) as e:
         gpu.parse_args(["--parts=headline,speed", "--peak_flops=-1", "--budget_minutes=0"])
@@ -129,3 +130,72 @@ def test_the_recipe_rows_change_one_key_each_and_report_floor_loss_and_speedup(t
     assert "--batch_size=64" in calls[0]
     md = gpu.markdown(report.machine, report.parts)
     assert "| fp8=True, tensorwise (fp8_layers=auto) | 100.0 | 655,360 | 40.0% | 1.50x | 30000 | 7.0000 | 1.40x |  |" in md
+
+
+FAKE_NANOGPT_BENCH = """
+import sys
+open("argv.txt", "a").write(" ".join(sys.argv[1:]) + "\\n")
+if "--batch_size=64" in sys.argv:
+    raise SystemExit("CUDA out of memory")
+print("Compiling model...")
+print("19/20 loss: 10.9")
+print("time per iteration: 29.5000ms, MFU: 40.00%")
+"""
+
+
+def _fake_nanogpt(tmp_path):
+    path = tmp_path / "nanoGPT"
+    path.mkdir()
+    (path / "bench.py").write_text(FAKE_NANOGPT_BENCH)
+    (path / "model.py").write_text("")
+    (path / "configurator.py").write_text("")
+    return path
+
+
+def test_nanogpts_bench_runs_in_its_checkout_and_its_time_is_read(tmp_path) -> None:
+    path = _fake_nanogpt(tmp_path)
+    r = gpu.nanogpt_bench(str(path), 12, False, timeout_s=60)
+    assert r["status"] == "ok" and r["ms_mean"] == 29.5 and r["tokens_per_s"] == pytest.approx(12 * 1024 / 0.0295)
+    failed = gpu.nanogpt_bench(str(path), 64, True, timeout_s=60)
+    assert failed["status"] == "failed" and "CUDA out of memory" in failed["reason"]
+    assert (path / "argv.txt").read_text().splitlines() == [
+        f"--real_data=False --batch_size={b} --block_size=1024 --bias={bias} --dtype=bfloat16 --compile=True"
+        for b, bias in ((12, False), (64, True))]
+
+
+def test_nanogpt_alone_is_the_default_part_with_a_checkout_and_a_folder_without_one_is_refused(tmp_path) -> None:
+    path = _fake_nanogpt(tmp_path)
+    assert gpu.parse_args([f"--nanogpt={path}"]).parts == ["nanogpt"]
+    assert gpu.parse_args([f"--nanogpt={path}", "--parts=nanogpt,headline"]).parts == ["nanogpt", "headline"]
+    with pytest.raises(UserError, match="has no bench.py, model.py, configurator.py: give the folder of a checkout"):
+        gpu.parse_args([f"--nanogpt={tmp_path}"])
+    with pytest.raises(UserError, match="the nanogpt part needs --nanogpt=PATH"):
+        gpu.parse_args(["--parts=nanogpt"])
+
+
+def test_side_by_side_alternates_the_two_and_reports_the_ratio_of_the_medians(tmp_path, monkeypatch) -> None:
+    order = []
+    times = {("nanoGPT", 12): [29.0, 30.0], ("ours", 12): [25.0, 26.0], ("nanoGPT", 64): [138.0, 140.0],
+             ("ours", 64): [130.0, 128.0]}
+
+    def fake(who, batch):
+        order.append((who, batch))
+        ms = times[who, batch].pop(0)
+        return {"status": "ok", "ms_mean": ms, "tokens_per_s": batch * 1024 / ms * 1000, "command": who}
+
+    monkeypatch.setattr(gpu, "nanogpt_bench", lambda path, batch, bias, timeout_s: fake("nanoGPT", batch))
+    ours_args = []
+    monkeypatch.setattr(gpu, "run_bench", lambda args, tmp, timeout_s: (ours_args.append(args), fake(
+        "ours", int(next(a for a in args if a.startswith("--batch_size="))[13:])))[1])
+    args = gpu.parse_args([f"--nanogpt={_fake_nanogpt(tmp_path)}", "--ours=--compile_mode='reduce-overhead'"])
+    report = gpu.Report(str(tmp_path / "results"))
+    part = gpu.side_by_side(args, ["--device=cuda"], gpu.Budget(10), str(tmp_path), report)
+    assert order == [("nanoGPT", 12), ("ours", 12), ("nanoGPT", 64), ("ours", 64),
+                     ("ours", 12), ("nanoGPT", 12), ("ours", 64), ("nanoGPT", 64)]
+    assert {"--bias=True", "--batch_size=64", "--compile_mode=reduce-overhead", "--timed_steps=20"} <= set(ours_args[1])
+    s12, s64 = part["summary"]
+    assert s12["ratio"] == pytest.approx(29.5 / 25.5) and s64["ratio"] == pytest.approx(139.0 / 129.0)
+    assert s64["tokens_per_s"]["ours"] == pytest.approx(65536 / 0.129)
+    md = gpu.markdown({"device_name": "H100"}, report.parts)
+    assert "with --compile_mode=reduce-overhead" in md
+    assert "| 12 x 1024 | 29.0, 30.0 | 25.0, 26.0 | 416,542 | 481,882 | 1.157x |" in md
