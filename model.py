@@ -248,6 +248,16 @@ class _SkippedInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The plain loss: the sum of cross_entropy over the targets that are not -1. logits (..., padded vocab) are
+    overwritten in the padding columns: padded rows are not tokens, and -inf logits give them zero probability and
+    zero gradient, so the loss equals that of the unpadded model while the matmul keeps its fast multiple-of-64
+    shape. targets (...) of any strides."""
+    if logits.size(-1) > vocab_size:
+        logits[..., vocab_size:] = float("-inf")
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
+
+
 class GPT(nn.Module):
     @classmethod
     def uninitialized(cls, config: GPTConfig) -> "GPT":
@@ -321,15 +331,9 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
         loss = None
         if targets is not None:
-            if self.config.padded_vocab_size > self.config.vocab_size:
-                # Padded rows are not tokens: -inf logits give them zero probability and zero gradient, so the
-                # loss equals that of the unpadded model while the matmul keeps its fast multiple-of-64 shape.
-                logits[..., self.config.vocab_size :] = float("-inf")
             # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
             n_targets = (targets != -1).sum().clamp(min=1)
-            flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)  # targets: any strides
-            loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")
-            loss = loss_sum / n_targets
+            loss = cross_entropy_sum(logits, targets, self.config.vocab_size) / n_targets
         return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
     def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:
