@@ -208,9 +208,10 @@ STUDIES = ("bench.py", "benchmarks/ablation.py", "benchmarks/numerics.py", "benc
            "benchmarks/time_to_loss.py", "benchmarks/generation.py", "benchmarks/gpu.py")
 
 
-def test_every_readme_bench_and_study_command_is_a_valid_config():
+def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
     """Every bench.py and study command of the README and docs/ parses: bench.py's keys (and a study's own), the
-    argparse studies' arguments, and time_to_loss's --args/--variant as train.py arguments of its recipes."""
+    argparse studies' arguments, and time_to_loss's --args/--variant as train.py arguments of its recipes. A
+    --nanogpt=PATH (the user's checkout of nanoGPT) is given a folder with nanoGPT's file names."""
     import shlex
 
     from benchmarks import ablation, generation, gpu, memory, time_to_loss
@@ -233,7 +234,9 @@ def test_every_readme_bench_and_study_command_is_a_valid_config():
                 generation.parse_args(args)
                 continue
             if script == "benchmarks/gpu.py":
-                gpu.parse_args(args)
+                for name in ("bench.py", "model.py", "configurator.py"):
+                    (tmp_path / name).touch()
+                gpu.parse_args([f"--nanogpt={tmp_path}" if a.startswith("--nanogpt=") else a for a in args])
                 continue
             if script == "benchmarks/ablation.py":
                 own, args = study_config(ablation.AblationConfig(), args, bench.BenchConfig())
