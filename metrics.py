@@ -54,20 +54,16 @@ def wandb_problem(cfg) -> str | None:
 
 
 class Logger:
-    """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
-    appends to its run's file (a new run finds none: run_dir.py moved the previous run's aside)."""
+    """Prints on rank 0; once the start is accepted (start()), appends JSON lines to out_dir/metrics.jsonl (a start
+    that saves; a resumed run appends to its run's file, a new run finds none: run_dir.py moved the previous run's
+    aside) and logs to wandb when asked. Before start() nothing is written: a refused start changes nothing."""
 
     def __init__(self, cfg, dist: Dist):
         self.master = dist.master
-        self.path = os.path.join(cfg.out_dir, METRICS_NAME)
-        if self.master:
-            _end_torn_line(self.path)
+        self.cfg = cfg
+        self.path: str | None = None  # metrics.jsonl, once the start is accepted and saves
         self.t_start = time.time()
         self.wandb = None
-        if self.master and cfg.wandb_log:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
 
     def continue_from(self, elapsed_s: float) -> None:
         """A resumed run's wall time continues from its checkpoint's, so elapsed_s never runs backwards."""
@@ -84,18 +80,30 @@ class Logger:
         if not self.master:
             return
         record = {**record, "elapsed_s": round(self.elapsed(), 3)}  # wall time since the run began, for time-to-loss
-        self._append(record)
+        if self.path is not None:
+            self._append(record)
         if self.wandb is not None:
             self.wandb.log(record, step=record["iter"])
 
-    def start(self, run_id: str | None, iter_num: int, init_from: str, changes: list[str] | None = None) -> None:
-        """A line for this start of the run: its id, the iteration it starts at, how, the settings a resume changed,
-        and the command."""
-        if self.master:
+    def start(self, run_id: str | None, iter_num: int, init_from: str, changes: list[str] | None = None,
+              saves: bool = True) -> None:
+        """The start is accepted: from here on records are logged. A start that saves writes a line for this start
+        of the run (its id, the iteration it starts at, how, the settings a resume changed, and the command) and
+        the records after it in metrics.jsonl; one that saves nothing (eval_only) writes nothing in out_dir."""
+        if not self.master:
+            return
+        if saves:
+            self.path = os.path.join(self.cfg.out_dir, METRICS_NAME)
+            _end_torn_line(self.path)
             self._append({"start": {"run_id": run_id, "iter": iter_num, "init_from": init_from,
                                     "changes": changes or [], "command": " ".join(["python", *sys.argv]),
                                     "time": round(time.time(), 3)},
                           "elapsed_s": round(self.elapsed(), 3)})
+        if self.cfg.wandb_log:
+            import wandb
+
+            self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name,
+                                    config=asdict(self.cfg))
 
     def _append(self, record: dict) -> None:
         with open(self.path, "a") as f:

@@ -262,6 +262,20 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 
 
 
+def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, dist: Dist, log: Logger) -> str | None:
+    """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
+    new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone; returns
+    the run's id (None on the other ranks)."""
+    if not dist.master:
+        return None
+    if resuming:
+        return run_dir.continue_run(out_dir, resumed_run_id)
+    if moved := run_dir.move_previous_run(out_dir):
+        log.print(f"a new run in {out_dir}: the previous run's files moved to {moved} (it resumes from there with "
+                  f"--out_dir={moved})")
+    return run_dir.begin_run(out_dir)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
     sharded: FSDP's shards need the process group, which the end of the run destroys."""
@@ -336,6 +350,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         log.print(found.describe("resuming from"))
         ckpt = found.read()
     iter_num, best_val_loss = 0, float("inf")
+    changes = None
     if ckpt is not None:
         saved_world_size = ckpt.get("world_size", 1)
         saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
@@ -358,15 +373,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = init_model(cfg, meta, ckpt)
     shape = {k: getattr(model.config, k) for k in SHAPE_KEYS}  # the shape that trains, for the checkpoint and report
     cfg, saved_cfg = replace(cfg, **shape), replace(saved_cfg, **shape)
-    # the start is accepted (a refused one changes nothing in out_dir): a new run moves the one there aside whole
-    run_id = None
-    if dist.master:
-        if ckpt is None and (moved := run_dir.move_previous_run(cfg.out_dir)):
-            log.print(f"a new run in {cfg.out_dir}: the previous run's files moved to {moved} (it resumes from there "
-                      f"with --out_dir={moved})")
-        run_id = (run_dir.continue_run(cfg.out_dir, ckpt.get("run_id")) if ckpt is not None
-                  else run_dir.begin_run(cfg.out_dir))
-    log.start(run_id, iter_num, cfg.init_from, changes if ckpt is not None else None)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
     weights_vocab = None if data_vocab is not None else model.config.vocab_size  # ids not yet checked
@@ -396,6 +402,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
         checkpoint.restore_rng(ckpt, cfg.seed, dist, iter_num)
+    resuming, resumed_run_id = ckpt is not None, ckpt.get("run_id") if ckpt is not None else None
     del ckpt  # free its memory
 
     if cfg.compile and cfg.parallelism == "ddp":  # after the weights are loaded; checkpoints save raw_model, never
@@ -405,6 +412,11 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
     if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
+
+    if dist.enabled:
+        torch_dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
+    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, dist, log)
+    log.start(run_id, iter_num, cfg.init_from, changes)
 
     last_save = {"iter": iter_num, "time": time.time()}  # the last save begun: the cadence counts from it
     saver = checkpoint.RunSaver(cfg.out_dir, dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,

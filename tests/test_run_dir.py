@@ -5,19 +5,30 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
 import run_dir
 from checkpoint import load_checkpoint
-from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_in_process, tiny_config
+from helpers import (
+    HANG_S,
+    ROOT,
+    config_args,
+    folder_state,
+    make_char_dataset,
+    run_in_process,
+    starts_of,
+    tiny_config,
+)
 from metrics import read_metrics
 from train import train
 
@@ -70,7 +81,7 @@ def test_init_from_auto_starts_then_resumes_then_has_nothing_to_do(data_dir, tmp
     assert r.returncode == 0 and "holds a run's checkpoint, resuming it" in r.stdout and "step 9:" in r.stdout
     assert "step 0:" not in r.stdout and not previous_runs(out)
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9
-    starts = [json.loads(line)["start"] for line in open(out / "metrics.jsonl") if '"start"' in line]
+    starts = starts_of(out)
     assert [(s["iter"], s["init_from"]) for s in starts] == [(0, "scratch"), (6, "resume")]
     assert len({s["run_id"] for s in starts}) == 1 == len({load_checkpoint(str(out / "ckpt.pt"))["run_id"]})
 
@@ -99,6 +110,42 @@ def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     with pytest.raises(checkpoint.UserError, match="the model's shape is its weights'"):
         train(tiny_config(data_dir, out, init_from=str(out / "ckpt.pt"), n_embd=64))
     assert sorted(os.listdir(out)) == before and not previous_runs(out)
+
+
+def test_a_start_refused_by_any_check_changes_nothing_and_is_no_start_of_the_run(data_dir, tmp_path, capsys):
+    """Bug: these checks ran after the start was accepted: a refused new run had moved the run in out_dir aside and
+    written its own run.json and start line; a refused resume had written a start line, which report.md then counted
+    as a start. Each refusal is one line, and the folder stays as it was, byte for byte."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    run = dict(max_iters=4, eval_interval=4)
+    train(tiny_config(data_dir, other, **run))  # weights that start a new run in out
+    args = ["train.py", *config_args(tiny_config(data_dir, out, **run))]
+    assert run_in_process(args, capsys).returncode == 0
+    bad_ids = tmp_path / "bad_ids"  # the dataset with an id past the weights' vocabulary (its meta.json unchanged)
+    shutil.copytree(data_dir, bad_ids)
+    ids = np.fromfile(bad_ids / "train.bin", dtype=np.uint16)
+    ids[3] = 999
+    ids.tofile(bad_ids / "train.bin")
+    weights_of_other = f"--init_from={other / 'ckpt.pt'}"
+    refused = {
+        "block_size=64 is larger than the model's 32": [weights_of_other, "--block_size=64"],
+        "holds token id 999": [weights_of_other, f"--data_dir={bad_ids}"],
+        f"{bad_ids / 'train.bin'} holds token id 999": ["--init_from=resume", f"--data_dir={bad_ids}"],
+        "hellaswag path 'missing.jsonl': no such file": ["--init_from=resume", "--max_iters=6", "--hellaswag=True",
+                                                         "--hellaswag_path=missing.jsonl"],
+        "sdpa_backend='efficient' cannot run on cpu": [weights_of_other, "--attention=sdpa",
+                                                       "--sdpa_backend=efficient"],
+    }
+    before = folder_state(out)
+    for message, refusal in refused.items():
+        r = run_in_process([*args, *refusal], capsys)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, (message, r.stderr)
+        assert folder_state(out) == before, message
+    r = run_in_process([*args, "--init_from=resume", "--max_iters=6", "--report=True"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (4, "resume")]
+    report = (out / "report.md").read_text()
+    assert "in 2 starts" in report and report.count("| resume |") == 1
 
 
 def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
