@@ -264,8 +264,9 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 
 def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, dist: Dist, log: Logger) -> str | None:
     """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
-    new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone; returns
-    the run's id (None on the other ranks)."""
+    new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone, and only
+    for a start that saves (one that evaluates only changes nothing there); returns the run's id (None on the other
+    ranks)."""
     if not dist.master:
         return None
     if resuming:
@@ -326,7 +327,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     if dist.enabled:
         torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
-    if dist.master:
+    if dist.master and not cfg.eval_only:  # an evaluation-only start writes nothing in out_dir
         os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
     log.print(config_line)
@@ -343,7 +344,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
 
     # model
-    check_shared_out_dir(cfg.out_dir, dist)
+    if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
+        check_shared_out_dir(cfg.out_dir, dist)
     ckpt = None
     if cfg.init_from == "resume":
         found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=cfg.parallelism == "fsdp")
@@ -364,7 +366,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if nothing_to_train:
         log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
                   f"evaluating it only (raise max_iters to train on)")
-    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing
+    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing: change nothing in out_dir
     best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
@@ -415,8 +417,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     if dist.enabled:
         torch_dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
-    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, dist, log)
-    log.start(run_id, iter_num, cfg.init_from, changes)
+    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, dist, log) if not eval_only else None
+    log.start(run_id, iter_num, cfg.init_from, changes, saves=not eval_only)
 
     last_save = {"iter": iter_num, "time": time.time()}  # the last save begun: the cadence counts from it
     saver = checkpoint.RunSaver(cfg.out_dir, dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
@@ -526,7 +528,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 stop_now(iter_num)
             finish_save(if_done=True)
 
-        if cfg.report and dist.master and not cfg.eval_only:
+        if cfg.report and dist.master and not eval_only:
             info = {**run_info(device), "world_size": str(dist.world_size)}
             path = report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print, ctx)
             log.print(f"report: {path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -110,6 +111,30 @@ def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     with pytest.raises(checkpoint.UserError, match="the model's shape is its weights'"):
         train(tiny_config(data_dir, out, init_from=str(out / "ckpt.pt"), n_embd=64))
     assert sorted(os.listdir(out)) == before and not previous_runs(out)
+
+
+def test_a_start_that_saves_nothing_changes_nothing_in_the_folder(data_dir, tmp_path, capsys):
+    """Bug: config/eval_gpt2.py (eval_only, init_from=gpt2) in the out_dir of a training job (init_from=auto) moved the
+    job's files aside, and its requeue started again at iter 0. A start that only evaluates (eval_only, or a resume
+    with nothing to train) moves nothing and writes nothing in out_dir: no run.json, no start line, no metrics, no
+    report, not even the folder."""
+    out, other = tmp_path / "job", tmp_path / "other"
+    train(tiny_config(data_dir, other, max_iters=4, eval_interval=4))  # weights to evaluate, as GPT-2's would be
+    job = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=4, init_from="auto",
+                                                report=True))]
+    assert run_in_process(job, capsys).returncode == 0
+    before = folder_state(out)
+    for evaluation in ([f"--init_from={other / 'ckpt.pt'}", "--eval_only=True"],  # eval_gpt2.py's kind
+                       ["--init_from=resume", "--eval_only=True"], ["--init_from=resume"]):  # the last: at max_iters
+        r = run_in_process([*job, *evaluation], capsys)
+        assert r.returncode == 0 and re.search(r"^step [04]: train loss", r.stdout, re.M), r.stderr[-2000:]
+        assert folder_state(out) == before, evaluation
+    r = run_in_process([*job, "--max_iters=6"], capsys)  # the job's requeue continues its run
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 4" in r.stdout
+    assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (4, "resume")]
+    nowhere = tmp_path / "nowhere"
+    r = run_in_process([*job, f"--init_from={other / 'ckpt.pt'}", "--eval_only=True", f"--out_dir={nowhere}"], capsys)
+    assert r.returncode == 0 and not nowhere.exists()
 
 
 def test_a_start_refused_by_any_check_changes_nothing_and_is_no_start_of_the_run(data_dir, tmp_path, capsys):
