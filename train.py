@@ -262,6 +262,34 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 
 
 
+@dataclass
+class Start:
+    """What a start does, decided once from out_dir as it is, before anything is printed or changed there."""
+    cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
+    notes: list[str]  # why, and the settings taken: printed once the log is open
+    found: checkpoint.Found | None  # the checkpoint a resume continues: one of the run in out_dir
+
+
+def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
+    """Resume or not, and from which checkpoint, before anything is printed: a resume's checkpoint is found (one of
+    the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses.
+    A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
+    every key given)."""
+    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)
+    cfg = replace(cfg, init_from=init_from)
+    notes = [why] if why else []
+    if init_from != "resume":
+        return Start(cfg, notes, None)
+    found = checkpoint.find_checkpoint(cfg.out_dir)
+    if given is not None:
+        cfg, taken = run_dir.settings_of_the_run(cfg, given, found.read().get("config") or {})
+        if taken:
+            notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
+    if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
+        found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+    return Start(cfg, notes, found)
+
+
 def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, dist: Dist, log: Logger) -> str | None:
     """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
     new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone, and only
@@ -277,14 +305,17 @@ def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, dist:
     return run_dir.begin_run(out_dir)
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
-    sharded: FSDP's shards need the process group, which the end of the run destroys."""
+    sharded: FSDP's shards need the process group, which the end of the run destroys. `given`: the keys the user
+    set (a resume takes its run's setting for every other key; None: every key given)."""
+    start = decide_start(cfg, given)  # every rank, before rank 0 moves any file
+    cfg = start.cfg
     dist = setup_distributed(cfg.device, cfg.backend, group_of_one=cfg.parallelism == "fsdp")
     made_out_dir = not os.path.exists(cfg.out_dir)
     stopped = None
     try:
-        result = _train(cfg, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
+        result = _train(start, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
     except Stopped as e:
         stopped = Stopped(e.message, e.code)  # a new one: e's traceback holds the run's frames, and so the group
     except BaseException:
@@ -302,11 +333,9 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
-def _train(cfg: TrainConfig, dist: Dist) -> dict:
+def _train(start: Start, dist: Dist) -> dict:
+    cfg = start.cfg
     cfg.check(dist.world_size)
-    # every rank, before rank 0 moves any file
-    init_from, start_why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)
-    cfg = replace(cfg, init_from=init_from)
     config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
     device = dist.device
     device_type = device.split(":")[0]
@@ -331,8 +360,8 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
     log.print(config_line)
-    if start_why:
-        log.print(start_why)
+    for note in start.notes:
+        log.print(note)
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
@@ -347,10 +376,9 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
         check_shared_out_dir(cfg.out_dir, dist)
     ckpt = None
-    if cfg.init_from == "resume":
-        found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=cfg.parallelism == "fsdp")
-        log.print(found.describe("resuming from"))
-        ckpt = found.read()
+    if start.found is not None:
+        log.print(start.found.describe("resuming from"))
+        ckpt = start.found.read()
     iter_num, best_val_loss = 0, float("inf")
     changes = None
     if ckpt is not None:
@@ -540,17 +568,8 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv)
-    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)  # before the settings a resume takes
-    if why and int(os.environ.get("RANK", "0")) == 0:
-        print(why, flush=True)
-    cfg = replace(cfg, init_from=init_from)
-    if cfg.init_from == "resume":
-        saved = checkpoint.find_checkpoint(cfg.out_dir).read().get("config") or {}
-        cfg, taken = run_dir.settings_of_the_run(cfg, given, saved)
-        if taken and int(os.environ.get("RANK", "0")) == 0:
-            print(f"resuming the run's settings (not given here): {', '.join(taken)}", flush=True)
     try:
-        train(cfg)
+        train(cfg, given)
     except Stopped as e:  # a clean stop, checkpoint saved: 143 (SIGTERM) or 130 (SIGINT), for requeue scripts
         print(e.message, file=sys.stderr, flush=True)
         sys.exit(e.code)

@@ -182,8 +182,25 @@ def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     found = checkpoint.find_checkpoint(str(out))
     assert (found.name, found.iter_num) == ("ckpt_sharded", 4) and "ckpt.pt belongs to another run" in found.note
     os.remove(out / "ckpt_sharded")
-    with pytest.raises(checkpoint.UserError, match="ckpt.pt belongs to another run"):
+    with pytest.raises(checkpoint.UserError, match="ckpt.pt is a checkpoint of another run"):
         checkpoint.find_checkpoint(str(out))
+
+
+def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(data_dir, tmp_path, capsys):
+    """Bug: with a ckpt.pt of another run than run.json's, init_from=auto printed "holds a run's checkpoint, resuming
+    it", then refused the checkpoint ("no checkpoint in ..."). The decision is made, checkpoint found, before anything
+    is printed: one line that names the file and what to do, and the folder as it was."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=4, init_from="auto"))]
+    assert run_in_process(args, capsys).returncode == 0
+    train(tiny_config(data_dir, other, max_iters=2, eval_interval=2))
+    shutil.copy(other / "ckpt.pt", out / "ckpt.pt")  # copied in by hand over the run's own
+    before = folder_state(out)
+    r = run_in_process([*args, "--max_iters=6"], capsys)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"error: {out / 'ckpt.pt'} is a checkpoint of another run") and "move it out of" in line
+    assert folder_state(out) == before
 
 
 def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
