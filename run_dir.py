@@ -10,6 +10,11 @@ and a new run never destroys an earlier one: its files are moved aside (renamed)
 - Every run gets an id, written in out_dir/run.json at its first start and recorded in each checkpoint and in
   metrics.jsonl; finding a checkpoint to resume, sample or export skips one of another run (checkpoint.py).
 
+- A live run holds its out_dir (hold(): an OS lock on out_dir/run.lock, which ends with its process, a SIGKILL
+  too): a second start there is refused in one line naming the holder (pid, host) before it reads or changes
+  anything in the folder. Only rank 0 of a torchrun job holds it, for all its ranks; an evaluation-only start
+  changes nothing there and holds nothing.
+
 Moving aside instead of refusing: a nanoGPT user reruns the same command and expects a fresh run (nanoGPT would
 overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
 way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
@@ -18,22 +23,117 @@ Imports common.py and errors.py only; train.py and checkpoint.py import it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
+import socket
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import fields, replace
 
 from common import resolve_device, resolve_dtype
 from errors import UserError
 
 RUN_FILE = "run.json"
+LOCK_FILE = "run.lock"  # held by the live run (hold); never moved aside
 PREVIOUS = "previous"
 # what a run writes in out_dir, and so what a new run moves aside (nothing else in the folder is touched)
 _NAMES = (r"ckpt(_best)?\.pt|ckpt_\d{7,}\.pt|ckpt_sharded(_best)?|ckpt_sharded_\d{7,}_\d+|metrics(\.\d+)?\.jsonl"
           r"|report\.md|loss\.png|run\.json")
 RUN_FILES = re.compile(rf"({_NAMES})(\.tmp\.\d+)?")  # and the temporary names their atomic writes use
+
+
+# ----------------------------------------------------------------------------------------------- the live run's hold
+
+
+@contextlib.contextmanager
+def hold(out_dir: str, enabled: bool = True) -> Iterator[None]:
+    """
+    Hold out_dir for this process's run, from before its start is decided to its end: a second start there is
+    refused (UserError naming the holder's pid and host) before it reads or changes anything in the folder. The hold
+    is an OS lock (flock) on out_dir/run.lock, which the OS lets go when the process ends, however it ends: a
+    SIGKILLed run leaves the folder free, with no stale lock to clear. It works wherever the file system locks files
+    (node-local ones; NFS through its lock manager); one that does not gets a warning and no hold. Makes out_dir
+    where missing, and removes it again if it is still empty at the end (a refused start leaves no folder behind).
+    """
+    if not enabled:
+        yield
+        return
+    made = not os.path.isdir(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make out_dir={out_dir!r} ({e.strerror}): choose a folder you can write to") from None
+    fd = None
+    try:
+        fd = _lock(out_dir)
+        yield
+    finally:
+        if fd is not None:
+            _unlock(out_dir, fd)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
+
+
+def _lock(out_dir: str) -> int | None:
+    """The descriptor of out_dir/run.lock, locked, with this process written in it; a UserError if another holds it;
+    None (with a warning) where the file system cannot lock."""
+    path = os.path.join(out_dir, LOCK_FILE)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise UserError(
+                f"out_dir={out_dir!r} is in use by a live run ({holder}; it holds {path}): a second start there would "
+                f"move or overwrite its files. Wait for it to end (or stop it), or give another --out_dir"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            print(f"warning: cannot lock {path} ({e.strerror}): this file system does not lock files, so a second "
+                  f"start in {out_dir} would not be refused", file=sys.stderr, flush=True)
+            return None
+        if _same_file(path, fd):  # not a lock file that its holder removed as it let go, just after we opened it
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+    return fd
+
+
+def _unlock(out_dir: str, fd: int) -> None:
+    path = os.path.join(out_dir, LOCK_FILE)
+    if _same_file(path, fd):  # removed before the lock is let go: a start that opened it meanwhile opens it anew
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    os.close(fd)
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
+def _holder(text: bytes) -> str:
+    """Who holds the lock, from what it wrote in run.lock."""
+    try:
+        holder = json.loads(text)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
+        return f"pid {holder['pid']} on {holder['host']}, since {since}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that is starting"
+
+
+# ----------------------------------------------------------------------------------------------- the run in out_dir
 
 
 def read_run(out_dir: str) -> dict | None:

@@ -309,19 +309,21 @@ def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
     sharded: FSDP's shards need the process group, which the end of the run destroys. `given`: the keys the user
     set (a resume takes its run's setting for every other key; None: every key given)."""
-    start = decide_start(cfg, given)  # every rank, before rank 0 moves any file
+    # rank 0 holds out_dir for every rank of the job, from before the decision to the end (a start that saves nothing
+    # holds nothing); every rank decides before rank 0 moves any file
+    with run_dir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
+        return _run(decide_start(cfg, given))
+
+
+def _run(start: Start) -> dict:
     cfg = start.cfg
     dist = setup_distributed(cfg.device, cfg.backend, group_of_one=cfg.parallelism == "fsdp")
-    made_out_dir = not os.path.exists(cfg.out_dir)
     stopped = None
     try:
         result = _train(start, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
     except Stopped as e:
         stopped = Stopped(e.message, e.code)  # a new one: e's traceback holds the run's frames, and so the group
     except BaseException:
-        if made_out_dir and dist.master:  # a refused start leaves no empty out_dir behind (only the one it made)
-            with contextlib.suppress(OSError):
-                os.rmdir(cfg.out_dir)
         cleanup_distributed(dist)  # no barrier: after an error the other ranks may never get there
         raise
     else:
@@ -356,8 +358,6 @@ def _train(start: Start, dist: Dist) -> dict:
 
     if dist.enabled:
         torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
-    if dist.master and not cfg.eval_only:  # an evaluation-only start writes nothing in out_dir
-        os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
     log.print(config_line)
     for note in start.notes:

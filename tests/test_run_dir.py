@@ -3,6 +3,7 @@
 hard kill, and torchrun's elastic restarts and two agents on one machine (real torchrun, gloo, tiny models)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -135,6 +136,62 @@ def test_a_start_that_saves_nothing_changes_nothing_in_the_folder(data_dir, tmp_
     nowhere = tmp_path / "nowhere"
     r = run_in_process([*job, f"--init_from={other / 'ckpt.pt'}", "--eval_only=True", f"--out_dir={nowhere}"], capsys)
     assert r.returncode == 0 and not nowhere.exists()
+
+
+@pytest.fixture()
+def stopped_in_step():
+    """start(cfg, step): train.py on `cfg` in a process of its own that stops itself (SIGSTOP) in its `step`-th
+    training step: a live run, paused at a known point until the test sends SIGCONT or SIGKILL (at the test's end,
+    SIGKILL to any still there)."""
+    procs = []
+
+    def start(cfg, step: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "tests/signal_at_step.py", "SIGSTOP", str(step), "0",
+                                 *config_args(cfg)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), proc.communicate()[1][-3000:]
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_live_run_holds_its_folder_a_second_start_is_refused_and_a_killed_runs_folder_is_free(data_dir, tmp_path,
+                                                                                                stopped_in_step, capsys):
+    """Bug: nothing stopped a second start beside a live run: the same command again moved the live run's files
+    aside, and both then wrote to the same paths. The second start is refused in one line naming the live process,
+    before it changes anything; the live run goes on unharmed; an evaluation-only start still reads the folder; and
+    once a run is SIGKILLed its folder takes a start again (the lock ended with the process)."""
+    out = tmp_path / "held"
+    cfg = tiny_config(data_dir, out, max_iters=6, eval_interval=3)
+    live = stopped_in_step(cfg, step=4)  # its iter-3 checkpoint saved
+    before = folder_state(out)
+    for again in ([], ["--init_from=auto", "--max_iters=9"], ["--init_from=resume", "--max_iters=9"]):
+        r = run_in_process(["train.py", *config_args(cfg), *again], capsys)
+        assert r.returncode == 2 and r.stdout == "", (again, r.stdout[-2000:])
+        (line,) = r.stderr.splitlines()
+        assert line.startswith(f"error: out_dir={str(out)!r} is in use by a live run (pid {live.pid} on "
+                               f"{socket.gethostname()}, since "), line
+        assert folder_state(out) == before, again
+    r = run_in_process(["train.py", *config_args(cfg), "--init_from=resume", "--eval_only=True"], capsys)
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 3" in r.stdout and folder_state(out) == before
+    os.kill(live.pid, signal.SIGCONT)
+    _, stderr = live.communicate(timeout=HANG_S)
+    assert live.returncode == 0, stderr[-3000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6 and len(starts_of(out)) == 1
+    assert not previous_runs(out) and not (out / run_dir.LOCK_FILE).exists()  # let go at its end
+
+    killed = stopped_in_step(dataclasses.replace(cfg, max_iters=9, init_from="auto"), step=2)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=HANG_S)
+    assert (out / run_dir.LOCK_FILE).exists()  # left behind by the kill, and held by no process
+    r = run_in_process(["train.py", *config_args(cfg), "--init_from=auto", "--max_iters=9"], capsys)
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 6" in r.stdout, r.stderr[-2000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9 and not previous_runs(out)
 
 
 def test_a_start_refused_by_any_check_changes_nothing_and_is_no_start_of_the_run(data_dir, tmp_path, capsys):
