@@ -4,9 +4,10 @@ and a new run never destroys an earlier one: its files are moved aside (renamed)
 
 - init_from="auto" continues the run in out_dir when it holds a checkpoint, else starts from scratch: the same
   command works for the first start, a rerun, and a scheduler's requeue.
-- A torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) of the run that torchrun started (out_dir's run.json records
-  TORCHELASTIC_RUN_ID) continues from its checkpoint, whatever init_from says: torchrun restarts every worker with
-  the same arguments, and init_from=scratch must not begin the run again.
+- A torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) of the run that its own job started or continued (out_dir's
+  run.json records the job's id, distributed.torchrun_job) continues from its checkpoint, whatever init_from says:
+  torchrun restarts every worker with the same arguments, and init_from=scratch must not begin the run again. A
+  restart of another job follows init_from (torchrun's TORCHELASTIC_RUN_ID is no job's own: "none" by default).
 - Every run gets an id, written in out_dir/run.json at its first start and recorded in each checkpoint and in
   metrics.jsonl; finding a checkpoint to resume, sample or export skips one of another run (checkpoint.py).
 
@@ -154,18 +155,16 @@ def has_checkpoint(out_dir: str) -> bool:
     return any(os.path.exists(os.path.join(out_dir, name)) for name in ("ckpt.pt", "ckpt_sharded"))
 
 
-def resolve_init_from(init_from: str, out_dir: str, env: dict | None = None) -> tuple[str, str]:
+def resolve_init_from(init_from: str, out_dir: str, restart: int = 0, job: str | None = None) -> tuple[str, str]:
     """
     (the init_from this start uses, one line saying why, or "" when it is the one given). "auto": "resume" when
-    out_dir holds a checkpoint, else "scratch". A torchrun restart of the run in out_dir: "resume" (or the given
-    init_from when the run saved nothing yet).
+    out_dir holds a checkpoint, else "scratch". Restart `restart` (> 0) of torchrun's job `job`
+    (distributed.torchrun_job) where out_dir holds a run of that job: "resume" (or the given init_from when the run
+    saved nothing yet).
     """
-    env = os.environ if env is None else env
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if init_from != "resume" and restarts > 0 and has_checkpoint(out_dir):
-        run = read_run(out_dir) or {}
-        if run.get("torchelastic_run_id") and run.get("torchelastic_run_id") == env.get("TORCHELASTIC_RUN_ID"):
-            return "resume", (f"torchrun restart {restarts} of the run in {out_dir}: resuming its newest checkpoint "
+    if init_from != "resume" and restart > 0 and job is not None and has_checkpoint(out_dir):
+        if (read_run(out_dir) or {}).get("torchrun_job") == job:
+            return "resume", (f"torchrun restart {restart} of the run in {out_dir}: resuming its newest checkpoint "
                               f"(init_from={init_from!r} applied at its first start)")
     if init_from == "auto":
         if has_checkpoint(out_dir):
@@ -209,22 +208,20 @@ def _write_run(out_dir: str, run: dict) -> None:
     os.replace(tmp, os.path.join(out_dir, RUN_FILE))
 
 
-def begin_run(out_dir: str, env: dict | None = None) -> str:
-    """Write out_dir/run.json for a new run; returns its id."""
-    env = os.environ if env is None else env
+def begin_run(out_dir: str, job: str | None = None) -> str:
+    """Write out_dir/run.json for a new run, started by torchrun's job `job` (None: not under torchrun); returns its
+    id."""
     run_id = uuid.uuid4().hex[:12]
-    _write_run(out_dir, {"run_id": run_id, "started": time.time(),
-                         "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")})
+    _write_run(out_dir, {"run_id": run_id, "started": time.time(), "torchrun_job": job})
     return run_id
 
 
-def continue_run(out_dir: str, saved_run_id: str | None, env: dict | None = None) -> str:
+def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None) -> str:
     """The id of the run a resume continues: the checkpoint's, run.json written for it where missing (a folder
-    from before run ids) or left by another torchrun (its restarts must recognise the run as theirs)."""
-    env = os.environ if env is None else env
+    from before run ids) or left by another torchrun job (this job's restarts must recognise the run as theirs)."""
     run = read_run(out_dir) or {}
     want = {"run_id": saved_run_id or run.get("run_id") or uuid.uuid4().hex[:12],
-            "started": run.get("started", time.time()), "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
+            "started": run.get("started", time.time()), "torchrun_job": job}
     if run != want:
         _write_run(out_dir, want)
     return want["run_id"]

@@ -54,6 +54,7 @@ from distributed import (
     checkpoint_group,
     cleanup_distributed,
     setup_distributed,
+    torchrun_job,
 )
 from configurator import config_summary, configure_keys
 from model import GPT
@@ -268,6 +269,7 @@ class Start:
     cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
     notes: list[str]  # why, and the settings taken: printed once the log is open
     found: checkpoint.Found | None  # the checkpoint a resume continues: one of the run in out_dir
+    job: str | None  # torchrun's job (distributed.torchrun_job), recorded in run.json
 
 
 def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
@@ -275,11 +277,13 @@ def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
     the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses.
     A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
     every key given)."""
-    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)
+    job = torchrun_job()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
     cfg = replace(cfg, init_from=init_from)
     notes = [why] if why else []
     if init_from != "resume":
-        return Start(cfg, notes, None)
+        return Start(cfg, notes, None, job)
     found = checkpoint.find_checkpoint(cfg.out_dir)
     if given is not None:
         cfg, taken = run_dir.settings_of_the_run(cfg, given, found.read().get("config") or {})
@@ -287,10 +291,11 @@ def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
             notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
     if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
         found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=True)
-    return Start(cfg, notes, found)
+    return Start(cfg, notes, found, job)
 
 
-def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, dist: Dist, log: Logger) -> str | None:
+def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, job: str | None, dist: Dist,
+                 log: Logger) -> str | None:
     """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
     new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone, and only
     for a start that saves (one that evaluates only changes nothing there); returns the run's id (None on the other
@@ -298,11 +303,11 @@ def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, dist:
     if not dist.master:
         return None
     if resuming:
-        return run_dir.continue_run(out_dir, resumed_run_id)
+        return run_dir.continue_run(out_dir, resumed_run_id, job)
     if moved := run_dir.move_previous_run(out_dir):
         log.print(f"a new run in {out_dir}: the previous run's files moved to {moved} (it resumes from there with "
                   f"--out_dir={moved})")
-    return run_dir.begin_run(out_dir)
+    return run_dir.begin_run(out_dir, job)
 
 
 def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
@@ -445,7 +450,7 @@ def _train(start: Start, dist: Dist) -> dict:
 
     if dist.enabled:
         torch_dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
-    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, dist, log) if not eval_only else None
+    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, start.job, dist, log) if not eval_only else None
     log.start(run_id, iter_num, cfg.init_from, changes, saves=not eval_only)
 
     last_save = {"iter": iter_num, "time": time.time()}  # the last save begun: the cadence counts from it

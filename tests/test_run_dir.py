@@ -275,16 +275,16 @@ def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
 def test_a_torchrun_restart_resumes_its_own_run_and_never_another(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    assert run_dir.resolve_init_from("scratch", str(out), {"TORCHELASTIC_RESTART_COUNT": "1"})[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-7")[0] == "scratch"
     (out / "ckpt.pt").write_bytes(b"x")
-    run_dir.begin_run(str(out), {"TORCHELASTIC_RUN_ID": "job-7"})
-    mine = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "job-7"}
-    init_from, why = run_dir.resolve_init_from("scratch", str(out), mine)
+    run_dir.begin_run(str(out), job="job-7")
+    init_from, why = run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-7")
     assert init_from == "resume" and why.startswith("torchrun restart 1 of the run in")
-    # the first start of a torchrun (restart 0), or a restart of another torchrun's job: as given
-    assert run_dir.resolve_init_from("scratch", str(out), {**mine, "TORCHELASTIC_RESTART_COUNT": "0"})[0] == "scratch"
-    assert run_dir.resolve_init_from("scratch", str(out), {**mine, "TORCHELASTIC_RUN_ID": "job-8"})[0] == "scratch"
-    assert run_dir.resolve_init_from("gpt2", str(out), mine)[0] == "resume"
+    # the first start of a torchrun (restart 0), a restart of another job's, or one that has no job id: as given
+    assert run_dir.resolve_init_from("scratch", str(out), restart=0, job="job-7")[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-8")[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job=None)[0] == "scratch"
+    assert run_dir.resolve_init_from("gpt2", str(out), restart=1, job="job-7")[0] == "resume"
 
 
 def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
@@ -401,6 +401,57 @@ def test_torchrun_max_restarts_continues_after_a_rank_is_killed_and_ends_as_an_u
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 200
     assert same_weights(weights(out / "ckpt.pt"), weights(ref / "ckpt.pt"))
     assert not previous_runs(out)  # the restart moved nothing aside
+
+
+# Under torchrun: train.main with a fault per attempt, chosen by torchrun's restart count (no clock): attempt 0 dies
+# where its start would be accepted (a new run, before the previous one is moved), and attempt 1's rank 1 is
+# SIGKILLed in its 3rd step.
+FAULT_PER_ATTEMPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import run_dir, train
+from errors import exit_on_user_error
+from signal_at_step import signal_during_step
+
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if restart == "0":
+    run_dir.move_previous_run = lambda *args: os._exit(1)
+elif restart == "1" and os.environ["RANK"] == "1":
+    signal_during_step(signal.SIGKILL, 3)
+exit_on_user_error(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def _static_torchrun(script, args: list[str], nproc: int, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """torchrun with a static rendezvous, as the README's multi-node command (--master_addr and --master_port, no
+    --rdzv-id): every such job has torchrun's run id "none"."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+                           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", f"--max-restarts={max_restarts}",
+                           "--monitor-interval=0.2", str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)
+
+
+def test_a_torchrun_restart_of_another_job_under_the_same_rendezvous_id_never_resumes_its_run(data_dir, tmp_path):
+    """Bug: job A's run recorded torchrun's run id, "none" for every static rendezvous; job B (init_from=scratch),
+    whose first attempt failed before moving anything, restarted and resumed A's checkpoint. B's restart follows
+    init_from (A's run moved aside whole), and B's own later restart resumes B's run."""
+    out = tmp_path / "out"
+    run = dict(max_iters=6, eval_interval=1000, checkpoint_interval=2, dropout=0.0, gradient_accumulation_steps=2)
+    a = _static_torchrun("train.py", config_args(tiny_config(data_dir, out, **{**run, "max_iters": 4})), nproc=1)
+    assert a.returncode == 0, a.stderr[-3000:]
+    a_run = load_checkpoint(str(out / "ckpt.pt"))["run_id"]
+    probe = tmp_path / "fault_per_attempt.py"
+    probe.write_text(FAULT_PER_ATTEMPT.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    b = _static_torchrun(probe, config_args(tiny_config(data_dir, out, **run)), nproc=2, max_restarts=2)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "torchrun restart 1 of the run" not in b.stdout and f"resuming from {out}/ckpt.pt at iter 4" not in b.stdout
+    assert "torchrun restart 2 of the run in" in b.stdout and f"resuming from {out}/ckpt.pt at iter 2" in b.stdout
+    (previous,) = previous_runs(out)
+    assert (load_checkpoint(str(previous / "ckpt.pt"))["iter_num"], run_dir.run_id_of(str(previous))) == (4, a_run)
+    b_ckpt = load_checkpoint(str(out / "ckpt.pt"))
+    assert b_ckpt["iter_num"] == 6 and b_ckpt["run_id"] != a_run
+    assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (2, "resume")]
 
 
 def _agents(cfg_args: list[str], port: int, cwd=(ROOT, ROOT), nproc: int = 2) -> list[subprocess.CompletedProcess]:
