@@ -2,7 +2,8 @@
 A run's metrics, in one place: out_dir/metrics.jsonl (a JSON line per logged step and per eval, with the run's wall
 time, which continues across resumes, and a line per start of the run), written by train.py through Logger (which
 also prints on rank 0 and logs to wandb when asked) and read by plot.py and report.py. A line cut short (a kill or a
-full disk during the append) is skipped by the readers with one warning, and the next append starts a new line.
+full disk during the append) or one that is no record (edited by hand) is skipped by the readers with one warning,
+and the next append starts a new line.
 
 Imports common.py, distributed.py and errors.py only; never a script.
 """
@@ -123,21 +124,52 @@ def _end_torn_line(path: str) -> None:
         pass
 
 
+_NUMBER = (int, float)
+# What a record of each kind (the key that marks it) holds, with the types its readers (plot.py, report.py) use
+FIELDS = {
+    "loss": {"iter": int, "loss": _NUMBER, "elapsed_s": _NUMBER, "tok_s": _NUMBER, "mfu": (*_NUMBER, type(None))},
+    "val_loss": {"iter": int, "val_loss": _NUMBER, "train_loss": _NUMBER, "elapsed_s": _NUMBER},
+    "hellaswag_acc": {"hellaswag_acc": _NUMBER, "hellaswag_acc_norm": _NUMBER},
+}
+START_FIELDS = {"iter": int, "init_from": str, "command": str}
+
+
+def is_record(record) -> bool:
+    """Whether a line's JSON is a record as train.py writes it (a JSON object whose fields have their types)."""
+    def has(d: dict, fields: dict) -> bool:
+        return all(isinstance(d.get(k), t) for k, t in fields.items())
+
+    return (isinstance(record, dict) and all(has(record, FIELDS[kind]) for kind in FIELDS if kind in record)
+            and ("start" not in record or isinstance(record["start"], dict) and has(record["start"], START_FIELDS)))
+
+
 def read_records(path: str) -> list[dict]:
-    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) is skipped with one warning."""
-    records, bad = [], []
+    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) or not a record (edited by
+    hand) is skipped, all of them in one warning that names them."""
+    records, torn, foreign = [], [], []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
-                    bad.append(n)
-    if bad:
-        print(f"warning: {path}: skipped {len(bad)} unreadable line{'s' if len(bad) > 1 else ''} (line "
-              f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}: cut short by a kill or a full disk?)",
+                    torn.append(n)
+                    continue
+                if is_record(record):
+                    records.append(record)
+                else:
+                    foreign.append(n)
+    if torn or foreign:
+        why = [f"{_line_numbers(torn)}: not JSON, cut short by a kill or a full disk?"] if torn else []
+        why += [f"{_line_numbers(foreign)}: JSON but not a record of train.py, edited by hand?"] if foreign else []
+        n = len(torn) + len(foreign)
+        print(f"warning: {path}: skipped {n} unreadable line{'s' if n > 1 else ''} ({'; '.join(why)})",
               file=sys.stderr)
     return records
+
+
+def _line_numbers(numbers: list[int]) -> str:
+    return f"line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}{' ...' if len(numbers) > 5 else ''}"
 
 
 def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:

@@ -138,12 +138,24 @@ def _holder(text: bytes) -> str:
 
 
 def read_run(out_dir: str) -> dict | None:
-    """out_dir's run.json (id, start time, torchrun's run id), or None for a folder without one."""
+    """out_dir's run.json (id, start time, torchrun's job), or None for a folder without one. A damaged one (cut
+    short, edited by hand) is a UserError that names it and what to do."""
+    path = os.path.join(out_dir, RUN_FILE)
     try:
-        with open(os.path.join(out_dir, RUN_FILE)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        with open(path) as f:
+            run = json.load(f)
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        raise _damaged(path, f"{type(e).__name__}: {e}") from None
+    if not (isinstance(run, dict) and isinstance(run.get("run_id"), str) and isinstance(run.get("started"), (int, float))):
+        raise _damaged(path, "not a JSON object with a run_id string and a started time")
+    return run
+
+
+def _damaged(path: str, why: str) -> UserError:
+    return UserError(f"{path} is damaged ({why[:200]}): remove it (a resume writes it again from its checkpoint's run "
+                     f"id; a new run moves the files beside it aside and writes its own), or restore it")
 
 
 def run_id_of(out_dir: str) -> str | None:

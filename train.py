@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, NoReturn
@@ -277,6 +278,8 @@ def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
     the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses.
     A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
     every key given)."""
+    if not cfg.eval_only:
+        run_dir.read_run(cfg.out_dir)  # a damaged run.json: one line now, not once the start is accepted
     job = torchrun_job()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
@@ -308,6 +311,15 @@ def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, job: 
         log.print(f"a new run in {out_dir}: the previous run's files moved to {moved} (it resumes from there with "
                   f"--out_dir={moved})")
     return run_dir.begin_run(out_dir, job)
+
+
+def write_report(cfg: TrainConfig, model: GPT, meta: dict | None, info: dict[str, str], log: Logger, ctx) -> None:
+    """out_dir/report.md at the end of the run (report.py). A report that cannot be written is a warning, never the
+    run's failure: the run is done and saved."""
+    try:
+        log.print(f"report: {report.write_run_report(cfg, TrainConfig(), model, meta, info, log.print, ctx)}")
+    except (UserError, OSError) as e:
+        print(f"warning: no report ({e}); the run and its checkpoint are whole", file=sys.stderr, flush=True)
 
 
 def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
@@ -562,16 +574,12 @@ def _train(start: Start, dist: Dist) -> dict:
             finish_save(if_done=True)
 
         if cfg.report and dist.master and not eval_only:
-            info = {**run_info(device), "world_size": str(dist.world_size)}
-            path = report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print, ctx)
-            log.print(f"report: {path}")
+            write_report(cfg, raw_model, meta, {**run_info(device), "world_size": str(dist.world_size)}, log, ctx)
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
-
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv)
     try:
         train(cfg, given)

@@ -295,6 +295,7 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
     mine = ["notes.txt", "ckpt_5.pt", "ckpt_sharded_keep", "data.bin", "previous_results"]
     for name in names + mine:
         (out / name).write_text(name)
+    run_dir.begin_run(str(out))  # run.json as a run writes it (its start time names the folder)
     os.symlink("ckpt_sharded_0000004_0", out / "ckpt_sharded")
     dest = run_dir.move_previous_run(str(out))
     assert sorted(os.listdir(dest)) == sorted([*names, "ckpt_sharded"])
@@ -323,6 +324,41 @@ def test_a_torn_metrics_line_is_skipped_with_a_warning_and_the_next_append_start
     steps, evals = read_metrics(str(out))
     assert [r["iter"] for r in evals] == [0, 2, 4, 4, 6]  # a resume evaluates where it starts
     assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
+
+
+def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warns(data_dir, tmp_path, capsys):
+    """Bug: a run.json edited by hand ended a start in a traceback (TypeError moving the run aside, AttributeError
+    finding its checkpoint) and one cut short was silently replaced; a metrics.jsonl line that is JSON but not a
+    record made the finished run exit 1 in its report, and plot.py fail. Now: one line naming run.json and what to
+    do, before anything changes (and doing it works); the lines are skipped with a warning; a report that cannot be
+    written is a warning too."""
+    out = tmp_path / "run"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=2))]
+    assert run_in_process(args, capsys).returncode == 0
+    for damaged in ('{"run_id": "3f2a', "[]", '{"run_id": "3f2a9c", "started": "yesterday"}'):
+        (out / "run.json").write_text(damaged)
+        before = folder_state(out)
+        for again in ([], ["--init_from=resume", "--max_iters=6"]):  # a new run, a resume
+            r = run_in_process([*args, *again], capsys)
+            assert r.returncode == 2 and r.stdout == "", (damaged, again, r.stderr[-2000:])
+            (line,) = r.stderr.splitlines()
+            assert line.startswith(f"error: {out / 'run.json'} is damaged (") and "remove it" in line, line
+            assert folder_state(out) == before
+    (out / "run.json").unlink()  # as the line says: the resume writes it again, from its checkpoint's run id
+    first = len(open(out / "metrics.jsonl").readlines()) + 1
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('42\n{"iter": 5, "loss": "low", "elapsed_s": 1.0, "tok_s": 9.0}\n{"start": "again"}\n')
+    r = run_in_process([*args, "--init_from=resume", "--max_iters=6", "--report=True"], capsys)
+    assert r.returncode == 0 and "report: " in r.stdout, r.stderr[-2000:]
+    assert (f"skipped 3 unreadable lines (lines {first}, {first + 1}, {first + 2}: JSON but not a record of train.py"
+            in r.stderr), r.stderr
+    assert run_dir.run_id_of(str(out)) == load_checkpoint(str(out / "ckpt.pt"))["run_id"]
+    assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
+    (out / "report.md").unlink()
+    (out / "report.md").mkdir()  # a report that cannot be written
+    r = run_in_process([*args, "--init_from=resume", "--max_iters=8", "--report=True"], capsys)
+    assert r.returncode == 0 and "warning: no report (" in r.stderr, r.stderr[-2000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 8
 
 
 # ----------------------------------------------------------------------------------------------- a hard kill
