@@ -30,6 +30,7 @@ import json
 import os
 import re
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -211,6 +212,26 @@ def move_previous_run(out_dir: str) -> str | None:
     for name in names:  # renames within one file system: links between them (ckpt_sharded) keep working
         os.replace(os.path.join(out_dir, name), os.path.join(dest, name))
     return dest
+
+
+def disk_usage(folder: str) -> int:
+    """The bytes the files under `folder` take, each file once (keep_last's hard links share ckpt.pt's), links not
+    followed (ckpt_sharded names a folder counted itself)."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def size_text(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _write_run(out_dir: str, run: dict) -> None:

@@ -308,8 +308,9 @@ def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, job: 
     if resuming:
         return run_dir.continue_run(out_dir, resumed_run_id, job)
     if moved := run_dir.move_previous_run(out_dir):
-        log.print(f"a new run in {out_dir}: the previous run's files moved to {moved} (it resumes from there with "
-                  f"--out_dir={moved})")
+        log.print(f"a new run in {out_dir}: the previous run's files ({run_dir.size_text(run_dir.disk_usage(moved))}) "
+                  f"moved to {moved} (it resumes from there with --out_dir={moved}; {run_dir.PREVIOUS}/ keeps every run "
+                  f"moved aside, whole: remove those you no longer need)")
     return run_dir.begin_run(out_dir, job)
 
 

@@ -103,6 +103,24 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
 
 
+def test_each_rerun_moves_a_whole_run_into_previous_and_says_how_much_space_it_takes(data_dir, tmp_path, capsys):
+    """previous/ grows by a whole run at every rerun of the command: the line that says where the run went says
+    how much space it takes (as du counts it: keep_last's hard links once)."""
+    out = tmp_path / "rerun"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=2, keep_last=2))]
+    for rerun in range(3):
+        r = run_in_process(args, capsys)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert len(previous_runs(out)) == rerun
+        if rerun:
+            moved = re.search(r"the previous run's files \(([\d.]+) (KiB|MiB)\) moved to (\S+) ", r.stdout)
+            assert moved and moved.group(3) == str(previous_runs(out)[-1]), r.stdout
+            du = int(subprocess.run(["du", "-sb", moved.group(3)], capture_output=True, text=True).stdout.split()[0])
+            unit = {"KiB": 2**10, "MiB": 2**20}[moved.group(2)]
+            assert abs(float(moved.group(1)) * unit - du) <= 0.05 * unit + 4096, (moved.group(0), du)  # rounded to
+            # one decimal; du also counts the folder itself
+
+
 def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     """The previous run moves aside only once the new start is accepted (here refused: a shape that is not the
     weights')."""
