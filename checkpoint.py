@@ -427,11 +427,15 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
             f = _found(path)
             # a checkpoint of another run (copied in, or left by a version without run ids beside a new run's)
             (foreign if run_id and f.state.get("run_id") not in (None, run_id) else found).append(f)
+    if not found and foreign:
+        raise UserError(
+            f"{' and '.join(f.path for f in foreign)} {'is a checkpoint' if len(foreign) == 1 else 'are checkpoints'} "
+            f"of another run (id {foreign[0].state.get('run_id')}) than the one {os.path.join(out_dir, run_dir.RUN_FILE)} "
+            f"names ({run_id}), and a resume continues only its own run: move it out of {out_dir} (to resume it, into "
+            f"a folder of its own), or start a new run from its weights with --init_from=PATH")
     if not found:
-        other = (f"; {', '.join(f.name for f in foreign)} belongs to another run than {run_dir.RUN_FILE}'s"
-                 if foreign else "")
-        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT_NAME} nor {SHARDED_NAME}{other}; "
-                        f"{_listing(out_dir)}): train first, or set --out_dir to the run's folder")
+        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT_NAME} nor {SHARDED_NAME}; {_listing(out_dir)}): "
+                        f"train first, or set --out_dir to the run's folder")
     for f in found:
         if foreign:
             f.note = f"{', '.join(g.name for g in foreign)} belongs to another run: not read"

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,23 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
     else:  # no torchrun: an in-memory store instead of its rendezvous
         torch_dist.init_process_group(backend=backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
+
+
+JOB_KEY = "nanogpt/job"  # in torchrun's store: torchrun_job's id
+
+
+def torchrun_job() -> str | None:
+    """
+    An id of this torchrun job: the same in every worker of every attempt (restart) of the job, and in no other job.
+    The first worker to ask writes a new one into the store of torchrun's agent, which the job's attempts share and
+    which lives as long as the job. (torchrun's own TORCHELASTIC_RUN_ID is no such id: --rdzv-id defaults to "none"
+    for every job with a static rendezvous.) None outside torchrun, or where the workers do not share the agent's
+    store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a restart then follows init_from.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return store.compare_set(JOB_KEY, "", uuid.uuid4().hex[:12]).decode()  # the first asker's, kept
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

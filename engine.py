@@ -76,7 +76,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     use_cache: bool = True,
     vocab_size: int | None = None,
     compile: bool = False,
@@ -85,7 +85,8 @@ def generate(
     """
     Extend idx (B, T) by max_new_tokens tokens, sampled from softmax(logits / temperature) after the optional
     top-k and top-p (nucleus) filters; temperature=0 takes the most likely token (greedy). The B rows are
-    generated together: each step reads the weights once for all of them.
+    generated together: each step reads the weights once for all of them. generator: one for every row, or a list
+    of B, one per row (a row's draws then come from its own stream alone, whatever else is in the batch).
     vocab_size: sample only ids below it, for a tokenizer with fewer tokens than the model has rows (nanoGPT's
     GPT-2-sized runs have 50304 rows for GPT-2's 50257 tokens); None: the model's vocab_size.
     With the cache, the prompt is prefilled in one forward pass, then each new token costs one position.
@@ -334,9 +335,9 @@ def sample_next_token(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1)."""
+    """logits (B, V) -> next token ids (B, 1). generator: one for the batch, or a list with one per row."""
     if temperature < 0:
         raise UserError(f"temperature={temperature} must be >= 0 (0 means greedy)")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -351,4 +352,6 @@ def sample_next_token(
     if top_p is not None and top_p < 1.0:
         logits = top_p_filter(logits, top_p)
     probs = F.softmax(logits, dim=-1)
+    if isinstance(generator, list):  # each row draws from its own stream
+        return torch.stack([torch.multinomial(row, num_samples=1, generator=g) for row, g in zip(probs, generator)])
     return torch.multinomial(probs, num_samples=1, generator=generator)

@@ -2,7 +2,8 @@
 A run's metrics, in one place: out_dir/metrics.jsonl (a JSON line per logged step and per eval, with the run's wall
 time, which continues across resumes, and a line per start of the run), written by train.py through Logger (which
 also prints on rank 0 and logs to wandb when asked) and read by plot.py and report.py. A line cut short (a kill or a
-full disk during the append) is skipped by the readers with one warning, and the next append starts a new line.
+full disk during the append) or one that is no record (edited by hand) is skipped by the readers with one warning,
+and the next append starts a new line.
 
 Imports common.py, distributed.py and errors.py only; never a script.
 """
@@ -54,20 +55,16 @@ def wandb_problem(cfg) -> str | None:
 
 
 class Logger:
-    """Prints on rank 0 and appends JSON lines to out_dir/metrics.jsonl (and wandb when asked). A resumed run
-    appends to its run's file (a new run finds none: run_dir.py moved the previous run's aside)."""
+    """Prints on rank 0; once the start is accepted (start()), appends JSON lines to out_dir/metrics.jsonl (a start
+    that saves; a resumed run appends to its run's file, a new run finds none: run_dir.py moved the previous run's
+    aside) and logs to wandb when asked. Before start() nothing is written: a refused start changes nothing."""
 
     def __init__(self, cfg, dist: Dist):
         self.master = dist.master
-        self.path = os.path.join(cfg.out_dir, METRICS_NAME)
-        if self.master:
-            _end_torn_line(self.path)
+        self.cfg = cfg
+        self.path: str | None = None  # metrics.jsonl, once the start is accepted and saves
         self.t_start = time.time()
         self.wandb = None
-        if self.master and cfg.wandb_log:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
 
     def continue_from(self, elapsed_s: float) -> None:
         """A resumed run's wall time continues from its checkpoint's, so elapsed_s never runs backwards."""
@@ -84,18 +81,30 @@ class Logger:
         if not self.master:
             return
         record = {**record, "elapsed_s": round(self.elapsed(), 3)}  # wall time since the run began, for time-to-loss
-        self._append(record)
+        if self.path is not None:
+            self._append(record)
         if self.wandb is not None:
             self.wandb.log(record, step=record["iter"])
 
-    def start(self, run_id: str | None, iter_num: int, init_from: str, changes: list[str] | None = None) -> None:
-        """A line for this start of the run: its id, the iteration it starts at, how, the settings a resume changed,
-        and the command."""
-        if self.master:
+    def start(self, run_id: str | None, iter_num: int, init_from: str, changes: list[str] | None = None,
+              saves: bool = True) -> None:
+        """The start is accepted: from here on records are logged. A start that saves writes a line for this start
+        of the run (its id, the iteration it starts at, how, the settings a resume changed, and the command) and
+        the records after it in metrics.jsonl; one that saves nothing (eval_only) writes nothing in out_dir."""
+        if not self.master:
+            return
+        if saves:
+            self.path = os.path.join(self.cfg.out_dir, METRICS_NAME)
+            _end_torn_line(self.path)
             self._append({"start": {"run_id": run_id, "iter": iter_num, "init_from": init_from,
                                     "changes": changes or [], "command": " ".join(["python", *sys.argv]),
                                     "time": round(time.time(), 3)},
                           "elapsed_s": round(self.elapsed(), 3)})
+        if self.cfg.wandb_log:
+            import wandb
+
+            self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name,
+                                    config=asdict(self.cfg))
 
     def _append(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -115,21 +124,52 @@ def _end_torn_line(path: str) -> None:
         pass
 
 
+_NUMBER = (int, float)
+# What a record of each kind (the key that marks it) holds, with the types its readers (plot.py, report.py) use
+FIELDS = {
+    "loss": {"iter": int, "loss": _NUMBER, "elapsed_s": _NUMBER, "tok_s": _NUMBER, "mfu": (*_NUMBER, type(None))},
+    "val_loss": {"iter": int, "val_loss": _NUMBER, "train_loss": _NUMBER, "elapsed_s": _NUMBER},
+    "hellaswag_acc": {"hellaswag_acc": _NUMBER, "hellaswag_acc_norm": _NUMBER},
+}
+START_FIELDS = {"iter": int, "init_from": str, "command": str}
+
+
+def is_record(record) -> bool:
+    """Whether a line's JSON is a record as train.py writes it (a JSON object whose fields have their types)."""
+    def has(d: dict, fields: dict) -> bool:
+        return all(isinstance(d.get(k), t) for k, t in fields.items())
+
+    return (isinstance(record, dict) and all(has(record, FIELDS[kind]) for kind in FIELDS if kind in record)
+            and ("start" not in record or isinstance(record["start"], dict) and has(record["start"], START_FIELDS)))
+
+
 def read_records(path: str) -> list[dict]:
-    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) is skipped with one warning."""
-    records, bad = [], []
+    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) or not a record (edited by
+    hand) is skipped, all of them in one warning that names them."""
+    records, torn, foreign = [], [], []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
-                    bad.append(n)
-    if bad:
-        print(f"warning: {path}: skipped {len(bad)} unreadable line{'s' if len(bad) > 1 else ''} (line "
-              f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}: cut short by a kill or a full disk?)",
+                    torn.append(n)
+                    continue
+                if is_record(record):
+                    records.append(record)
+                else:
+                    foreign.append(n)
+    if torn or foreign:
+        why = [f"{_line_numbers(torn)}: not JSON, cut short by a kill or a full disk?"] if torn else []
+        why += [f"{_line_numbers(foreign)}: JSON but not a record of train.py, edited by hand?"] if foreign else []
+        n = len(torn) + len(foreign)
+        print(f"warning: {path}: skipped {n} unreadable line{'s' if n > 1 else ''} ({'; '.join(why)})",
               file=sys.stderr)
     return records
+
+
+def _line_numbers(numbers: list[int]) -> str:
+    return f"line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}{' ...' if len(numbers) > 5 else ''}"
 
 
 def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import checkpoint
@@ -56,8 +57,9 @@ class SampleConfig:
     ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
-    num_samples: int = 10  # drawn together as one batch, each from its own random stream
-    batch_size: int | None = None  # at most this many samples per batch, to bound memory (None: all num_samples)
+    num_samples: int = 10  # drawn together as one batch, each from its own random stream (from seed and its index)
+    batch_size: int | None = None  # at most this many samples per batch, to bound memory (None: all num_samples); it
+    # does not change the samples (in float32; lower precisions may round a batch's logits differently)
     max_new_tokens: int = 500  # tokens generated per sample
     temperature: float = 0.8  # 1.0: the model's distribution; lower: more conservative; 0: greedy
     top_k: int | None = 200  # keep only the top_k most likely tokens (None: all)
@@ -170,14 +172,21 @@ def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], 
     return [tokenizer.eot], 1
 
 
+def sample_generators(seed: int, n: int, device: str) -> list[torch.Generator]:
+    """A random stream per sample, seeded from (seed, the sample's index) alone: sample i is drawn alike whichever
+    batch it is generated in."""
+    seeds = (np.random.SeedSequence([seed, i]).generate_state(1, dtype=np.uint64)[0] for i in range(n))
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
 def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConfig) -> Generation:
     """num_samples continuations of `prompt`, generated together as one batch (each step reads the weights once
-    for all of them; batch_size: at most that many at once) from one seeded generator, each row its own draws: the
-    same seed and settings give the same text. cfg.device and cfg.dtype: resolved (check_config)."""
+    for all of them; batch_size: at most that many at once), each from its own seeded stream: the same seed and
+    settings give the same text, whatever batch_size. cfg.device and cfg.dtype: resolved (check_config)."""
     device, dtype = cfg.device, cfg.dtype
     ids, hidden = encode_prompt(tokenizer, prompt)
     torch.manual_seed(cfg.seed)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    generators = sample_generators(cfg.seed, cfg.num_samples, device)
     batch = cfg.batch_size or cfg.num_samples
     outputs: list[list[int]] = []
     synchronize(device)
@@ -187,8 +196,8 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
         x = torch.tensor([ids] * rows, dtype=torch.long, device=device)  # (rows, T)
         with autocast_context(device, dtype):
             y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
-                               generator=generator, vocab_size=tokenizer.vocab_size, compile=cfg.compile,
-                               window_dtype=DTYPES[cfg.window_dtype] if cfg.window_dtype else None)
+                               generator=generators[first:first + rows], vocab_size=tokenizer.vocab_size,
+                               compile=cfg.compile, window_dtype=DTYPES[cfg.window_dtype] if cfg.window_dtype else None)
         outputs += y.tolist()
     synchronize(device)
     seconds = time.perf_counter() - t0

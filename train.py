@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, NoReturn
@@ -54,6 +55,7 @@ from distributed import (
     checkpoint_group,
     cleanup_distributed,
     setup_distributed,
+    torchrun_job,
 )
 from configurator import config_summary, configure_keys
 from model import GPT
@@ -314,20 +316,84 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 
 
 
-def train(cfg: TrainConfig) -> dict:
+@dataclass
+class Start:
+    """What a start does, decided once from out_dir as it is, before anything is printed or changed there."""
+    cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
+    notes: list[str]  # why, and the settings taken: printed once the log is open
+    found: checkpoint.Found | None  # the checkpoint a resume continues: one of the run in out_dir
+    job: str | None  # torchrun's job (distributed.torchrun_job), recorded in run.json
+
+
+def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
+    """Resume or not, and from which checkpoint, before anything is printed: a resume's checkpoint is found (one of
+    the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses.
+    A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
+    every key given)."""
+    if not cfg.eval_only:
+        run_dir.read_run(cfg.out_dir)  # a damaged run.json: one line now, not once the start is accepted
+    job = torchrun_job()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
+    cfg = replace(cfg, init_from=init_from)
+    notes = [why] if why else []
+    if init_from != "resume":
+        return Start(cfg, notes, None, job)
+    found = checkpoint.find_checkpoint(cfg.out_dir)
+    if given is not None:
+        cfg, taken = run_dir.settings_of_the_run(cfg, given, found.read().get("config") or {})
+        if taken:
+            notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
+    if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
+        found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+    return Start(cfg, notes, found, job)
+
+
+def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, job: str | None, dist: Dist,
+                 log: Logger) -> str | None:
+    """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
+    new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone, and only
+    for a start that saves (one that evaluates only changes nothing there); returns the run's id (None on the other
+    ranks)."""
+    if not dist.master:
+        return None
+    if resuming:
+        return run_dir.continue_run(out_dir, resumed_run_id, job)
+    if moved := run_dir.move_previous_run(out_dir):
+        log.print(f"a new run in {out_dir}: the previous run's files ({run_dir.size_text(run_dir.disk_usage(moved))}) "
+                  f"moved to {moved} (it resumes from there with --out_dir={moved}; {run_dir.PREVIOUS}/ keeps every run "
+                  f"moved aside, whole: remove those you no longer need)")
+    return run_dir.begin_run(out_dir, job)
+
+
+def write_report(cfg: TrainConfig, model: GPT, meta: dict | None, info: dict[str, str], log: Logger, ctx) -> None:
+    """out_dir/report.md at the end of the run (report.py). A report that cannot be written is a warning, never the
+    run's failure: the run is done and saved."""
+    try:
+        log.print(f"report: {report.write_run_report(cfg, TrainConfig(), model, meta, info, log.print, ctx)}")
+    except (UserError, OSError) as e:
+        print(f"warning: no report ({e}); the run and its checkpoint are whole", file=sys.stderr, flush=True)
+
+
+def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
-    sharded: FSDP's shards need the process group, which the end of the run destroys."""
+    sharded: FSDP's shards need the process group, which the end of the run destroys. `given`: the keys the user
+    set (a resume takes its run's setting for every other key; None: every key given)."""
+    # rank 0 holds out_dir for every rank of the job, from before the decision to the end (a start that saves nothing
+    # holds nothing); every rank decides before rank 0 moves any file
+    with run_dir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
+        return _run(decide_start(cfg, given))
+
+
+def _run(start: Start) -> dict:
+    cfg = start.cfg
     dist = setup_distributed(cfg.device, cfg.backend, group_of_one=cfg.parallelism == "fsdp")
-    made_out_dir = not os.path.exists(cfg.out_dir)
     stopped = None
     try:
-        result = _train(cfg, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
+        result = _train(start, dist)  # what holds the group (the DDP wrapper, the sharded model) goes with its locals
     except Stopped as e:
         stopped = Stopped(e.message, e.code)  # a new one: e's traceback holds the run's frames, and so the group
     except BaseException:
-        if made_out_dir and dist.master:  # a refused start leaves no empty out_dir behind (only the one it made)
-            with contextlib.suppress(OSError):
-                os.rmdir(cfg.out_dir)
         cleanup_distributed(dist)  # no barrier: after an error the other ranks may never get there
         raise
     else:
@@ -339,11 +405,9 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
-def _train(cfg: TrainConfig, dist: Dist) -> dict:
+def _train(start: Start, dist: Dist) -> dict:
+    cfg = start.cfg
     cfg.check(dist.world_size)
-    # every rank, before rank 0 moves any file
-    init_from, start_why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)
-    cfg = replace(cfg, init_from=init_from)
     config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
     device = dist.device
     device_type = device.split(":")[0]
@@ -364,12 +428,10 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
 
     if dist.enabled:
         torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
-    if dist.master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
     log = Logger(cfg, dist)
     log.print(config_line)
-    if start_why:
-        log.print(start_why)
+    for note in start.notes:
+        log.print(note)
     log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
     log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
     peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
@@ -381,13 +443,14 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
 
     # model
-    check_shared_out_dir(cfg.out_dir, dist)
+    if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
+        check_shared_out_dir(cfg.out_dir, dist)
     ckpt = None
-    if cfg.init_from == "resume":
-        found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=cfg.parallelism == "fsdp")
-        log.print(found.describe("resuming from"))
-        ckpt = found.read()
+    if start.found is not None:
+        log.print(start.found.describe("resuming from"))
+        ckpt = start.found.read()
     iter_num, best_val_loss = 0, float("inf")
+    changes = None
     if ckpt is not None:
         saved_world_size = ckpt.get("world_size", 1)
         saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
@@ -401,7 +464,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     if nothing_to_train:
         log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
                   f"evaluating it only (raise max_iters to train on)")
-    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing
+    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing: change nothing in out_dir
     best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
@@ -410,15 +473,6 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         model = init_model(cfg, meta, ckpt)
     shape = {k: getattr(model.config, k) for k in SHAPE_KEYS}  # the shape that trains, for the checkpoint and report
     cfg, saved_cfg = replace(cfg, **shape), replace(saved_cfg, **shape)
-    # the start is accepted (a refused one changes nothing in out_dir): a new run moves the one there aside whole
-    run_id = None
-    if dist.master:
-        if ckpt is None and (moved := run_dir.move_previous_run(cfg.out_dir)):
-            log.print(f"a new run in {cfg.out_dir}: the previous run's files moved to {moved} (it resumes from there "
-                      f"with --out_dir={moved})")
-        run_id = (run_dir.continue_run(cfg.out_dir, ckpt.get("run_id")) if ckpt is not None
-                  else run_dir.begin_run(cfg.out_dir))
-    log.start(run_id, iter_num, cfg.init_from, changes if ckpt is not None else None)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
     weights_vocab = None if data_vocab is not None else model.config.vocab_size  # ids not yet checked
@@ -448,6 +502,7 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
         checkpoint.restore_rng(ckpt, cfg.seed, dist, iter_num)
+    resuming, resumed_run_id = ckpt is not None, ckpt.get("run_id") if ckpt is not None else None
     del ckpt  # free its memory
 
     if cfg.compile and cfg.parallelism == "ddp":  # after the weights are loaded; checkpoints save raw_model, never
@@ -457,6 +512,11 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
     eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
     if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
+
+    if dist.enabled:
+        torch_dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
+    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, start.job, dist, log) if not eval_only else None
+    log.start(run_id, iter_num, cfg.init_from, changes, saves=not eval_only)
 
     last_save = {"iter": iter_num, "time": time.time()}  # the last save begun: the cadence counts from it
     saver = checkpoint.RunSaver(cfg.out_dir, dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
@@ -544,29 +604,16 @@ def _train(cfg: TrainConfig, dist: Dist) -> dict:
                 stop_now(iter_num)
             finish_save(if_done=True)
 
-        if cfg.report and dist.master and not cfg.eval_only:
-            info = {**run_info(device), "world_size": str(dist.world_size)}
-            path = report.write_run_report(cfg, TrainConfig(), raw_model, meta, info, log.print, ctx)
-            log.print(f"report: {path}")
+        if cfg.report and dist.master and not eval_only:
+            write_report(cfg, raw_model, meta, {**run_info(device), "world_size": str(dist.world_size)}, log, ctx)
         return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": steps.last_loss,
                 "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
-
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv)
-    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir)  # before the settings a resume takes
-    if why and int(os.environ.get("RANK", "0")) == 0:
-        print(why, flush=True)
-    cfg = replace(cfg, init_from=init_from)
-    if cfg.init_from == "resume":
-        saved = checkpoint.find_checkpoint(cfg.out_dir).read().get("config") or {}
-        cfg, taken = run_dir.settings_of_the_run(cfg, given, saved)
-        if taken and int(os.environ.get("RANK", "0")) == 0:
-            print(f"resuming the run's settings (not given here): {', '.join(taken)}", flush=True)
     try:
-        train(cfg)
+        train(cfg, given)
     except Stopped as e:  # a clean stop, checkpoint saved: 143 (SIGTERM) or 130 (SIGINT), for requeue scripts
         print(e.message, file=sys.stderr, flush=True)
         sys.exit(e.code)

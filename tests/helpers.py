@@ -73,6 +73,20 @@ def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def folder_state(folder) -> dict:
+    """Every file and folder under `folder` (previous/ included), a file with its bytes: what a start that must
+    change nothing leaves as it was."""
+    from pathlib import Path
+
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+            for p in sorted(Path(folder).rglob("*"))}
+
+
+def starts_of(out_dir) -> list[dict]:
+    """The start lines of out_dir's metrics.jsonl: one per start of its run that trained or evaluated."""
+    return [json.loads(line)["start"] for line in open(os.path.join(out_dir, "metrics.jsonl")) if '"start"' in line]
+
+
 def config_args(cfg: TrainConfig) -> list[str]:
     """The --key=value arguments that rebuild `cfg` in a train.py subprocess."""
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in vars(cfg).items()]

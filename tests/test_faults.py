@@ -561,7 +561,7 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
 
 
 def test_train_py_exits_1_on_a_second_ctrl_c(monkeypatch, capsys):
-    def interrupted(cfg):
+    def interrupted(cfg, given=None):
         raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
 
     monkeypatch.setattr(train_module, "train", interrupted)

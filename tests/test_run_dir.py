@@ -3,21 +3,34 @@
 hard kill, and torchrun's elastic restarts and two agents on one machine (real torchrun, gloo, tiny models)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
 import run_dir
 from checkpoint import load_checkpoint
-from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_in_process, tiny_config
+from helpers import (
+    HANG_S,
+    ROOT,
+    config_args,
+    folder_state,
+    make_char_dataset,
+    run_in_process,
+    starts_of,
+    tiny_config,
+)
 from metrics import read_metrics
 from train import train
 
@@ -70,7 +83,7 @@ def test_init_from_auto_starts_then_resumes_then_has_nothing_to_do(data_dir, tmp
     assert r.returncode == 0 and "holds a run's checkpoint, resuming it" in r.stdout and "step 9:" in r.stdout
     assert "step 0:" not in r.stdout and not previous_runs(out)
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9
-    starts = [json.loads(line)["start"] for line in open(out / "metrics.jsonl") if '"start"' in line]
+    starts = starts_of(out)
     assert [(s["iter"], s["init_from"]) for s in starts] == [(0, "scratch"), (6, "resume")]
     assert len({s["run_id"] for s in starts}) == 1 == len({load_checkpoint(str(out / "ckpt.pt"))["run_id"]})
 
@@ -90,6 +103,24 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
 
 
+def test_each_rerun_moves_a_whole_run_into_previous_and_says_how_much_space_it_takes(data_dir, tmp_path, capsys):
+    """previous/ grows by a whole run at every rerun of the command: the line that says where the run went says
+    how much space it takes (as du counts it: keep_last's hard links once)."""
+    out = tmp_path / "rerun"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=2, keep_last=2))]
+    for rerun in range(3):
+        r = run_in_process(args, capsys)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert len(previous_runs(out)) == rerun
+        if rerun:
+            moved = re.search(r"the previous run's files \(([\d.]+) (KiB|MiB)\) moved to (\S+) ", r.stdout)
+            assert moved and moved.group(3) == str(previous_runs(out)[-1]), r.stdout
+            du = int(subprocess.run(["du", "-sb", moved.group(3)], capture_output=True, text=True).stdout.split()[0])
+            unit = {"KiB": 2**10, "MiB": 2**20}[moved.group(2)]
+            assert abs(float(moved.group(1)) * unit - du) <= 0.05 * unit + 4096, (moved.group(0), du)  # rounded to
+            # one decimal; du also counts the folder itself
+
+
 def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     """The previous run moves aside only once the new start is accepted (here refused: a shape that is not the
     weights')."""
@@ -101,6 +132,122 @@ def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     assert sorted(os.listdir(out)) == before and not previous_runs(out)
 
 
+def test_a_start_that_saves_nothing_changes_nothing_in_the_folder(data_dir, tmp_path, capsys):
+    """Bug: config/eval_gpt2.py (eval_only, init_from=gpt2) in the out_dir of a training job (init_from=auto) moved the
+    job's files aside, and its requeue started again at iter 0. A start that only evaluates (eval_only, or a resume
+    with nothing to train) moves nothing and writes nothing in out_dir: no run.json, no start line, no metrics, no
+    report, not even the folder."""
+    out, other = tmp_path / "job", tmp_path / "other"
+    train(tiny_config(data_dir, other, max_iters=4, eval_interval=4))  # weights to evaluate, as GPT-2's would be
+    job = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=4, init_from="auto",
+                                                report=True))]
+    assert run_in_process(job, capsys).returncode == 0
+    before = folder_state(out)
+    for evaluation in ([f"--init_from={other / 'ckpt.pt'}", "--eval_only=True"],  # eval_gpt2.py's kind
+                       ["--init_from=resume", "--eval_only=True"], ["--init_from=resume"]):  # the last: at max_iters
+        r = run_in_process([*job, *evaluation], capsys)
+        assert r.returncode == 0 and re.search(r"^step [04]: train loss", r.stdout, re.M), r.stderr[-2000:]
+        assert folder_state(out) == before, evaluation
+    r = run_in_process([*job, "--max_iters=6"], capsys)  # the job's requeue continues its run
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 4" in r.stdout
+    assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (4, "resume")]
+    nowhere = tmp_path / "nowhere"
+    r = run_in_process([*job, f"--init_from={other / 'ckpt.pt'}", "--eval_only=True", f"--out_dir={nowhere}"], capsys)
+    assert r.returncode == 0 and not nowhere.exists()
+
+
+@pytest.fixture()
+def stopped_in_step():
+    """start(cfg, step): train.py on `cfg` in a process of its own that stops itself (SIGSTOP) in its `step`-th
+    training step: a live run, paused at a known point until the test sends SIGCONT or SIGKILL (at the test's end,
+    SIGKILL to any still there)."""
+    procs = []
+
+    def start(cfg, step: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "tests/signal_at_step.py", "SIGSTOP", str(step), "0",
+                                 *config_args(cfg)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), proc.communicate()[1][-3000:]
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_live_run_holds_its_folder_a_second_start_is_refused_and_a_killed_runs_folder_is_free(data_dir, tmp_path,
+                                                                                                stopped_in_step, capsys):
+    """Bug: nothing stopped a second start beside a live run: the same command again moved the live run's files
+    aside, and both then wrote to the same paths. The second start is refused in one line naming the live process,
+    before it changes anything; the live run goes on unharmed; an evaluation-only start still reads the folder; and
+    once a run is SIGKILLed its folder takes a start again (the lock ended with the process)."""
+    out = tmp_path / "held"
+    cfg = tiny_config(data_dir, out, max_iters=6, eval_interval=3)
+    live = stopped_in_step(cfg, step=4)  # its iter-3 checkpoint saved
+    before = folder_state(out)
+    for again in ([], ["--init_from=auto", "--max_iters=9"], ["--init_from=resume", "--max_iters=9"]):
+        r = run_in_process(["train.py", *config_args(cfg), *again], capsys)
+        assert r.returncode == 2 and r.stdout == "", (again, r.stdout[-2000:])
+        (line,) = r.stderr.splitlines()
+        assert line.startswith(f"error: out_dir={str(out)!r} is in use by a live run (pid {live.pid} on "
+                               f"{socket.gethostname()}, since "), line
+        assert folder_state(out) == before, again
+    r = run_in_process(["train.py", *config_args(cfg), "--init_from=resume", "--eval_only=True"], capsys)
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 3" in r.stdout and folder_state(out) == before
+    os.kill(live.pid, signal.SIGCONT)
+    _, stderr = live.communicate(timeout=HANG_S)
+    assert live.returncode == 0, stderr[-3000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6 and len(starts_of(out)) == 1
+    assert not previous_runs(out) and not (out / run_dir.LOCK_FILE).exists()  # let go at its end
+
+    killed = stopped_in_step(dataclasses.replace(cfg, max_iters=9, init_from="auto"), step=2)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=HANG_S)
+    assert (out / run_dir.LOCK_FILE).exists()  # left behind by the kill, and held by no process
+    r = run_in_process(["train.py", *config_args(cfg), "--init_from=auto", "--max_iters=9"], capsys)
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 6" in r.stdout, r.stderr[-2000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9 and not previous_runs(out)
+
+
+def test_a_start_refused_by_any_check_changes_nothing_and_is_no_start_of_the_run(data_dir, tmp_path, capsys):
+    """Bug: these checks ran after the start was accepted: a refused new run had moved the run in out_dir aside and
+    written its own run.json and start line; a refused resume had written a start line, which report.md then counted
+    as a start. Each refusal is one line, and the folder stays as it was, byte for byte."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    run = dict(max_iters=4, eval_interval=4)
+    train(tiny_config(data_dir, other, **run))  # weights that start a new run in out
+    args = ["train.py", *config_args(tiny_config(data_dir, out, **run))]
+    assert run_in_process(args, capsys).returncode == 0
+    bad_ids = tmp_path / "bad_ids"  # the dataset with an id past the weights' vocabulary (its meta.json unchanged)
+    shutil.copytree(data_dir, bad_ids)
+    ids = np.fromfile(bad_ids / "train.bin", dtype=np.uint16)
+    ids[3] = 999
+    ids.tofile(bad_ids / "train.bin")
+    weights_of_other = f"--init_from={other / 'ckpt.pt'}"
+    refused = {
+        "block_size=64 is larger than the model's 32": [weights_of_other, "--block_size=64"],
+        "holds token id 999": [weights_of_other, f"--data_dir={bad_ids}"],
+        f"{bad_ids / 'train.bin'} holds token id 999": ["--init_from=resume", f"--data_dir={bad_ids}"],
+        "hellaswag path 'missing.jsonl': no such file": ["--init_from=resume", "--max_iters=6", "--hellaswag=True",
+                                                         "--hellaswag_path=missing.jsonl"],
+        "sdpa_backend='efficient' cannot run on cpu": [weights_of_other, "--attention=sdpa",
+                                                       "--sdpa_backend=efficient"],
+    }
+    before = folder_state(out)
+    for message, refusal in refused.items():
+        r = run_in_process([*args, *refusal], capsys)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, (message, r.stderr)
+        assert folder_state(out) == before, message
+    r = run_in_process([*args, "--init_from=resume", "--max_iters=6", "--report=True"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (4, "resume")]
+    report = (out / "report.md").read_text()
+    assert "in 2 starts" in report and report.count("| resume |") == 1
+
+
 def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     """A ckpt.pt copied in from another run beside this run's sharded folder: resume, sample and export skip it."""
     out, other = tmp_path / "run", tmp_path / "other"
@@ -110,8 +257,25 @@ def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     found = checkpoint.find_checkpoint(str(out))
     assert (found.name, found.iter_num) == ("ckpt_sharded", 4) and "ckpt.pt belongs to another run" in found.note
     os.remove(out / "ckpt_sharded")
-    with pytest.raises(checkpoint.UserError, match="ckpt.pt belongs to another run"):
+    with pytest.raises(checkpoint.UserError, match="ckpt.pt is a checkpoint of another run"):
         checkpoint.find_checkpoint(str(out))
+
+
+def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(data_dir, tmp_path, capsys):
+    """Bug: with a ckpt.pt of another run than run.json's, init_from=auto printed "holds a run's checkpoint, resuming
+    it", then refused the checkpoint ("no checkpoint in ..."). The decision is made, checkpoint found, before anything
+    is printed: one line that names the file and what to do, and the folder as it was."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=4, init_from="auto"))]
+    assert run_in_process(args, capsys).returncode == 0
+    train(tiny_config(data_dir, other, max_iters=2, eval_interval=2))
+    shutil.copy(other / "ckpt.pt", out / "ckpt.pt")  # copied in by hand over the run's own
+    before = folder_state(out)
+    r = run_in_process([*args, "--max_iters=6"], capsys)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"error: {out / 'ckpt.pt'} is a checkpoint of another run") and "move it out of" in line
+    assert folder_state(out) == before
 
 
 def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
@@ -129,16 +293,16 @@ def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
 def test_a_torchrun_restart_resumes_its_own_run_and_never_another(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    assert run_dir.resolve_init_from("scratch", str(out), {"TORCHELASTIC_RESTART_COUNT": "1"})[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-7")[0] == "scratch"
     (out / "ckpt.pt").write_bytes(b"x")
-    run_dir.begin_run(str(out), {"TORCHELASTIC_RUN_ID": "job-7"})
-    mine = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "job-7"}
-    init_from, why = run_dir.resolve_init_from("scratch", str(out), mine)
+    run_dir.begin_run(str(out), job="job-7")
+    init_from, why = run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-7")
     assert init_from == "resume" and why.startswith("torchrun restart 1 of the run in")
-    # the first start of a torchrun (restart 0), or a restart of another torchrun's job: as given
-    assert run_dir.resolve_init_from("scratch", str(out), {**mine, "TORCHELASTIC_RESTART_COUNT": "0"})[0] == "scratch"
-    assert run_dir.resolve_init_from("scratch", str(out), {**mine, "TORCHELASTIC_RUN_ID": "job-8"})[0] == "scratch"
-    assert run_dir.resolve_init_from("gpt2", str(out), mine)[0] == "resume"
+    # the first start of a torchrun (restart 0), a restart of another job's, or one that has no job id: as given
+    assert run_dir.resolve_init_from("scratch", str(out), restart=0, job="job-7")[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-8")[0] == "scratch"
+    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job=None)[0] == "scratch"
+    assert run_dir.resolve_init_from("gpt2", str(out), restart=1, job="job-7")[0] == "resume"
 
 
 def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
@@ -149,6 +313,7 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
     mine = ["notes.txt", "ckpt_5.pt", "ckpt_sharded_keep", "data.bin", "previous_results"]
     for name in names + mine:
         (out / name).write_text(name)
+    run_dir.begin_run(str(out))  # run.json as a run writes it (its start time names the folder)
     os.symlink("ckpt_sharded_0000004_0", out / "ckpt_sharded")
     dest = run_dir.move_previous_run(str(out))
     assert sorted(os.listdir(dest)) == sorted([*names, "ckpt_sharded"])
@@ -177,6 +342,41 @@ def test_a_torn_metrics_line_is_skipped_with_a_warning_and_the_next_append_start
     steps, evals = read_metrics(str(out))
     assert [r["iter"] for r in evals] == [0, 2, 4, 4, 6]  # a resume evaluates where it starts
     assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
+
+
+def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warns(data_dir, tmp_path, capsys):
+    """Bug: a run.json edited by hand ended a start in a traceback (TypeError moving the run aside, AttributeError
+    finding its checkpoint) and one cut short was silently replaced; a metrics.jsonl line that is JSON but not a
+    record made the finished run exit 1 in its report, and plot.py fail. Now: one line naming run.json and what to
+    do, before anything changes (and doing it works); the lines are skipped with a warning; a report that cannot be
+    written is a warning too."""
+    out = tmp_path / "run"
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=2))]
+    assert run_in_process(args, capsys).returncode == 0
+    for damaged in ('{"run_id": "3f2a', "[]", '{"run_id": "3f2a9c", "started": "yesterday"}'):
+        (out / "run.json").write_text(damaged)
+        before = folder_state(out)
+        for again in ([], ["--init_from=resume", "--max_iters=6"]):  # a new run, a resume
+            r = run_in_process([*args, *again], capsys)
+            assert r.returncode == 2 and r.stdout == "", (damaged, again, r.stderr[-2000:])
+            (line,) = r.stderr.splitlines()
+            assert line.startswith(f"error: {out / 'run.json'} is damaged (") and "remove it" in line, line
+            assert folder_state(out) == before
+    (out / "run.json").unlink()  # as the line says: the resume writes it again, from its checkpoint's run id
+    first = len(open(out / "metrics.jsonl").readlines()) + 1
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('42\n{"iter": 5, "loss": "low", "elapsed_s": 1.0, "tok_s": 9.0}\n{"start": "again"}\n')
+    r = run_in_process([*args, "--init_from=resume", "--max_iters=6", "--report=True"], capsys)
+    assert r.returncode == 0 and "report: " in r.stdout, r.stderr[-2000:]
+    assert (f"skipped 3 unreadable lines (lines {first}, {first + 1}, {first + 2}: JSON but not a record of train.py"
+            in r.stderr), r.stderr
+    assert run_dir.run_id_of(str(out)) == load_checkpoint(str(out / "ckpt.pt"))["run_id"]
+    assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
+    (out / "report.md").unlink()
+    (out / "report.md").mkdir()  # a report that cannot be written
+    r = run_in_process([*args, "--init_from=resume", "--max_iters=8", "--report=True"], capsys)
+    assert r.returncode == 0 and "warning: no report (" in r.stderr, r.stderr[-2000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 8
 
 
 # ----------------------------------------------------------------------------------------------- a hard kill
@@ -255,6 +455,57 @@ def test_torchrun_max_restarts_continues_after_a_rank_is_killed_and_ends_as_an_u
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 200
     assert same_weights(weights(out / "ckpt.pt"), weights(ref / "ckpt.pt"))
     assert not previous_runs(out)  # the restart moved nothing aside
+
+
+# Under torchrun: train.main with a fault per attempt, chosen by torchrun's restart count (no clock): attempt 0 dies
+# where its start would be accepted (a new run, before the previous one is moved), and attempt 1's rank 1 is
+# SIGKILLed in its 3rd step.
+FAULT_PER_ATTEMPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import run_dir, train
+from errors import exit_on_user_error
+from signal_at_step import signal_during_step
+
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if restart == "0":
+    run_dir.move_previous_run = lambda *args: os._exit(1)
+elif restart == "1" and os.environ["RANK"] == "1":
+    signal_during_step(signal.SIGKILL, 3)
+exit_on_user_error(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def _static_torchrun(script, args: list[str], nproc: int, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """torchrun with a static rendezvous, as the README's multi-node command (--master_addr and --master_port, no
+    --rdzv-id): every such job has torchrun's run id "none"."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+                           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", f"--max-restarts={max_restarts}",
+                           "--monitor-interval=0.2", str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)
+
+
+def test_a_torchrun_restart_of_another_job_under_the_same_rendezvous_id_never_resumes_its_run(data_dir, tmp_path):
+    """Bug: job A's run recorded torchrun's run id, "none" for every static rendezvous; job B (init_from=scratch),
+    whose first attempt failed before moving anything, restarted and resumed A's checkpoint. B's restart follows
+    init_from (A's run moved aside whole), and B's own later restart resumes B's run."""
+    out = tmp_path / "out"
+    run = dict(max_iters=6, eval_interval=1000, checkpoint_interval=2, dropout=0.0, gradient_accumulation_steps=2)
+    a = _static_torchrun("train.py", config_args(tiny_config(data_dir, out, **{**run, "max_iters": 4})), nproc=1)
+    assert a.returncode == 0, a.stderr[-3000:]
+    a_run = load_checkpoint(str(out / "ckpt.pt"))["run_id"]
+    probe = tmp_path / "fault_per_attempt.py"
+    probe.write_text(FAULT_PER_ATTEMPT.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    b = _static_torchrun(probe, config_args(tiny_config(data_dir, out, **run)), nproc=2, max_restarts=2)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "torchrun restart 1 of the run" not in b.stdout and f"resuming from {out}/ckpt.pt at iter 4" not in b.stdout
+    assert "torchrun restart 2 of the run in" in b.stdout and f"resuming from {out}/ckpt.pt at iter 2" in b.stdout
+    (previous,) = previous_runs(out)
+    assert (load_checkpoint(str(previous / "ckpt.pt"))["iter_num"], run_dir.run_id_of(str(previous))) == (4, a_run)
+    b_ckpt = load_checkpoint(str(out / "ckpt.pt"))
+    assert b_ckpt["iter_num"] == 6 and b_ckpt["run_id"] != a_run
+    assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (2, "resume")]
 
 
 def _agents(cfg_args: list[str], port: int, cwd=(ROOT, ROOT), nproc: int = 2) -> list[subprocess.CompletedProcess]:

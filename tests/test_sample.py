@@ -353,6 +353,22 @@ def test_batch_size_bounds_the_rows_per_batch_and_greedy_rows_equal_single_draws
     assert texts[2] == texts[1] == texts[None] and len(texts[None]) == 5
 
 
+def test_batch_size_does_not_change_the_samples_each_has_its_own_stream(char_run, capsys):
+    """Bug: one generator was shared across the batches, so --batch_size (a memory limit) changed the draws. The
+    same seed gives the same samples whatever --batch_size (in float32), past block_size too; the
+    samples differ from each other, and another seed gives others."""
+    out_dir, _ = char_run
+    command = ["sample.py", f"--out_dir={out_dir}", "--num_samples=5", "--max_new_tokens=40", "--start=The king", *CPU]
+    runs = {}
+    for batch_size in ("1", "2", "None"):
+        r = run_in_process([*command, f"--batch_size={batch_size}"], capsys)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[batch_size] = samples_of(r.stdout)
+    assert runs["1"] == runs["2"] == runs["None"] and len(set(runs["None"])) == 5
+    other = samples_of(run_in_process([*command, "--seed=7"], capsys).stdout)
+    assert not set(other) & set(runs["None"])
+
+
 def test_sampled_rows_of_a_batch_follow_the_models_distribution_each_on_its_own_stream():
     """Each row of a batch draws from softmax(logits / temperature) as a sample drawn alone would: over 20,000 rows
     of one prompt, the first new token's frequencies are the float64 model's probabilities (total variation < 0.02;
