@@ -17,13 +17,17 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 
 Config: the TrainConfig defaults below, then config files and --key=value overrides in the order given.
 
-The training step itself (StepConfig, the batches, train_step) is step.py's, which bench.py shares; nothing but the
-tests imports train.py.
+A run, top to bottom: train() holds out_dir (run_dir.hold) and decides the start once (decide_start: resume or not);
+start_run() does the start (settings, data, log, model, optimizer, compile, DDP) and accepts it only once every
+check has passed; Loop.iterate() runs the iterations (evaluate and save, one step, log), RunSaves says when a save is
+due and writes it, and Loop.end() writes the report. The training step itself (StepConfig, the batches, train_step)
+is step.py's, which bench.py shares; nothing but the tests imports train.py.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from contextlib import AbstractContextManager
 import os
 import sys
 import time
@@ -59,6 +63,7 @@ from distributed import (
 )
 from configurator import config_summary, configure_keys
 from model import GPT
+from optim import Optimizers
 from step import (
     MODEL_KEYS,
     NonFiniteGuard,
@@ -406,80 +411,165 @@ def _run(start: Start) -> dict:
 
 
 def _train(start: Start, dist: Dist) -> dict:
+    run = start_run(start, dist)
+    with StopRequest(dist) as stop, contextlib.ExitStack() as on_exit:
+        loop = Loop(run, stop)
+        on_exit.callback(loop.saves.finish)  # a save written in the background is linked before the run ends, however
+        loop.iterate()
+        return loop.end()
+
+
+# ----------------------------------------------------------------------------------------------- the start
+
+
+@dataclass
+class Run:
+    """A started run: what its iterations need, made once by start_run."""
+    cfg: TrainConfig  # as it trains: attention resolved, the weights' shape
+    saved_cfg: TrainConfig  # what a checkpoint records: "auto" settings stay "auto", resolved again where it resumes
+    dist: Dist
+    ctx: AbstractContextManager  # autocast
+    log: Logger
+    meta: dict | None  # the dataset's meta.json (None for GPT-2's weights on data without one)
+    splits: dict[str, dataio.TokenSplit]
+    hellaswag_examples: list | None
+    raw_model: GPT  # what checkpoints save and HellaSwag evaluates
+    model: torch.nn.Module  # what trains: compiled, DDP's wrapper
+    eval_model: torch.nn.Module  # what evaluates: compiled, without DDP's gradient sync
+    optimizer: Optimizers
+    scaler: torch.amp.GradScaler
+    iter_num: int
+    best_val_loss: float
+    best_file: str | None  # which file holds the best weights (always_save_checkpoint=False)
+    eval_only: bool  # evaluate once and save nothing (eval_only, or a resume with nothing left to train)
+    run_id: str | None  # run.json's (rank 0 of a start that saves)
+    accum_steps: int  # micro-steps per rank
+    tokens_per_iter: int
+    peak_flops: float | None
+
+
+@dataclass
+class Resumed:
+    """What a resume continues from: the checkpoint, its iteration and best val loss, what changed since."""
+    ckpt: dict | None = None
+    iter_num: int = 0
+    best_val_loss: float = float("inf")
+    changes: list[str] | None = None
+
+
+def start_run(start: Start, dist: Dist) -> Run:
+    """
+    The start, in the order that keeps out_dir untouched until every check has passed on every rank: the settings and
+    the device, the data, the log's header, the checkpoint a resume continues, the model, its optimizer, compile and
+    DDP; only then is the start accepted (run_dir: the run in out_dir moved aside, run.json written).
+    """
     cfg = start.cfg
     cfg.check(dist.world_size)
     config_line = config_summary(cfg)  # what was set, before "auto" settings are resolved
-    device = dist.device
-    device_type = device.split(":")[0]
-    dtype, ctx, kept_memory = setup_device(cfg, device, dist.rank)
-    attention, attention_why = resolve_attention(cfg.attention, device, dtype)
-    saved_cfg = cfg  # what a checkpoint records: "auto" stays "auto", resolved again where the run resumes
-    cfg = replace(cfg, attention=attention)  # the model's config (model_args) records the path that ran
+    dtype, ctx, kept_memory = setup_device(cfg, dist.device, dist.rank)
+    attention, attention_why = resolve_attention(cfg.attention, dist.device, dtype)
+    saved_cfg, cfg = cfg, replace(cfg, attention=attention)  # the model's config records the path that ran
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # per rank
     tokens_per_iter = accum_steps * dist.world_size * cfg.batch_size * cfg.block_size
-    # data: checked once up front, so a missing file or an id beyond the vocabulary fails before any training, and
-    # before out_dir or its metrics are touched. The ids are checked here against the dataset's own vocabulary
-    # (scratch); against other weights' (GPT-2's, a checkpoint's) once those are read
+    data_dir, meta, data_vocab = check_data(cfg)
+    if dist.enabled:
+        torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
+    log = Logger(cfg, dist)
+    for line in (config_line, *start.notes, " ".join(f"{k}={v}" for k, v in {
+            **run_info(dist.device), "dtype": dtype, "world_size": dist.world_size}.items()),
+            f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, dist.device)}); attention={attention} ({attention_why})"):
+        log.print(line)
+    peak_flops, peak_source = run_peak_flops(dist.device, dtype, cfg.peak_flops)
+    log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
+    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
+              f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
+    if kept_memory:
+        log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
+
+    if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
+        check_shared_out_dir(cfg.out_dir, dist)
+    resumed = read_resumed(start, cfg, dist, log)
+    nothing_to_train = resumed.ckpt is not None and resumed.iter_num >= cfg.max_iters
+    if nothing_to_train:
+        log.print(f"nothing to train: the checkpoint is at iter {resumed.iter_num} and max_iters={cfg.max_iters}; "
+                  f"evaluating it only (raise max_iters to train on)")
+    raw_model = load_model(cfg, meta, resumed.ckpt)
+    shape = {k: getattr(raw_model.config, k) for k in SHAPE_KEYS}  # the shape that trains: checkpoint, report
+    cfg, saved_cfg = replace(cfg, **shape), replace(saved_cfg, **shape)
+    weights_vocab = None if data_vocab is not None else raw_model.config.vocab_size  # ids not yet checked
+    splits = {s: dataio.open_split(data_dir, s, weights_vocab, meta) for s in ("train", "val")}
+    hellaswag_examples = None
+    if cfg.hellaswag:  # encoded once, with the dataset's tokenizer (GPT-2 BPE for GPT-2's weights without one)
+        tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+        hellaswag_examples = hellaswag.encode(hellaswag.load_examples(cfg.hellaswag_path), tokenizer, cfg.block_size)
+    raw_model = place_model(raw_model, cfg, dist, dtype, ctx, log)
+    log.print(f"model: {raw_model.get_num_params() / 1e6:.2f}M parameters, {raw_model.config}")
+    log.print(parallel.memory_text(parallel.memory_per_rank(raw_model, accum_steps), dist.world_size))
+
+    optimizer, scaler = optimizer_and_scaler(raw_model, cfg, dist.device, dtype, verbose=dist.master)
+    ckpt = resumed.ckpt
+    if ckpt is not None:
+        checkpoint.load_training_state(raw_model, optimizer, ckpt)
+        if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
+            scaler.load_state_dict(ckpt["scaler"])
+        checkpoint.restore_rng(ckpt, cfg.seed, dist, resumed.iter_num)
+    model, eval_model = compile_and_wrap(raw_model, cfg, dist, log)
+
+    if dist.enabled:
+        torch_dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
+    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing: change nothing in out_dir
+    run_id = None if eval_only else accept_start(cfg.out_dir, ckpt is not None, ckpt and ckpt.get("run_id"),
+                                                 start.job, dist, log)
+    log.start(run_id, resumed.iter_num, cfg.init_from, resumed.changes, saves=not eval_only)
+    return Run(cfg, saved_cfg, dist, ctx, log, meta, splits, hellaswag_examples, raw_model, model, eval_model,
+               optimizer, scaler, resumed.iter_num, resumed.best_val_loss, ckpt and ckpt.get("best_file"), eval_only,
+               run_id, accum_steps, tokens_per_iter, peak_flops)
+
+
+def check_data(cfg: TrainConfig) -> tuple[str, dict | None, int | None]:
+    """The dataset's folder, its meta.json and the vocabulary its ids are checked against now: checked once up front,
+    so a missing file or an id beyond the vocabulary fails before any training, and before out_dir or its metrics
+    are touched. The ids are checked here against the dataset's own vocabulary (scratch); against other weights'
+    (GPT-2's, a checkpoint's) once those are read (None here)."""
     data_dir = data_paths(cfg)
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
     data_vocab = meta["vocab_size"] if cfg.init_from == "scratch" else None
     for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
         dataio.open_split(data_dir, split, data_vocab, meta).check_window(cfg.block_size)
+    return data_dir, meta, data_vocab
 
-    if dist.enabled:
-        torch_dist.barrier()  # every rank has resolved init_from from out_dir as it was
-    log = Logger(cfg, dist)
-    log.print(config_line)
-    for note in start.notes:
-        log.print(note)
-    log.print(" ".join(f"{k}={v}" for k, v in {**run_info(device), "dtype": dtype, "world_size": dist.world_size}.items()))
-    log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})")
-    peak_flops, peak_source = run_peak_flops(device, dtype, cfg.peak_flops)
-    log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
-    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
-              f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
 
-    if kept_memory:
-        log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
+def read_resumed(start: Start, cfg: TrainConfig, dist: Dist, log: Logger) -> Resumed:
+    """The checkpoint a resume continues from (read, its changed settings printed), or nothing to resume."""
+    if start.found is None:
+        return Resumed()
+    log.print(start.found.describe("resuming from"))
+    ckpt = start.found.read()
+    saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
+    changes = run_dir.resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1),
+                                     MODEL_KEYS)
+    for change in changes:
+        log.print(f"resuming with a changed setting (it applies from here on): {change}")
+    log.continue_from(ckpt.get("elapsed_s", 0.0))
+    return Resumed(ckpt, int(ckpt["iter_num"]), float(ckpt["best_val_loss"]), changes)
 
-    # model
-    if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
-        check_shared_out_dir(cfg.out_dir, dist)
-    ckpt = None
-    if start.found is not None:
-        log.print(start.found.describe("resuming from"))
-        ckpt = start.found.read()
-    iter_num, best_val_loss = 0, float("inf")
-    changes = None
-    if ckpt is not None:
-        saved_world_size = ckpt.get("world_size", 1)
-        saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
-        changes = run_dir.resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, saved_world_size,
-                                         MODEL_KEYS)
-        for change in changes:
-            log.print(f"resuming with a changed setting (it applies from here on): {change}")
-        iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
-        log.continue_from(ckpt.get("elapsed_s", 0.0))
-    nothing_to_train = ckpt is not None and iter_num >= cfg.max_iters
-    if nothing_to_train:
-        log.print(f"nothing to train: the checkpoint is at iter {iter_num} and max_iters={cfg.max_iters}; "
-                  f"evaluating it only (raise max_iters to train on)")
-    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing: change nothing in out_dir
-    best_file = ckpt.get("best_file") if ckpt is not None else None  # which file holds the best weights
+
+def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
+    """The model init_from names (init_model), on the CPU, once its tokenizer is the dataset's and its context holds
+    block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
         dataio.check_tokenizer(*checkpoint.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
         model = init_model(cfg, meta, ckpt)
-    shape = {k: getattr(model.config, k) for k in SHAPE_KEYS}  # the shape that trains, for the checkpoint and report
-    cfg, saved_cfg = replace(cfg, **shape), replace(saved_cfg, **shape)
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
-    weights_vocab = None if data_vocab is not None else model.config.vocab_size  # ids not yet checked
-    splits = {s: dataio.open_split(data_dir, s, weights_vocab, meta) for s in ("train", "val")}
-    if cfg.hellaswag:  # encoded once, with the dataset's tokenizer (GPT-2 BPE for GPT-2's weights without one)
-        tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
-        hellaswag_examples = hellaswag.encode(hellaswag.load_examples(cfg.hellaswag_path), tokenizer, cfg.block_size)
+    return model
+
+
+def place_model(model: GPT, cfg: TrainConfig, dist: Dist, dtype: str, ctx, log: Logger) -> GPT:
+    """The model on the device, activation checkpointing, float8 and FSDP's sharding applied, and a forced attention
+    kernel's refusal raised now (one line, before any compile)."""
     if cfg.activation_checkpointing:
         n = parallel.checkpoint_activations(model, cfg.activation_checkpointing)
         log.print(f"activation checkpointing: {n} of {model.config.n_layer} blocks recompute in the backward")
@@ -487,127 +577,155 @@ def _train(start: Start, dist: Dist) -> dict:
         log.print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
         float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
     if cfg.parallelism == "fsdp":
-        model = parallel.shard_model(model, dist, dtype, compile=cfg.compile,  # moves each rank's shard to device
-                                     compile_mode=cfg.compile_mode)
-    else:
-        model.to(device)
-        check_attention_kernel(model, ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
-    raw_model = model
-    log.print(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
-    log.print(parallel.memory_text(parallel.memory_per_rank(model, accum_steps), dist.world_size))
+        return parallel.shard_model(model, dist, dtype, compile=cfg.compile,  # moves each rank's shard to device
+                                    compile_mode=cfg.compile_mode)
+    model.to(dist.device)
+    check_attention_kernel(model, ctx, compile=cfg.compile)  # a refused kernel: one line, even when compiled
+    return model
 
-    optimizer, scaler = optimizer_and_scaler(raw_model, cfg, device, dtype, verbose=dist.master)
-    if ckpt is not None:
-        checkpoint.load_training_state(raw_model, optimizer, ckpt)
-        if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
-            scaler.load_state_dict(ckpt["scaler"])
-        checkpoint.restore_rng(ckpt, cfg.seed, dist, iter_num)
-    resuming, resumed_run_id = ckpt is not None, ckpt.get("run_id") if ckpt is not None else None
-    del ckpt  # free its memory
 
-    if cfg.compile and cfg.parallelism == "ddp":  # after the weights are loaded; checkpoints save raw_model, never
-        # the compiled wrapper. FSDP compiled each block before sharding.
+def compile_and_wrap(model: GPT, cfg: TrainConfig, dist: Dist, log: Logger) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the module that trains, the one that evaluates): compiled after the weights are loaded (checkpoints save the
+    raw model, never the compiled wrapper; FSDP compiled each block before sharding), and under DDP the trained one
+    wrapped, while evaluation, which needs no gradient sync, runs on the compiled module itself."""
+    if cfg.compile and cfg.parallelism == "ddp":
         log.print("compiling the model...")
         model = compile_model(model, cfg)
-    eval_model = model  # evaluation needs no gradient sync: it runs on the (compiled) module, not the DDP wrapper
     if dist.enabled and cfg.parallelism == "ddp":
-        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
+        device_ids = [dist.local_rank] if dist.device.startswith("cuda") else None
+        return DDP(model, device_ids=device_ids, **DDP_SETTINGS), model
+    return model, model
 
-    if dist.enabled:
-        torch_dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
-    run_id = accept_start(cfg.out_dir, resuming, resumed_run_id, start.job, dist, log) if not eval_only else None
-    log.start(run_id, iter_num, cfg.init_from, changes, saves=not eval_only)
 
-    last_save = {"iter": iter_num, "time": time.time()}  # the last save begun: the cadence counts from it
-    saver = checkpoint.RunSaver(cfg.out_dir, dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
-                                cfg.keep_last, best_file, checkpoint_group(dist) if cfg.async_save else None)
+# ----------------------------------------------------------------------------------------------- the iterations
 
-    def save(iter_num: int, best_val_loss: float, improved: bool, background: bool = False) -> None:
-        state = checkpoint.train_state(raw_model, scaler, iter_num, best_val_loss, saved_cfg, dist, log.elapsed(),
-                                       meta, run_id)
-        for line in saver.save(raw_model, optimizer, state, improved, background):
-            log.print(line)
-        last_save.update(iter=iter_num, time=time.time())
 
-    def finish_save(if_done: bool = False) -> None:
-        if (line := saver.finish(if_done)) is not None:
-            log.print(line)
+class RunSaves:
+    """
+    When and how a run saves (checkpoint.RunSaver writes): at evals, every checkpoint_interval steps or
+    checkpoint_minutes between them (the cadence counts from the last save begun), and on a stop. Under async_save a
+    save is written in the background while training goes on, except the last, which is written before the run ends.
+    """
 
-    def periodic_save_due(iter_num: int) -> bool:
+    def __init__(self, run: Run, stop: StopRequest):
+        cfg, self.run, self.stop = run.cfg, run, stop
+        self.saver = checkpoint.RunSaver(cfg.out_dir, run.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
+                                         cfg.keep_last, run.best_file, checkpoint_group(run.dist) if cfg.async_save
+                                         else None)
+        self.last_iter, self.last_time = run.iter_num, time.time()
+
+    def save(self, iter_num: int, best_val_loss: float, improved: bool, stopping: bool = False) -> None:
+        """Save the run at iter_num: in the background under async_save, unless it is the last save (the end, or a
+        stop's), which is written before the run ends."""
+        r, cfg = self.run, self.run.cfg
+        state = checkpoint.train_state(r.raw_model, r.scaler, iter_num, best_val_loss, r.saved_cfg, r.dist,
+                                       r.log.elapsed(), r.meta, r.run_id)
+        background = cfg.async_save and iter_num < cfg.max_iters and not stopping
+        for line in self.saver.save(r.raw_model, r.optimizer, state, improved, background):
+            r.log.print(line)
+        self.last_iter, self.last_time = iter_num, time.time()
+
+    def finish(self, if_done: bool = False) -> None:
+        """Link a save written in the background: once done (if_done), or waiting for it."""
+        if (line := self.saver.finish(if_done)) is not None:
+            self.run.log.print(line)
+
+    def periodic_due(self, iter_num: int) -> bool:
         """checkpoint_interval / checkpoint_minutes: the ranks agree (rank 0's clock decides the minutes)."""
-        if last_save["iter"] == iter_num or eval_only:
+        cfg = self.run.cfg
+        if self.last_iter == iter_num or self.run.eval_only:
             return False
         due = cfg.checkpoint_interval > 0 and iter_num % cfg.checkpoint_interval == 0
         if cfg.checkpoint_minutes > 0:
-            late = dist.master and time.time() - last_save["time"] >= 60 * cfg.checkpoint_minutes
-            due = stop.agree(due or late)
+            late = self.run.dist.master and time.time() - self.last_time >= 60 * cfg.checkpoint_minutes
+            due = self.stop.agree(due or late)
         return due
 
-    def background_save(iter_num: int) -> bool:
-        return cfg.async_save and iter_num < cfg.max_iters  # the last save is written before the run ends
 
-    def stop_now(iter_num: int) -> NoReturn:
-        steps.report(late.flush())  # a non-finite step before the stop stops the run as such, saving nothing
-        save(iter_num, best_val_loss, improved=False)
-        # train() ends the ranks together, once rank 0's checkpoint is on disk
-        raise Stopped(stop.message(iter_num), stop.exit_code())
+class Loop:
+    """The iterations of a run: evaluate and save, one optimizer step, log; a signal stops it with a checkpoint, a
+    non-finite step past max_nonfinite_skips with an error. Each step is queued without waiting for the device, and
+    its figures are read one step late (step.OneStepLate), before anything that needs them final."""
 
-    with StopRequest(dist) as stop, contextlib.ExitStack() as on_exit:
-        on_exit.callback(finish_save)  # a save written in the background is linked before the run ends, however
-        guard = NonFiniteGuard(device, cfg.max_nonfinite_skips)
-        late = OneStepLate(device)  # each step's figures, read while the next step runs
-        steps = StepReports(cfg, log, raw_model, tokens_per_iter, accum_steps, peak_flops, scaler.is_enabled())
+    def __init__(self, run: Run, stop: StopRequest):
+        cfg, self.run, self.stop = run.cfg, run, stop
+        self.iter_num, self.best_val_loss, self.losses = run.iter_num, run.best_val_loss, {}
+        self.saves = RunSaves(run, stop)
+        self.guard = NonFiniteGuard(run.dist.device, cfg.max_nonfinite_skips)
+        self.late = OneStepLate(run.dist.device)
+        self.steps = StepReports(cfg, run.log, run.raw_model, run.tokens_per_iter, run.accum_steps, run.peak_flops,
+                                 run.scaler.is_enabled())
+
+    def iterate(self) -> None:
+        cfg, eval_only = self.run.cfg, self.run.eval_only
         while True:
-            # evaluate, and save the checkpoint
-            if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or eval_only:
-                steps.report(late.flush())  # the last step's figures first: a non-finite step stops before the eval
-                last_eval = iter_num >= cfg.max_iters or eval_only  # runs whole: the run ends after it anyway
-                stopping = (lambda: False) if last_eval else stop.signalled
-                losses = estimate_loss(eval_model, cfg, splits, dist, ctx, stopping)
-                if not last_eval and stop.requested():  # a signal during the eval: skip it (it may be cut short)
-                    stop_now(iter_num)
-                record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]}
-                if cfg.hellaswag and (iter_num % (cfg.hellaswag_interval or cfg.eval_interval) == 0
-                                      or iter_num == cfg.max_iters or cfg.eval_only):
-                    # on the uncompiled model: its varying lengths would make torch.compile recompile
-                    record.update(hellaswag.evaluate(raw_model, hellaswag_examples, dist, ctx))
-                log.print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                          + (f", {hellaswag.describe(record)}" if "hellaswag_acc" in record else ""))
-                log.metrics(record)
-                improved = losses["val"] < best_val_loss
-                best_val_loss = min(best_val_loss, losses["val"])  # never overwritten by a worse value
-                if (improved or cfg.always_save_checkpoint) and iter_num > 0 and not eval_only:
-                    save(iter_num, best_val_loss, improved, background=background_save(iter_num))
-                steps.restart_clock()  # the eval is not part of the next step's time
-            if periodic_save_due(iter_num):  # between evals (an eval's save counts)
-                steps.report(late.flush())
-                save(iter_num, best_val_loss, improved=False, background=background_save(iter_num))
-                steps.restart_clock()
-            if iter_num >= cfg.max_iters or eval_only:
-                break
+            if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters or eval_only:
+                self.evaluate_and_save()
+            if self.saves.periodic_due(self.iter_num):  # between evals (an eval's save counts)
+                self.steps.report(self.late.flush())
+                self.saves.save(self.iter_num, self.best_val_loss, improved=False)
+                self.steps.restart_clock()
+            if self.iter_num >= cfg.max_iters or eval_only:
+                return
+            self.step()
+            if self.stop.requested():  # before the next eval: a stop skips it
+                self.stop_now()
+            self.saves.finish(if_done=True)
 
-            # one optimizer step, queued: the host goes on while the device computes it
-            lr = get_lr(iter_num, cfg)
-            optimizer.set_lr(lr)
-            batches = train_batches(splits["train"], cfg, iter_num, dist.rank, accum_steps)
-            rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device_type == "cuda" else None
-            try:
-                result = train_step(model, optimizer, scaler, batches, ctx, cfg, dist, stop.requested, guard)
-            except StepInterrupted:  # not applied: save the state before the step, dropout RNG included
-                torch.set_rng_state(rng[0])
-                if rng[1] is not None:
-                    torch.cuda.set_rng_state(rng[1], device)
-                stop_now(iter_num)
-            steps.report(late.push((iter_num, lr), result))  # the step before's figures: log, or stop if non-finite
-            iter_num += 1
-            if stop.requested():  # before the next eval: a stop skips it
-                stop_now(iter_num)
-            finish_save(if_done=True)
+    def evaluate_and_save(self) -> None:
+        r, cfg, it = self.run, self.run.cfg, self.iter_num
+        self.steps.report(self.late.flush())  # the last step's figures first: a non-finite step stops before the eval
+        last_eval = it >= cfg.max_iters or r.eval_only  # runs whole: the run ends after it anyway
+        self.losses = estimate_loss(r.eval_model, cfg, r.splits, r.dist, r.ctx,
+                                    (lambda: False) if last_eval else self.stop.signalled)
+        if not last_eval and self.stop.requested():  # a signal during the eval: skip it (it may be cut short)
+            self.stop_now()
+        record = {"iter": it, "train_loss": self.losses["train"], "val_loss": self.losses["val"]}
+        if cfg.hellaswag and (it % (cfg.hellaswag_interval or cfg.eval_interval) == 0 or it == cfg.max_iters
+                              or cfg.eval_only):
+            # on the uncompiled model: its varying lengths would make torch.compile recompile
+            record.update(hellaswag.evaluate(r.raw_model, r.hellaswag_examples, r.dist, r.ctx))
+        r.log.print(f"step {it}: train loss {self.losses['train']:.4f}, val loss {self.losses['val']:.4f}"
+                    + (f", {hellaswag.describe(record)}" if "hellaswag_acc" in record else ""))
+        r.log.metrics(record)
+        improved = self.losses["val"] < self.best_val_loss
+        self.best_val_loss = min(self.best_val_loss, self.losses["val"])  # never overwritten by a worse value
+        if (improved or cfg.always_save_checkpoint) and it > 0 and not r.eval_only:
+            self.saves.save(it, self.best_val_loss, improved)
+        self.steps.restart_clock()  # the eval is not part of the next step's time
 
-        if cfg.report and dist.master and not eval_only:
-            write_report(cfg, raw_model, meta, {**run_info(device), "world_size": str(dist.world_size)}, log, ctx)
-        return {"iter_num": iter_num, "best_val_loss": best_val_loss, "last_loss": steps.last_loss,
-                "val_loss": losses["val"], "train_loss": losses["train"], "model": raw_model}
+    def step(self) -> None:
+        """One optimizer step, queued: the host goes on while the device computes it."""
+        r, cfg, device = self.run, self.run.cfg, self.run.dist.device
+        lr = get_lr(self.iter_num, cfg)
+        r.optimizer.set_lr(lr)
+        batches = train_batches(r.splits["train"], cfg, self.iter_num, r.dist.rank, r.accum_steps)
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
+        try:
+            result = train_step(r.model, r.optimizer, r.scaler, batches, r.ctx, cfg, r.dist, self.stop.requested,
+                                self.guard)
+        except StepInterrupted:  # not applied: save the state before the step, dropout RNG included
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], device)
+            self.stop_now()
+        self.steps.report(self.late.push((self.iter_num, lr), result))  # the step before's: log, or stop if non-finite
+        self.iter_num += 1
+
+    def stop_now(self) -> NoReturn:
+        self.steps.report(self.late.flush())  # a non-finite step before the stop stops the run as such, saving nothing
+        self.saves.save(self.iter_num, self.best_val_loss, improved=False, stopping=True)
+        # train() ends the ranks together, once rank 0's checkpoint is on disk
+        raise Stopped(self.stop.message(self.iter_num), self.stop.exit_code())
+
+    def end(self) -> dict:
+        """The report (rank 0, a run that saved) and the run's final figures."""
+        r = self.run
+        if r.cfg.report and r.dist.master and not r.eval_only:
+            write_report(r.cfg, r.raw_model, r.meta, {**run_info(r.dist.device), "world_size": str(r.dist.world_size)},
+                         r.log, r.ctx)
+        return {"iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "last_loss": self.steps.last_loss,
+                "val_loss": self.losses["val"], "train_loss": self.losses["train"], "model": r.raw_model}
 
 
 def main(argv: list[str] | None = None) -> None:
