@@ -1,5 +1,5 @@
 """
-The one place for what train.py, sample.py and bench.py share: device and precision setup and run information. Checkpoints live in checkpoint.py.
+The one place for what train.py, sample.py and bench.py share: device and precision setup and run information. Checkpoints live in checkpoint.py, sharded.py and run_checkpoints.py.
 
 Imports errors.py and hardware.py only; never the model, a script, or the modules that import this one
 (checkpoint.py, dataio.py, distributed.py, metrics.py, configurator.py, optim.py).

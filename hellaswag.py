@@ -14,7 +14,7 @@ or any file in its format: JSON lines with "ctx" (text), "endings" (4 texts) and
 
 Config: the HellaSwagConfig defaults below, then config files and --key=value overrides in the order given.
 
-Reads checkpoints through checkpoint.py; train.py imports this module, so it imports nothing from train.py or
+Reads checkpoints through run_checkpoints.py; train.py imports this module, so it imports nothing from train.py or
 sample.py.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
-import checkpoint
 import dataio
+import run_checkpoints
 from common import autocast_context, resolve_dtype
 from errors import UserError, exit_on_user_error
 from distributed import Dist, cleanup_distributed
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dtype = resolve_dtype(cfg.dtype, dist.device, training=False)
         examples = load_examples(cfg.path)[: cfg.max_examples or None]
         log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if dist.master else (lambda msg: None)
-        model, tokenizer = checkpoint.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, dist.device, dtype, {},
+        model, tokenizer = run_checkpoints.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, dist.device, dtype, {},
                                                          log=log)
         t0 = time.time()
         result = evaluate(model, encode(examples, tokenizer, model.config.block_size), dist,

@@ -11,7 +11,7 @@ sample.py, export.py, hellaswag.py and init_from read a sharded folder as they r
 it anyway (model, optimizer and train state, written beside it), e.g. to resume on a machine without DCP:
 $ python parallel.py out/ckpt_sharded
 
-Imports checkpoint.py (for the conversion), distributed.py and the model; never train.py or another script.
+Imports sharded.py (for the conversion), distributed.py and the model; never train.py or another script.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-import checkpoint
+import sharded
 from errors import UserError, exit_on_user_error
 from distributed import Dist, is_dtensor
 from configurator import exit_on_help
@@ -201,7 +201,7 @@ def main(argv: list[str]) -> None:
     exit_on_help(argv, __doc__)  # --help, -h: the usage, exit 0
     if len(argv) not in (1, 2) or argv[0].startswith("-"):
         raise UserError("usage: python parallel.py OUT_DIR/ckpt_sharded [OUT_FILE] (default OUT_DIR/ckpt.pt)")
-    path = checkpoint.convert_to_single_file(*argv)
+    path = sharded.convert_to_single_file(*argv)
     print(f"wrote {path}")
 
 

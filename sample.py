@@ -12,7 +12,7 @@ last, one line to parse: `tokens/s: <float> (...)`, the new tokens over the gene
 
 Config: the SampleConfig defaults below, then config files and --key=value overrides in the order given.
 
-Reads checkpoints and GPT-2 weights through checkpoint.py; imports nothing from train.py.
+Reads checkpoints and GPT-2 weights through run_checkpoints.py; imports nothing from train.py.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import checkpoint
 import dataio
+import run_checkpoints
 from common import (
     DTYPES,
     autocast_context,
@@ -157,7 +157,7 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
         return resolve_sampling_attention("auto", cfg.device, cfg.window_dtype or cfg.dtype, config.block_size,
                                           cfg.sdpa_backend)[0]
 
-    return checkpoint.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
+    return run_checkpoints.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
                                          cfg.compile, log, auto_attention if cfg.attention == "auto" else None)
 
 

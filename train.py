@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from contextlib import AbstractContextManager
 import os
 import sys
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Callable, NoReturn
 
@@ -44,6 +44,7 @@ import float8
 import hellaswag
 import parallel
 import report
+import run_checkpoints
 import run_dir
 from metrics import Logger, wandb_problem
 from checkpoint import checkpoint_model_config
@@ -285,9 +286,9 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         if "model" in ckpt:
             checkpoint.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
         return model
-    path = checkpoint.checkpoint_path(cfg.init_from)
+    path = run_checkpoints.checkpoint_path(cfg.init_from)
     if path is not None:  # a checkpoint's weights (not its optimizer or iteration) start this run
-        return fit_pretrained(checkpoint.model_from_checkpoint(checkpoint.read_weights(path), **settings), cfg)
+        return fit_pretrained(checkpoint.model_from_checkpoint(run_checkpoints.read_weights(path), **settings), cfg)
     if cfg.init_from in GPT2_NAMES or os.path.isdir(cfg.init_from):
         model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
@@ -326,7 +327,7 @@ class Start:
     """What a start does, decided once from out_dir as it is, before anything is printed or changed there."""
     cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
     notes: list[str]  # why, and the settings taken: printed once the log is open
-    found: checkpoint.Found | None  # the checkpoint a resume continues: one of the run in out_dir
+    found: run_checkpoints.Found | None  # the checkpoint a resume continues: one of the run in out_dir
     job: str | None  # torchrun's job (distributed.torchrun_job), recorded in run.json
 
 
@@ -344,13 +345,13 @@ def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
     notes = [why] if why else []
     if init_from != "resume":
         return Start(cfg, notes, None, job)
-    found = checkpoint.find_checkpoint(cfg.out_dir)
+    found = run_checkpoints.find_checkpoint(cfg.out_dir)
     if given is not None:
         cfg, taken = run_dir.settings_of_the_run(cfg, given, found.read().get("config") or {})
         if taken:
             notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
     if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
-        found = checkpoint.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+        found = run_checkpoints.find_checkpoint(cfg.out_dir, prefer_sharded=True)
     return Start(cfg, notes, found, job)
 
 
@@ -509,7 +510,7 @@ def start_run(start: Start, dist: Dist) -> Run:
     optimizer, scaler = optimizer_and_scaler(raw_model, cfg, dist.device, dtype, verbose=dist.master)
     ckpt = resumed.ckpt
     if ckpt is not None:
-        checkpoint.load_training_state(raw_model, optimizer, ckpt)
+        run_checkpoints.load_training_state(raw_model, optimizer, ckpt)
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
         checkpoint.restore_rng(ckpt, cfg.seed, dist, resumed.iter_num)
@@ -559,7 +560,7 @@ def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
-        dataio.check_tokenizer(*checkpoint.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
+        dataio.check_tokenizer(*run_checkpoints.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
         model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
@@ -602,14 +603,14 @@ def compile_and_wrap(model: GPT, cfg: TrainConfig, dist: Dist, log: Logger) -> t
 
 class RunSaves:
     """
-    When and how a run saves (checkpoint.RunSaver writes): at evals, every checkpoint_interval steps or
+    When and how a run saves (run_checkpoints.RunSaver writes): at evals, every checkpoint_interval steps or
     checkpoint_minutes between them (the cadence counts from the last save begun), and on a stop. Under async_save a
     save is written in the background while training goes on, except the last, which is written before the run ends.
     """
 
     def __init__(self, run: Run, stop: StopRequest):
         cfg, self.run, self.stop = run.cfg, run, stop
-        self.saver = checkpoint.RunSaver(cfg.out_dir, run.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
+        self.saver = run_checkpoints.RunSaver(cfg.out_dir, run.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
                                          cfg.keep_last, run.best_file, checkpoint_group(run.dist) if cfg.async_save
                                          else None)
         self.last_iter, self.last_time = run.iter_num, time.time()

@@ -1,4 +1,4 @@
-"""checkpoint.py where features meet: the newest checkpoint by iteration across the file and sharded formats, exact
+"""checkpoint.py, sharded.py and run_checkpoints.py where features meet: the newest checkpoint by iteration across the file and sharded formats, exact
 resumes from a stop before the first step (DDP and FSDP, AdamW and Muon), saves that remove only their own names,
 FSDP's best copy, sharded folders read wherever a file is, the tokenizer check, mapped weight-only reads, and the
 run's wall time across resumes. FSDP runs here are process groups of one (the 2-rank paths: tests/test_fsdp.py)."""
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import checkpoint
+import run_checkpoints
 import export
 import parallel
 import train as train_module
@@ -40,7 +41,7 @@ def metrics(out_dir, key: str) -> list[dict]:
 
 
 def params_of(path: str) -> dict[str, torch.Tensor]:
-    return checkpoint.read_weights(path)["model"]
+    return run_checkpoints.read_weights(path)["model"]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -69,17 +70,17 @@ def test_resume_reads_the_newest_checkpoint_by_iteration_whatever_the_format(dat
     assert f"checkpoint: {out / 'ckpt_sharded'} at iter 8\n" in capsys.readouterr().err
     # at the same iteration (a converted folder) an FSDP run reads the folder, any other the file, and says so
     parallel.main([str(out / "ckpt_sharded")])
-    fsdp = checkpoint.find_checkpoint(str(out), prefer_sharded=True)
+    fsdp = run_checkpoints.find_checkpoint(str(out), prefer_sharded=True)
     assert fsdp.describe("resuming from") == (f"resuming from {out / 'ckpt_sharded'} at iter 8 (ckpt.pt is at the "
                                               f"same iteration: an FSDP run reads the sharded one)")
-    assert checkpoint.find_checkpoint(str(out)).path == str(out / "ckpt.pt")
+    assert run_checkpoints.find_checkpoint(str(out)).path == str(out / "ckpt.pt")
 
 
 def test_no_checkpoint_names_what_the_folder_holds(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(UserError) as e:
-        checkpoint.find_checkpoint(str(tmp_path / "run"))
+        run_checkpoints.find_checkpoint(str(tmp_path / "run"))
     assert str(e.value) == (f"no checkpoint in {tmp_path / 'run'} (neither ckpt.pt nor ckpt_sharded; "
                             f"{tmp_path / 'run'} holds metrics.jsonl): train first, or set --out_dir to the run's folder")
 
@@ -117,11 +118,11 @@ def test_a_stop_before_the_first_step_resumes_exactly(data_dir, tmp_path, monkey
         stop_at(m, stage)
         with pytest.raises(SystemExit, match="stopped by SIGTERM after iter 0; checkpoint saved"):
             train(tiny_config(data_dir, tmp_path / "run", **run))
-    found = checkpoint.find_checkpoint(str(tmp_path / "run"))
+    found = run_checkpoints.find_checkpoint(str(tmp_path / "run"))
     assert found.iter_num == 0 and found.name == ("ckpt_sharded" if parallelism == "fsdp" else "ckpt.pt")
     resumed = train(tiny_config(data_dir, tmp_path / "run", **run, init_from="resume"))
     assert resumed["last_loss"] == reference["last_loss"]
-    saved = [params_of(checkpoint.find_checkpoint(str(tmp_path / name)).path) for name in ("ref", "run")]
+    saved = [params_of(run_checkpoints.find_checkpoint(str(tmp_path / name)).path) for name in ("ref", "run")]
     assert max_diff(*saved) == 0.0  # from the saves: a sharded run returns no model (its group is gone)
 
 
@@ -168,8 +169,8 @@ def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_p
             train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, gradient_accumulation_steps=2,
                               init_from="resume"))
     assert "the best val loss's weights stay in ckpt_sharded_best" in capsys.readouterr().out
-    assert checkpoint.find_checkpoint(str(out)).iter_num == 5
-    assert checkpoint.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
+    assert run_checkpoints.find_checkpoint(str(out)).iter_num == 5
+    assert run_checkpoints.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
     assert max_diff(best_weights, params_of(str(out / "ckpt_sharded_best"))) == 0.0
     assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
         "ckpt_sharded", "ckpt_sharded_0000004_0", "ckpt_sharded_0000005_0", "ckpt_sharded_best"]
@@ -250,9 +251,9 @@ def test_weights_of_another_tokenizer_are_refused_at_start(data_dir, other_char_
 READ_RSS = """
 import resource, sys
 sys.path.insert(0, {root!r})
-import checkpoint
+import run_checkpoints
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-weights = checkpoint.read_weights({path!r})
+weights = run_checkpoints.read_weights({path!r})
 total = sum(t.float().sum().item() for t in weights["model"].values())  # every weight read
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoint
+import run_checkpoints
 import distributed
 from errors import UserError
 from checkpoint import load_checkpoint, save_checkpoint
@@ -378,19 +379,18 @@ def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, mon
     """Bug: the changes were announced, then load_state_dict restored the checkpoint's param_groups, so only the
     learning rate took effect. The groups after the resume hold the new values, the moments are the checkpoint's,
     and the weights differ from a resume with the old settings."""
-    import checkpoint
 
     run = dict(max_iters=2, eval_interval=2, optimizer=optimizer, dropout=0.0)
     train(tiny_config(data_dir, tmp_path / "out", **run))
     seen = []
-    real = checkpoint.load_training_state
+    real = run_checkpoints.load_training_state
 
     def spy(model, optim, ckpt):
         real(model, optim, ckpt)
         seen.append([{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups])
         seen.append({id(p): s for opt in optim.optimizers.values() for p, s in opt.state.items()})
 
-    monkeypatch.setattr(checkpoint, "load_training_state", spy)
+    monkeypatch.setattr(run_checkpoints, "load_training_state", spy)
     changed = CHANGED_OPTIMIZER[optimizer]
     out = {}
     for name, changes in (("same", {}), ("changed", changed)):

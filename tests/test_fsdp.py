@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-import checkpoint
+import run_checkpoints
+import sharded
 import parallel
 from errors import UserError
 from checkpoint import load_checkpoint
@@ -104,7 +105,7 @@ def measuring_train(tmp_path) -> str:
 
 
 def sharded_params(out_dir) -> dict[str, torch.Tensor]:
-    model, _ = checkpoint.load_sharded_as_full(str(out_dir / checkpoint.SHARDED_NAME))
+    model, _ = sharded.load_sharded_as_full(str(out_dir / sharded.SHARDED_NAME))
     return model.state_dict()
 
 
@@ -193,17 +194,17 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
     print(f"resume 1 -> 2 ranks: max |param diff| {diff:.2e}")
     assert diff < TOL
     # the conversion to one ckpt.pt: logits equal the sharded model's, and the uninterrupted run's within TOL
-    parallel.main([str(tmp_path / "run" / checkpoint.SHARDED_NAME)])  # python parallel.py OUT_DIR/ckpt_sharded
+    parallel.main([str(tmp_path / "run" / sharded.SHARDED_NAME)])  # python parallel.py OUT_DIR/ckpt_sharded
     converted = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     assert converted["iter_num"] == 8 and converted["optimizer"]["state"]
     idx = torch.randint(converted["model_args"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
-    sharded, _ = checkpoint.load_sharded_as_full(str(tmp_path / "run" / checkpoint.SHARDED_NAME))
+    gathered, _ = sharded.load_sharded_as_full(str(tmp_path / "run" / sharded.SHARDED_NAME))
     from checkpoint import model_from_checkpoint
 
     from sample import SampleConfig, load_model
 
-    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=checkpoint.SHARDED_NAME, device="cpu"))
-    models = (model_from_checkpoint(converted), sharded, sampled, reference["model"].eval())
+    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=sharded.SHARDED_NAME, device="cpu"))
+    models = (model_from_checkpoint(converted), gathered, sampled, reference["model"].eval())
     # the last position's logits and the loss over all positions (training's fused path)
     logits = [torch.cat([m.eval()(idx)[0].flatten(), m(idx, idx)[1].view(1)]) for m in models]
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
@@ -230,8 +231,8 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
     _, err = proc.communicate(timeout=200)
     assert proc.returncode != 0
     assert "checkpoint saved: resume with --init_from=resume" in err
-    folder = tmp_path / "run" / checkpoint.SHARDED_NAME
-    stopped_at = checkpoint.read_train_state(str(folder))["iter_num"]
+    folder = tmp_path / "run" / sharded.SHARDED_NAME
+    stopped_at = sharded.read_train_state(str(folder))["iter_num"]
     assert 3 <= stopped_at < 16, err[-2000:]
     assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # saved on 2 ranks, resumed in one process (FSDP with a group of one)
@@ -246,7 +247,7 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
 KILL_CHILD = """
 import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import checkpoint
+import sharded
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from helpers import tiny_config
 from train import train
@@ -267,9 +268,9 @@ def counted(save):
         saves.append(1)
         return save(*args, **kwargs)
     return count
-checkpoint.save_sharded = counted(checkpoint.save_sharded)
-checkpoint.start_sharded_save = counted(checkpoint.start_sharded_save)  # async_save
-checkpoint._fault_point = kill
+sharded.save_sharded = counted(sharded.save_sharded)
+sharded.start_sharded_save = counted(sharded.start_sharded_save)  # async_save
+sharded._fault_point = kill
 finish = FileSystemWriter.finish
 def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
     kill("dcp_finish")
@@ -285,10 +286,10 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
     r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    assert len([f for f in os.listdir(out) if f.startswith(checkpoint.SHARDED_NAME + "_")]) == 2  # the killed save's too
-    ckpt = checkpoint.find_checkpoint(str(out), prefer_sharded=True).read()
+    assert len([f for f in os.listdir(out) if f.startswith(sharded.SHARDED_NAME + "_")]) == 2  # the killed save's too
+    ckpt = run_checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()
     assert ckpt["iter_num"] == 2
-    model, _ = checkpoint.load_sharded_as_full(ckpt["sharded"])
+    model, _ = sharded.load_sharded_as_full(ckpt["sharded"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # the next save removes the killed save's folder
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
@@ -323,23 +324,23 @@ def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_o
         group = checkpoint_group(dist)
         FileSystemWriter.write_data = slow_write
         state = {"iter_num": 1, "model_args": model.config.__dict__, "config": {}}
-        pending = checkpoint.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
+        pending = sharded.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
         with torch.no_grad():  # the next step
             for p in model.parameters():
                 p.add_(1.0)
                 optimizer.state[p]["exp_avg"].add_(1.0)
-        assert not os.path.exists(tmp_path / checkpoint.SHARDED_NAME)  # nothing linked while the shards are written
+        assert not os.path.exists(tmp_path / sharded.SHARDED_NAME)  # nothing linked while the shards are written
         torch.distributed.barrier(group=group)
         pending.finish()
-        assert started and os.readlink(tmp_path / checkpoint.SHARDED_NAME) == "ckpt_sharded_0000001_0"
-        saved, _ = checkpoint.load_sharded_as_full(str(tmp_path / checkpoint.SHARDED_NAME))
+        assert started and os.readlink(tmp_path / sharded.SHARDED_NAME) == "ckpt_sharded_0000001_0"
+        saved, _ = sharded.load_sharded_as_full(str(tmp_path / sharded.SHARDED_NAME))
         assert all(torch.equal(saved.state_dict()[k], expected[k]) for k in expected)
         fresh = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
                                      dist, "float32", compile=False)
         fresh_opt = torch.optim.AdamW(fresh.parameters())
         fresh(idx, idx)[1].backward()
         fresh_opt.step()
-        checkpoint.load_sharded(str(tmp_path / checkpoint.SHARDED_NAME), fresh, fresh_opt)
+        sharded.load_sharded(str(tmp_path / sharded.SHARDED_NAME), fresh, fresh_opt)
         assert all(torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), e)
                    for p, e in zip(fresh.parameters(), exp_avg))
     finally:
@@ -387,7 +388,7 @@ def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_d
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     # training went on while the save was written: the step of iter 4 (the 5th) ran before the save was linked
     assert int(re.search(r"steps run: (\d+)", r.stdout).group(1)) > 4, r.stdout[-2000:]
-    assert checkpoint.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
+    assert run_checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
     resumed = train(tiny_config(data_dir, out, **ASYNC, parallelism="fsdp", async_save=True, init_from="resume"))
     assert resumed["iter_num"] == 8
     diff = max_diff(reference["model"].state_dict(), sharded_params(out))
@@ -451,8 +452,8 @@ def test_the_xl_fsdp_config_states_the_memory_line_of_8_ranks():
            f"{whole['grads'] / gib:.1f} GiB of gradient buckets" in comment
     torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        sharded = parallel.shard_model(model, Dist(world_size=8, device="cpu", enabled=True), cfg.dtype, compile=False)
-        line = parallel.memory_text(parallel.memory_per_rank(sharded, cfg.gradient_accumulation_steps // 8), 8)
+        on_8 = parallel.shard_model(model, Dist(world_size=8, device="cpu", enabled=True), cfg.dtype, compile=False)
+        line = parallel.memory_text(parallel.memory_per_rank(on_8, cfg.gradient_accumulation_steps // 8), 8)
     finally:
         torch_dist.destroy_process_group()
     print(line)
@@ -487,13 +488,13 @@ def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path, 
 
     monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", staticmethod(counted_read))
     monkeypatch.setattr(parallel, "shard_model", kept_shard)
-    sharded = train(tiny_config(data_dir, tmp_path / "fsdp", **run, parallelism="fsdp"))
+    fsdp = train(tiny_config(data_dir, tmp_path / "fsdp", **run, parallelism="fsdp"))
     assert reads == [(str(folder),)]  # once (this process is the one rank)
     assert len(handed) == 1  # sharded once, and what was sharded are the saved weights (wpe cropped to block 32)
     assert torch.equal(handed[0]["transformer.wte.weight"][:vocab], hf.transformer.wte.weight.detach())
     assert torch.equal(handed[0]["transformer.wpe.weight"], hf.transformer.wpe.weight.detach()[:32])
     for key in ("val_loss", "train_loss", "last_loss"):  # the evaluation at iter 0 ran on the imported weights
-        assert sharded[key] == pytest.approx(plain[key], abs=TOL), key
+        assert fsdp[key] == pytest.approx(plain[key], abs=TOL), key
     assert losses(tmp_path / "fsdp", "val_loss")[0] == pytest.approx(losses(tmp_path / "plain", "val_loss")[0], abs=TOL)
 
 

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import checkpoint
+import run_checkpoints
+import sharded
 import run_dir
 from checkpoint import load_checkpoint
 from helpers import (
@@ -94,10 +96,10 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     out = tmp_path / "mixed"
     train(tiny_config(data_dir, out, max_iters=20, eval_interval=10))
     train(tiny_config(data_dir, out, max_iters=10, eval_interval=10, parallelism="fsdp", n_layer=1))
-    found = checkpoint.find_checkpoint(str(out))
+    found = run_checkpoints.find_checkpoint(str(out))
     assert (found.name, found.iter_num, found.state["model_args"]["n_layer"]) == ("ckpt_sharded", 10, 1)
     (previous,) = previous_runs(out)
-    assert checkpoint.find_checkpoint(str(previous)).iter_num == 20
+    assert run_checkpoints.find_checkpoint(str(previous)).iter_num == 20
     r = run_in_process(["sample.py", f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"],
                        capsys)
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
@@ -254,11 +256,11 @@ def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=4, parallelism="fsdp"))
     train(tiny_config(data_dir, other, max_iters=8, eval_interval=8))
     os.link(other / "ckpt.pt", out / "ckpt.pt")
-    found = checkpoint.find_checkpoint(str(out))
+    found = run_checkpoints.find_checkpoint(str(out))
     assert (found.name, found.iter_num) == ("ckpt_sharded", 4) and "ckpt.pt belongs to another run" in found.note
     os.remove(out / "ckpt_sharded")
     with pytest.raises(checkpoint.UserError, match="ckpt.pt is a checkpoint of another run"):
-        checkpoint.find_checkpoint(str(out))
+        run_checkpoints.find_checkpoint(str(out))
 
 
 def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(data_dir, tmp_path, capsys):
@@ -560,14 +562,14 @@ def test_two_agents_train_fsdp_at_a_world_of_4_that_resumes_at_worlds_of_2_and_1
     out = tmp_path / "nodes"
     results = _agents(config_args(tiny_config(data_dir, out, **run)), _free_port())
     assert all(r.returncode == 0 for r in results), results[0].stderr[-3000:] + results[1].stderr[-3000:]
-    assert checkpoint.read_train_state(str(out / "ckpt_sharded"))["world_size"] == 4
+    assert sharded.read_train_state(str(out / "ckpt_sharded"))["world_size"] == 4
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train.py", *config_args(tiny_config(data_dir, out, **{**run, "max_iters": 6},
                                                              init_from="auto"))],
                        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "world_size: 4 -> 2" in r.stdout, r.stderr[-3000:]
     train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, init_from="auto"))
-    model, state = checkpoint.load_sharded_as_full(str(out / "ckpt_sharded"))
+    model, state = sharded.load_sharded_as_full(str(out / "ckpt_sharded"))
     assert state["iter_num"] == 8
     ref = single["model"].state_dict()
     got = model.state_dict()

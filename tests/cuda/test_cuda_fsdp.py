@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import checkpoint
 import parallel
+import sharded
 from checkpoint import load_checkpoint
 from cuda_helpers import MODEL_TOL, requires_cuda, requires_gpus, torchrun
 from helpers import config_args, tiny_config
@@ -20,7 +20,7 @@ RUN = dict(device="cuda", dtype="float32", tf32=False, max_iters=6, lr_decay_ite
 
 
 def fsdp_params(out_dir) -> dict[str, torch.Tensor]:
-    model, _ = checkpoint.load_sharded_as_full(str(out_dir / checkpoint.SHARDED_NAME))
+    model, _ = sharded.load_sharded_as_full(str(out_dir / sharded.SHARDED_NAME))
     return model.state_dict()
 
 

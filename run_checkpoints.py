@@ -1,0 +1,333 @@
+"""
+A run's checkpoints, in either format: saving in the run's (RunSaver: ckpt.pt, or FSDP's sharded folder, in the
+background too), finding the newest of a run folder, and reading one to resume or for inference. train.py,
+sample.py, export.py and hellaswag.py find and read checkpoints through this module.
+
+A run's folder (out_dir) holds:
+  ckpt.pt              the latest save of a one-process or DDP run: model, optimizer and train state (checkpoint.py)
+  ckpt_best.pt         always_save_checkpoint=False: the best val loss's weights, once a stop saved later ones
+  ckpt_<iter>.pt       keep_last=K: the last K saves (hard links to ckpt.pt as it was)
+  ckpt_sharded         an FSDP run's latest save: a link to a folder ckpt_sharded_<iter>_<n> (sharded.py)
+  ckpt_sharded_best    always_save_checkpoint=False under FSDP: a link to the best val loss's folder
+A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records (not by its format): any run
+resumes from either, with any number of ranks. Everything that reads weights (sample.py, export.py, hellaswag.py,
+init_from=PATH) takes a file or a sharded folder alike, maps a file instead of reading it, and never touches the
+optimizer state.
+
+Its functions:
+  save         RunSaver
+  find         find_checkpoint (-> Found: .read() is what a resume continues from), checkpoint_path
+  resume       load_training_state (model, optimizer)
+  weights      load_for_inference (sample.py, hellaswag.py), read_weights, weights_tokenizer
+What a resume takes of the run's settings is run_dir.py's; a checkpoint's tokenizer is dataio.py's.
+
+Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), run_dir.py, the model
+and the device modules; never a script.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+import checkpoint
+import dataio
+import run_dir
+import sharded
+from checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint, model_from_checkpoint
+from common import autocast_context, resolve_dtype
+from errors import UserError
+from hardware import check_attention_kernel
+from distributed import Dist, is_dtensor
+from model import GPT, GPTConfig
+from sharded import SHARDED_BEST_NAME, SHARDED_NAME, is_sharded, load_sharded, load_sharded_as_full, read_train_state
+
+
+# ----------------------------------------------------------------------------------------------- saving
+
+
+class RunSaver:
+    """
+    A training run's saves in its format, the one place that chooses between them: ckpt.pt (rank 0 writes model,
+    optimizer and train state; save_run_checkpoint) or, under FSDP, ckpt_sharded (every rank its shards;
+    save_sharded), written in the background when `background` (start_sharded_save; one save in flight at a time).
+    save() and finish() return the line to print.
+    """
+
+    def __init__(self, out_dir: str, dist: Dist, fsdp: bool, always_save_checkpoint: bool, keep_last: int,
+                 best_file: str | None, background_group=None):
+        self.out_dir, self.dist, self.sharded = out_dir, dist, fsdp
+        self.always_save, self.keep_last, self.best_file = always_save_checkpoint, keep_last, best_file
+        self.group = background_group  # distributed.checkpoint_group(): background saves only
+        self.in_flight: tuple[sharded.ShardedSave, str] | None = None
+
+    def save(self, model: nn.Module, optimizer, state: dict, improved: bool, background: bool = False) -> list[str]:
+        """Save the model, the optimizer (optim.Optimizers) and the train state `state`, once a save still written
+        in the background is linked (one in flight at a time). Returns the lines to print."""
+        lines = [line] if (line := self.finish()) is not None else []
+        t0 = time.time()
+        best_note = "" if improved or self.always_save else (
+            f" (the best val loss's weights stay in {SHARDED_BEST_NAME if self.sharded else BEST_NAME})")
+        if self.sharded and background and self.group is not None:
+            pending = sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist, self.group,
+                                         improved, keep_best=not self.always_save)
+            self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME}{best_note}"
+            return lines + [f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in "
+                            f"{time.time() - t0:.1f} s)"]
+        if self.sharded:
+            sharded.save_sharded(self.out_dir, model, optimizer.as_torch(), state, self.dist, improved,
+                         keep_best=not self.always_save)
+            return lines + [f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME} "
+                            f"in {time.time() - t0:.1f} s{best_note}"]
+        if not self.dist.master:
+            return lines
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}
+        self.best_file = checkpoint.save_run_checkpoint(state, self.out_dir, improved, self.best_file, self.always_save,
+                                             self.keep_last)
+        return lines + [f"saved checkpoint at iter {state['iter_num']} to {self.out_dir} in {time.time() - t0:.1f} s"
+                        + (best_note if self.best_file == BEST_NAME else "")]
+
+    def finish(self, if_done: bool = False) -> str | None:
+        """Link the save written in the background once its shards are on disk (if_done: only if they already
+        are, a check between steps; else wait for them)."""
+        if self.in_flight is None or (if_done and not self.in_flight[0].done()):
+            return None
+        (pending, where), self.in_flight = self.in_flight, None
+        pending.finish()
+        return f"saved sharded checkpoint at {where}, written in {time.time() - pending.started:.1f} s beside training"
+
+
+# ----------------------------------------------------------------------------------------------- finding
+
+
+def _read_state(path: str) -> dict[str, Any]:
+    """A checkpoint file's or sharded folder's contents without reading any tensor: a file is mapped (its tensors
+    are read on first use), a folder gives its train state."""
+    return read_train_state(path) if is_sharded(path) else load_checkpoint(path, mmap=True)
+
+
+@dataclass
+class Found:
+    path: str
+    iter_num: int
+    note: str  # what else was there, and why this one: "" when it was the only choice
+    state: dict = field(default_factory=dict, repr=False)  # read_state's: a file mapped, or a folder's train state
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def read(self) -> dict[str, Any]:
+        """What a resume continues from: ckpt.pt's contents (mapped: the ranks of a node share one copy of its
+        pages), or a sharded folder's train state (its tensors are loaded by load_training_state once the model is
+        built and sharded)."""
+        return self.state or _read_state(self.path)
+
+    def describe(self, verb: str) -> str:
+        """One line, e.g. 'resuming from ckpt_sharded at iter 15 (ckpt.pt is at iter 10, older)'."""
+        return f"{verb} {self.path} at iter {self.iter_num}" + (f" ({self.note})" if self.note else "")
+
+
+def _listing(out_dir: str) -> str:
+    entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    if entries is None:
+        return f"{out_dir} does not exist"
+    return f"{out_dir} holds {', '.join(entries[:8])}{' ...' if len(entries) > 8 else ''}" if entries else \
+        f"{out_dir} is empty"
+
+
+def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool = False) -> Found:
+    """
+    The checkpoint of a run: out_dir/name if given, else the newest of the latest saves (ckpt.pt, ckpt_sharded) by
+    the iteration each records. At the same iteration (a sharded folder converted to ckpt.pt, say) both hold the
+    same weights: the sharded folder for an FSDP run (prefer_sharded), else the file, and the note says so. No
+    checkpoint is a UserError naming what out_dir holds.
+    """
+    if name is not None:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            hint = {BEST_NAME: f"{BEST_NAME} exists only after a run with always_save_checkpoint=False was stopped "
+                               f"between evals; otherwise {CKPT_NAME} holds the best weights",
+                    SHARDED_BEST_NAME: f"{SHARDED_BEST_NAME} exists only after an FSDP run with "
+                                       f"always_save_checkpoint=False saved weights later than its best"}.get(name)
+            raise UserError(f"no checkpoint {path} ({_listing(out_dir)}): "
+                            + (hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder "
+                               "in out_dir, or leave it out for the newest"))
+        return _found(path)
+    found, foreign = [], []
+    run_id = run_dir.run_id_of(out_dir)
+    for candidate in (SHARDED_NAME, CKPT_NAME) if prefer_sharded else (CKPT_NAME, SHARDED_NAME):
+        path = os.path.join(out_dir, candidate)
+        if os.path.exists(path):
+            f = _found(path)
+            # a checkpoint of another run (copied in, or left by a version without run ids beside a new run's)
+            (foreign if run_id and f.state.get("run_id") not in (None, run_id) else found).append(f)
+    if not found and foreign:
+        raise UserError(
+            f"{' and '.join(f.path for f in foreign)} {'is a checkpoint' if len(foreign) == 1 else 'are checkpoints'} "
+            f"of another run (id {foreign[0].state.get('run_id')}) than the one {os.path.join(out_dir, run_dir.RUN_FILE)} "
+            f"names ({run_id}), and a resume continues only its own run: move it out of {out_dir} (to resume it, into "
+            f"a folder of its own), or start a new run from its weights with --init_from=PATH")
+    if not found:
+        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT_NAME} nor {SHARDED_NAME}; {_listing(out_dir)}): "
+                        f"train first, or set --out_dir to the run's folder")
+    for f in found:
+        if foreign:
+            f.note = f"{', '.join(g.name for g in foreign)} belongs to another run: not read"
+    if len(found) == 1:
+        return found[0]
+    newest = max(found, key=lambda f: f.iter_num)  # max keeps the first (preferred) one of a tie
+    other = found[1] if newest is found[0] else found[0]
+    if other.iter_num == newest.iter_num:
+        why = "an FSDP run reads the sharded one" if prefer_sharded else "the file is read first"
+        newest.note = f"{other.name} is at the same iteration: {why}"
+    else:
+        newest.note = f"{other.name} is at iter {other.iter_num}, older"
+    return newest
+
+
+def _found(path: str) -> Found:
+    state = _read_state(path)
+    return Found(path, int(state.get("iter_num", 0)), "", state)
+
+
+# ----------------------------------------------------------------------------------------------- reading weights
+
+
+def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """
+    The weights of a checkpoint file or sharded folder, for inference and export: {"model": state dict,
+    "model_args", "config", "iter_num", "meta"}. A file is mapped, not read, and its optimizer state is never
+    touched (a 45M model's ckpt.pt: 615 instead of 1,031 MB max RSS); a sharded folder is gathered into this one
+    process on the CPU. `state`: _read_state(path), when the caller has it already.
+    """
+    if is_sharded(path):
+        model, state = load_sharded_as_full(path)
+        weights = model.state_dict()
+    else:
+        state = state if state is not None else load_checkpoint(path, mmap=True)
+        weights = state["model"]
+    keep = ("model_args", "config", "meta")
+    return {"model": weights, "iter_num": int(state.get("iter_num", 0)), **{k: state.get(k) for k in keep}}
+
+
+def checkpoint_path(path: str) -> str | None:
+    """The checkpoint that `path` names: a checkpoint file, a sharded folder, or a run's folder (its newest
+    checkpoint); None for anything else (a GPT-2 name, a HF folder)."""
+    if os.path.isfile(path) or is_sharded(path):
+        return path
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")) and any(
+            os.path.exists(os.path.join(path, name)) for name in (CKPT_NAME, SHARDED_NAME)):
+        return find_checkpoint(path).path
+    return None
+
+
+GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257}  # GPT-2's weights, and HF GPT-2 folders of that vocabulary
+
+
+def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, dict | None]:
+    """The vocabulary size and tokenizer (None: unknown) of the weights init_from names, read before the weights
+    are: `ckpt` is the resumed checkpoint's state (init_from="resume")."""
+    if ckpt is None and (path := checkpoint_path(init_from)) is not None:
+        ckpt = _read_state(path)
+    if ckpt is not None:
+        return int(ckpt["model_args"]["vocab_size"]), dataio.recorded_meta(ckpt)[0]
+    config = os.path.join(init_from, "config.json")
+    if os.path.isfile(config):  # a HF folder
+        with open(config) as f:
+            vocab = int(json.load(f).get("vocab_size", 0))
+        return vocab, GPT2_META if vocab == GPT2_META["vocab_size"] else None
+    return GPT2_META["vocab_size"], GPT2_META  # gpt2, gpt2-medium, ... (train.check_config refused anything else)
+
+
+def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,
+                       overrides: dict[str, Any], compile: bool = False,
+                       log: Callable[[str], None] = print,
+                       attention_for: Callable[[GPTConfig], str] | None = None) -> tuple[GPT, dataio.Tokenizer]:
+    """
+    The model to sample or score with (sample.py, hellaswag.py), in eval mode on `device`, and the tokenizer it was
+    trained with. init_from: "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded
+    folder or run folder, GPT-2's name or a HF folder. `overrides`: attention, sdpa_backend. `attention_for`: the
+    attention for the model's config, where it depends on the model's shape (sample.py's attention=auto). The
+    attention kernel is checked for `dtype` here, so a refusal is one line before any generation.
+    """
+    found = find_checkpoint(out_dir, name) if init_from == "resume" else None
+    path = found.path if found is not None else checkpoint_path(init_from)
+    if path is not None:
+        weights = read_weights(path, found.state if found is not None else None)
+        log(f"checkpoint: {path} at iter {weights['iter_num']}")
+        model = model_from_checkpoint(weights, **overrides)
+        tokenizer = dataio.checkpoint_tokenizer(weights, log)
+        source = f"the tokenizer of {path}"
+        del weights
+    else:
+        model = GPT.from_pretrained(init_from, overrides)
+        log(f"tokenizer: GPT-2 BPE (init_from={init_from})")
+        tokenizer, source = dataio.gpt2_tokenizer(), "GPT-2 BPE"
+    # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there,
+    # sampling never draws the ids past the tokenizer's
+    padded_bpe = isinstance(tokenizer, dataio.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
+    if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
+        raise UserError(
+            f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "
+            f"{model.config.vocab_size}: the model was trained on another dataset; point its run config's dataset "
+            f"(or data_dir) at the data it was trained on"
+        )
+    if attention_for is not None:
+        model.set_attention(attention_for(model.config))
+    model.eval().to(device)
+    check_attention_kernel(model, autocast_context(device, resolve_dtype(dtype, device, training=False)), compile)
+    log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------- resuming
+
+
+def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
+    """
+    The optimizer state of a resume, whichever the checkpoint's format and the model's sharding; for a sharded
+    checkpoint the weights too (ckpt.pt's are loaded before sharding). `optimizer` is optim.Optimizers, built
+    from this run's config: its settings (weight decay, betas, Muon's momentum and weight decay...) are applied
+    over the checkpoint's, whose state (moments, step counts) is restored. An optimizer state saved before the
+    first step is empty, and the fresh optimizer is already exactly it.
+    """
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    torch_optimizer = optimizer.as_torch()
+    if "sharded" in ckpt:
+        load_sharded(ckpt["sharded"], model, torch_optimizer if ckpt.get("optimizer_saved", True) else None)
+    elif not _optimizer_stepped(ckpt["optimizer"]):
+        pass
+    elif any(is_dtensor(p) for p in model.parameters()):
+        _load_full_optimizer_state(model, torch_optimizer, ckpt["optimizer"])
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+
+
+def _optimizer_stepped(optim_sd: dict) -> bool:
+    """Whether a saved optimizer state (torch's format, or Optimizers' {name: state} for Muon + AdamW) holds any
+    step's state."""
+    if "state" in optim_sd:
+        return bool(optim_sd["state"])
+    return any(_optimizer_stepped(sd) for sd in optim_sd.values())
+
+
+def _load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict) -> None:
+    """A ckpt.pt's optimizer state (torch's format: whole tensors keyed by position) into a sharded model's
+    optimizer: the positions become parameter names, and each rank keeps its shard of every tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = {
+        "state": {order[i]: s for i, s in optim_sd["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

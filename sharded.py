@@ -1,0 +1,231 @@
+"""
+FSDP's sharded checkpoints: a folder that torch.distributed.checkpoint (DCP) writes, each rank its shards, plus
+train_state.pt (everything but the tensors), written last as the folder's completion mark; the link
+out_dir/ckpt_sharded names the latest complete folder (ckpt_sharded_best the best val loss's). Any number of ranks
+reads any folder, and one process gathers it whole (sample.py) or writes it as one ckpt.pt (parallel.py's script).
+
+Its functions:
+  write        save_sharded, start_sharded_save (-> ShardedSave: written in the background, linked by finish())
+  read         is_sharded, read_train_state, load_sharded, load_sharded_as_full
+  convert      convert_to_single_file
+
+Imports checkpoint.py (the train state is written as a checkpoint file), the model and the device modules; never a
+script.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from checkpoint import CKPT_NAME, checkpoint_model_config, fsync_folder, save_checkpoint
+from errors import UserError
+from distributed import Dist
+from model import GPT
+
+SHARDED_NAME, SHARDED_BEST_NAME = "ckpt_sharded", "ckpt_sharded_best"
+STATE_FILE = "train_state.pt"  # in a sharded folder: everything but the tensors (iteration, config, RNG), written last
+_SHARDED_FOLDER = re.compile(rf"{SHARDED_NAME}_\d{{7,}}_\d+")  # the folders save_sharded writes, and removes
+# torch.distributed.checkpoint is imported where it is used: its import is slow, and runs without sharded
+# checkpoints (and sample.py on a ckpt.pt) need not pay for it.
+
+
+def is_sharded(path: str) -> bool:
+    """A sharded checkpoint: a folder (or the link ckpt_sharded to one) that holds train_state.pt."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, STATE_FILE))
+
+
+def read_train_state(folder: str) -> dict[str, Any]:
+    """The non-tensor part of a sharded checkpoint (iteration, config, model_args, RNG), as load_checkpoint's dict
+    without the model and optimizer (which DCP loads into the built model); "sharded" names the folder."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path):
+        raise UserError(f"{folder} is not a complete sharded checkpoint (no {STATE_FILE}): resume from another one "
+                        f"or start again with --init_from=scratch")
+    return {**torch.load(path, map_location="cpu", weights_only=True), "sharded": folder}
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """{model, optimizer} keyed by parameter names (the same on any number of ranks); DTensor shards under FSDP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if optimizer is None:
+        return {"model": get_state_dict(model, [])[0]}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load a DCP folder into a model (sharded with FSDP or whole) and, if given, its optimizer: DCP reads each
+    rank's part of every tensor, whatever the number of ranks that wrote it."""
+    import torch.distributed as torch_dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state_dicts(model, optimizer)
+    with warnings.catch_warnings():  # one process without a process group (sample.py, conversion) is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder, no_dist=not torch_dist.is_initialized())
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _fault_point(stage: str) -> None:
+    """Does nothing; tests replace it to kill the process at a chosen stage of a sharded save."""
+
+
+def _link(out_dir: str, name: str, target: str) -> None:
+    """Point the link out_dir/name at the folder `target` (relative: the run folder can move) with one rename."""
+    tmp = os.path.join(out_dir, f"{name}.tmp.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+
+def _target(out_dir: str, name: str) -> str | None:
+    link = os.path.join(out_dir, name)
+    return os.readlink(link) if os.path.islink(link) else None
+
+
+class ShardedSave:
+    """
+    A sharded save begun by start_sharded_save: DCP writes the shards in a background thread while training goes
+    on, and `finish` (once they are written) makes rank 0 write train_state.pt and move the links. Until then the
+    links name the previous save, so a kill in between loses this save only; its folder is removed by the next one.
+    """
+
+    def __init__(self, future, link: Callable[[], None], started: float):
+        self._future, self._link, self.started = future, link, started
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def finish(self) -> None:
+        """Wait for this rank's shards (and, on rank 0, for every rank's: DCP's metadata is written last), link."""
+        self._future.result()  # the writer's error, if it failed
+        self._link()
+
+
+def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
+                 improved: bool = False, keep_best: bool = False) -> str:
+    """
+    Every rank writes its shards with DCP into a new folder out_dir/ckpt_sharded_<iter>_<n>; rank 0 then writes
+    train_state.pt (the folder's completion mark) and points the link out_dir/ckpt_sharded at it with one rename,
+    and only then removes the folders no link points at. keep_best (always_save_checkpoint=False): the link
+    ckpt_sharded_best points at the best val loss's folder, moved before ckpt_sharded when this save `improved`,
+    so at every moment of a kill both links name complete folders. Only the names this function writes are ever
+    removed. An optimizer with no state yet (a stop before the first step) is not saved: DCP would fill it with a
+    zero-gradient step (step=1), and a resume would then differ from the uninterrupted run. Returns the new folder.
+    """
+    import torch.distributed as torch_dist
+    import torch.distributed.checkpoint as dcp
+
+    folder, state_dicts, link = _begin_sharded(out_dir, model, optimizer, state, dist, improved, keep_best)
+    dcp.save(state_dicts, checkpoint_id=folder)  # collective
+    link()
+    if dist.enabled:
+        torch_dist.barrier()
+    return folder
+
+
+def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
+                       process_group, improved: bool = False, keep_best: bool = False) -> ShardedSave:
+    """
+    save_sharded without waiting for the writes: DCP copies this rank's shards to CPU memory (the weights of this
+    step: training may change the originals as soon as this returns), then writes them in a background thread,
+    coordinating the ranks over `process_group`, a group of its own (the training's collectives keep their order
+    on the default one). Call finish() before the next save and before the process ends.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    started = time.time()
+    folder, state_dicts, link = _begin_sharded(out_dir, model, optimizer, state, dist, improved, keep_best)
+    future = dcp.async_save(state_dicts, checkpoint_id=folder, process_group=process_group)
+    return ShardedSave(future, link, started)
+
+
+def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
+                   improved: bool, keep_best: bool) -> tuple[str, dict[str, Any], Callable[[], None]]:
+    """A new folder's name (agreed by the ranks), the state dicts DCP writes into it, and what rank 0 does once
+    every shard is written (nothing on the other ranks)."""
+    import torch.distributed as torch_dist
+
+    name = [None]
+    if dist.master:
+        n = 0
+        while os.path.exists(os.path.join(out_dir, f"{SHARDED_NAME}_{state['iter_num']:07d}_{n}")):
+            n += 1
+        name = [f"{SHARDED_NAME}_{state['iter_num']:07d}_{n}"]
+    if dist.enabled:
+        torch_dist.broadcast_object_list(name, src=0)
+    stepped = bool(optimizer.state)
+    state_dicts = _state_dicts(model, optimizer if stepped else None)
+    if not dist.master:
+        return os.path.join(out_dir, name[0]), state_dicts, lambda: None
+    return os.path.join(out_dir, name[0]), state_dicts, lambda: _complete_sharded(
+        out_dir, name[0], {**state, "optimizer_saved": stepped}, improved, keep_best)
+
+
+def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep_best: bool) -> None:
+    """Rank 0, every shard written: train_state.pt marks the folder complete, the links move, older folders go."""
+    folder = os.path.join(out_dir, name)
+    best = _target(out_dir, SHARDED_BEST_NAME) if keep_best else None
+    if keep_best and (improved or best is None and state.get("best_file") == SHARDED_NAME):
+        best = name
+    best_file = SHARDED_NAME if best == name else SHARDED_BEST_NAME if best else None
+    save_checkpoint(os.path.join(folder, STATE_FILE), {**state, "best_file": best_file})
+    fsync_folder(folder)
+    _fault_point("before_link")
+    if best is not None and best != _target(out_dir, SHARDED_BEST_NAME):
+        _link(out_dir, SHARDED_BEST_NAME, best)
+    _link(out_dir, SHARDED_NAME, name)
+    fsync_folder(out_dir)
+    _fault_point("after_link")
+    if not keep_best:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, SHARDED_BEST_NAME))
+    kept = {name, best}
+    for entry in os.listdir(out_dir):  # the previous save, and folders of killed saves: never a user's file
+        if _SHARDED_FOLDER.fullmatch(entry) and entry not in kept:
+            shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
+
+
+def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> tuple[GPT, dict[str, Any]]:
+    """The whole model of a sharded checkpoint in one process (sample.py, conversion), and its train state.
+    `overrides` as in model_from_checkpoint."""
+    state = read_train_state(folder)
+    model = GPT.uninitialized(checkpoint_model_config(state["model_args"], **overrides))
+    load_sharded(folder, model, None)  # every weight, or an error
+    return model.to(device), state
+
+
+def convert_to_single_file(folder: str, path: str | None = None) -> str:
+    """Write a sharded checkpoint as one ckpt.pt (default: beside the folder) in the format train.py writes
+    without FSDP: the model, the optimizer state (torch's format), and the train state. Returns the file."""
+    if not is_sharded(folder):
+        raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED_NAME}")
+    path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT_NAME)
+    model, state = load_sharded_as_full(folder)
+    cfg = state["config"]
+    optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),
+                                           "cpu", fused=False, verbose=False)
+    if state.get("optimizer_saved", True):  # else: saved before the first step, an empty state as torch saves it
+        load_sharded(folder, model, optimizer)
+    state = {k: v for k, v in state.items() if k not in ("sharded", "optimizer_saved")}
+    if state.get("best_file") == SHARDED_NAME:  # the folder held the best weights: now this file does
+        state["best_file"] = os.path.basename(path)
+    elif state.get("best_file") == SHARDED_BEST_NAME:  # kept in the other folder, which this file does not copy
+        state["best_file"] = None
+    save_checkpoint(path, {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    return path
+
