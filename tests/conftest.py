@@ -1,4 +1,5 @@
-"""Shared test setup: the repo root on sys.path, offline data from ../shared/data when present."""
+"""Shared test setup: the repo root on sys.path, offline data from ../shared/data when present, and the fixtures
+many test files use (data_dir: the tiny character dataset of the training tests)."""
 import os
 import sys
 import tempfile
@@ -39,3 +40,13 @@ def gpt2_bpe():
     if not cache or not all(os.path.isfile(os.path.join(cache, n)) for n in names):
         pytest.skip("GPT-2 BPE unavailable offline: set TIKTOKEN_CACHE_DIR to a folder with tiktoken's gpt2 files")
     return dataio.gpt2_tokenizer()
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    """A tiny learnable character dataset (helpers.make_char_dataset) in tmp_path/tinychar: dataset 'tinychar'."""
+    from helpers import make_char_dataset
+
+    d = tmp_path / "tinychar"
+    make_char_dataset(d)
+    return d

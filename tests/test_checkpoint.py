@@ -29,13 +29,6 @@ RUN = dict(gradient_accumulation_steps=2, max_iters=8, lr_decay_iters=8, eval_in
            dropout=0.0)
 
 
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
-
-
 def metrics(out_dir, key: str) -> list[dict]:
     return [r for r in map(json.loads, open(out_dir / "metrics.jsonl")) if key in r]
 

@@ -8,10 +8,8 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from checkpoint import load_checkpoint
-from helpers import HANG_S, ROOT, config_args, make_char_dataset, tiny_config
+from helpers import HANG_S, ROOT, config_args, tiny_config
 
 WRAPPER = """
 import os, sys, time, hashlib
@@ -81,13 +79,6 @@ finally:
         say(f"rank {{rank}} allreduce calls {{calls[0]}}")
     say(f"rank {{rank}} exits at {{time.time()}}")
 """
-
-
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
 
 
 def torchrun(tmp_path, observe: str, cfg, *torchrun_args: str) -> subprocess.CompletedProcess:

@@ -40,13 +40,6 @@ from step import batch_generator, get_batch
 from checkpoint import save_run_checkpoint
 
 
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
-
-
 def start(args, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)

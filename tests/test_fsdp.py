@@ -20,19 +20,12 @@ import sharded
 import parallel
 from errors import UserError
 from checkpoint import load_checkpoint
-from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_script, tiny_config, wait_for_iter
+from helpers import HANG_S, ROOT, config_args, run_script, tiny_config, wait_for_iter
 from model import GPT, GPTConfig
 from train import train
 
 # float32 on the CPU: FSDP computes the same sums in another order (reduce-scatter of 2 halves, sharded AdamW)
 TOL = 1e-5
-
-
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
 
 
 def torchrun(cfg, nproc: int = 2, script: str = "train.py") -> subprocess.CompletedProcess:

@@ -9,18 +9,11 @@ import torch
 from errors import UserError
 from distributed import Dist
 from checkpoint import load_checkpoint
-from helpers import config_args, make_char_dataset, run_in_process, tiny_config
+from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from train import TrainConfig, train
 from step import train_step
-
-
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
 
 
 def _model() -> GPT:

@@ -28,20 +28,12 @@ from helpers import (
     ROOT,
     config_args,
     folder_state,
-    make_char_dataset,
     run_in_process,
     starts_of,
     tiny_config,
 )
 from metrics import read_metrics
 from train import train
-
-
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
 
 
 def previous_runs(out) -> list:

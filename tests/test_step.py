@@ -9,17 +9,10 @@ import torch
 
 import dataio
 from distributed import Dist
-from helpers import make_char_dataset, steps_with_loss_scales
+from helpers import steps_with_loss_scales
 from model import GPT, GPTConfig
 from optim import build_optimizer
 from step import NonFiniteGuard, OneStepLate, StepConfig, batch_generator, get_batch, train_step
-
-
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
 
 
 def max_param_diff(a: dict, b: dict) -> float:

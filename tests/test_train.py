@@ -22,13 +22,6 @@ from step import batch_generator, get_batch
 from errors import UserError
 
 
-@pytest.fixture()
-def data_dir(tmp_path):
-    d = tmp_path / "tinychar"
-    make_char_dataset(d)
-    return d
-
-
 def params_of(path) -> dict[str, torch.Tensor]:
     return load_checkpoint(str(path))["model"]
 
