@@ -1,4 +1,5 @@
-"""common.py: the malloc setting, dtype choice and the one-line error wrapper."""
+"""common.py: the malloc setting, the dtype, attention and loss defaults, the CPU's peak FLOP/s for MFU, and
+optional packages (the one-line error wrapper is errors.py's: tests/test_errors.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import torch
 
 import common
 from common import dtype_reason, resolve_attention, resolve_dtype, resolve_fused_loss, synchronize
-from errors import UserError, exit_on_user_error
+from errors import UserError
 from helpers import run_script
 
 # Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
@@ -67,16 +68,6 @@ def test_auto_dtype_is_bf16_for_cpu_training_on_bf16_hardware_and_float32_for_cp
         resolve_dtype("float16", "cpu")
     with pytest.raises(UserError, match="dtype='fp8' is not one of auto, float32, bfloat16, float16"):
         resolve_dtype("fp8", "cpu")
-
-
-def test_user_errors_exit_2_with_one_line(capsys):
-    def bad():
-        raise UserError("block_size=0 must be at least 1")
-
-    with pytest.raises(SystemExit) as e:
-        exit_on_user_error(bad)
-    assert e.value.code == 2
-    assert capsys.readouterr().err == "error: block_size=0 must be at least 1\n"
 
 
 def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():

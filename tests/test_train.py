@@ -274,29 +274,6 @@ def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, 
         "log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False"]
 
 
-def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    from metrics import wandb_problem
-
-    home = tmp_path / "home"
-    no_wandb_login(monkeypatch, home)
-    cfg = TrainConfig(wandb_log=True)
-    assert "no netrc file" in wandb_problem(cfg)
-    assert wandb_problem(TrainConfig(wandb_log=False)) is None
-    (home / ".netrc").write_text("machine example.com\n  login user\n  password secret\n")  # another host's entry
-    assert f"no entry for api.wandb.ai in {home / '.netrc'}" in wandb_problem(cfg)
-    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")  # `wandb login`'s
-    assert wandb_problem(cfg) is None
-    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a self-hosted server: its own entry
-    assert f"no entry for wandb.example.com in {home / '.netrc'}" in wandb_problem(cfg)
-    for mode in ("offline", "disabled"):
-        monkeypatch.setenv("WANDB_MODE", mode)
-        assert wandb_problem(cfg) is None
-    monkeypatch.delenv("WANDB_MODE")
-    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
-    assert wandb_problem(cfg) is None
-
-
 def test_the_log_lists_the_settings_that_differ_from_the_defaults_and_counts_in_words(data_dir, tmp_path, capsys):
     train(tiny_config(data_dir, tmp_path / "out", max_iters=0, eval_iters=1))
     out = capsys.readouterr().out
@@ -369,30 +346,6 @@ def test_resume_at_or_past_max_iters_evaluates_in_one_line_and_saves_nothing(dat
         assert lines == [f"nothing to train: the checkpoint is at iter 15 and max_iters={max_iters}; "
                          f"evaluating it only (raise max_iters to train on)"]
     assert (out / "ckpt.pt").read_bytes() == before
-
-
-def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tmp_path):
-    """Bug: metrics.jsonl was always appended to, so a new run in an old out_dir mixed its records with the old."""
-    out = tmp_path / "out"
-
-    def records(path=out / "metrics.jsonl"):
-        return [json.loads(ln) for ln in open(path)]
-
-    cfg = tiny_config(data_dir, out, max_iters=4, eval_interval=4, log_interval=1)
-    train(cfg)
-    first = records()
-    train(cfg)
-    second = records()
-    (previous,) = (out / "previous").iterdir()  # the first run, moved aside whole
-    assert records(previous / "metrics.jsonl") == first
-    assert [r["iter"] for r in second if "start" not in r] == [0, 1, 2, 3, 4, 4]  # evals at 0, 4, steps 1-4: one run
-    train(dataclasses.replace(cfg, max_iters=6, init_from="resume"))
-    resumed = records()
-    assert resumed[: len(second)] == second
-    assert [r["iter"] for r in resumed[len(second):] if "start" not in r] == [4, 5, 6, 6]
-    starts = [r["start"] for r in resumed if "start" in r]
-    assert [(s["iter"], s["init_from"]) for s in starts] == [(0, "scratch"), (4, "resume")]
-    assert starts[0]["run_id"] == starts[1]["run_id"] != records(previous / "metrics.jsonl")[0]["start"]["run_id"]
 
 
 def test_a_run_with_no_attention_or_dtype_key_takes_the_fast_path_for_this_cpu(data_dir, tmp_path, capsys):

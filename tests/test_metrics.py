@@ -1,0 +1,95 @@
+"""metrics.py: a run's metrics.jsonl, written through Logger and read by read_metrics: a new run starts its own file
+and a resume appends to its run's (a start line each), the wall time (elapsed_s) continues across resumes, a line
+torn by a kill is skipped with a warning and the next append starts a new line; and wandb_problem, which finds
+wandb's API key where `wandb login` writes it (train.py refusing wandb_log=True before the model is built:
+tests/test_train.py)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from checkpoint import load_checkpoint
+from helpers import config_args, run_in_process, tiny_config
+from metrics import read_metrics
+from test_checkpoint import metrics
+from test_train import no_wandb_login
+from train import TrainConfig, train
+
+
+def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tmp_path):
+    """Bug: metrics.jsonl was always appended to, so a new run in an old out_dir mixed its records with the old."""
+    out = tmp_path / "out"
+
+    def records(path=out / "metrics.jsonl"):
+        return [json.loads(ln) for ln in open(path)]
+
+    cfg = tiny_config(data_dir, out, max_iters=4, eval_interval=4, log_interval=1)
+    train(cfg)
+    first = records()
+    train(cfg)
+    second = records()
+    (previous,) = (out / "previous").iterdir()  # the first run, moved aside whole
+    assert records(previous / "metrics.jsonl") == first
+    assert [r["iter"] for r in second if "start" not in r] == [0, 1, 2, 3, 4, 4]  # evals at 0, 4, steps 1-4: one run
+    train(dataclasses.replace(cfg, max_iters=6, init_from="resume"))
+    resumed = records()
+    assert resumed[: len(second)] == second
+    assert [r["iter"] for r in resumed[len(second):] if "start" not in r] == [4, 5, 6, 6]
+    starts = [r["start"] for r in resumed if "start" in r]
+    assert [(s["iter"], s["init_from"]) for s in starts] == [(0, "scratch"), (4, "resume")]
+    assert starts[0]["run_id"] == starts[1]["run_id"] != records(previous / "metrics.jsonl")[0]["start"]["run_id"]
+
+
+def test_a_torn_metrics_line_is_skipped_with_a_warning_and_the_next_append_starts_a_new_line(data_dir, tmp_path, capsys):
+    """Bug: a line cut short by a kill made every later resume end in a JSONDecodeError at the report, and plot.py
+    fail; the resumed run appended after the torn line."""
+    out = tmp_path / "torn"
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 5, "loss": 2.')  # a kill during the append
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=6, eval_interval=2,
+                                                             init_from="resume", report=True))], capsys)
+    assert r.returncode == 0 and "report: " in r.stdout
+    assert "skipped 1 unreadable line" in r.stderr
+    lines = open(out / "metrics.jsonl").read().splitlines()
+    torn = lines.index('{"iter": 5, "loss": 2.')
+    assert all(json.loads(line) for line in lines[torn + 1:])  # the resumed run's records each on a line of its own
+    steps, evals = read_metrics(str(out))
+    assert [r["iter"] for r in evals] == [0, 2, 4, 4, 6]  # a resume evaluates where it starts
+    assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
+
+
+def test_the_runs_wall_time_continues_across_resumes(data_dir, tmp_path, monkeypatch):
+    """Bug: elapsed_s restarted at 0 in each process, so plot.py's wall-time panel ran backwards."""
+    out = tmp_path / "run"
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, log_interval=1))
+    saved = load_checkpoint(str(out / "ckpt.pt"))["elapsed_s"]
+    assert saved >= metrics(out, "loss")[-1]["elapsed_s"] > 0
+    train(tiny_config(data_dir, out, max_iters=6, eval_interval=2, log_interval=1, init_from="resume"))
+    times = [r["elapsed_s"] for r in map(json.loads, open(out / "metrics.jsonl"))]
+    assert times == sorted(times) and metrics(out, "loss")[4]["elapsed_s"] > saved
+
+
+def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from metrics import wandb_problem
+
+    home = tmp_path / "home"
+    no_wandb_login(monkeypatch, home)
+    cfg = TrainConfig(wandb_log=True)
+    assert "no netrc file" in wandb_problem(cfg)
+    assert wandb_problem(TrainConfig(wandb_log=False)) is None
+    (home / ".netrc").write_text("machine example.com\n  login user\n  password secret\n")  # another host's entry
+    assert f"no entry for api.wandb.ai in {home / '.netrc'}" in wandb_problem(cfg)
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")  # `wandb login`'s
+    assert wandb_problem(cfg) is None
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a self-hosted server: its own entry
+    assert f"no entry for wandb.example.com in {home / '.netrc'}" in wandb_problem(cfg)
+    for mode in ("offline", "disabled"):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert wandb_problem(cfg) is None
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert wandb_problem(cfg) is None
