@@ -1,287 +1,176 @@
-"""checkpoint.py, sharded.py and run_checkpoints.py where features meet: the newest checkpoint by iteration across the file and sharded formats, exact
-resumes from a stop before the first step (DDP and FSDP, AdamW and Muon), saves that remove only their own names,
-FSDP's best copy, sharded folders read wherever a file is, the tokenizer check and mapped weight-only reads. FSDP runs here are process groups of one (the 2-rank paths: tests/test_fsdp.py)."""
+"""checkpoint.py: one checkpoint file. save_checkpoint writes it atomically (a kill at any point of the write, a crash
+before the rename or a full disk leaves the previous checkpoint whole), save_run_checkpoint keeps the best val loss's
+weights across stops and resumes and the last K saves by iteration (keep_last), load_checkpoint runs nothing a
+pickle names (weights_only), and checkpoint_model_config fills the gelu of older checkpoints. A run's checkpoints in
+either format: tests/test_run_checkpoints.py; FSDP's sharded folders: tests/test_sharded.py."""
 from __future__ import annotations
 
-import json
+import errno
+import io
 import os
 import signal
-import subprocess
-import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
-import run_checkpoints
-import export
-import parallel
-import train as train_module
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint, save_run_checkpoint
 from errors import UserError
-from helpers import ROOT, make_char_dataset, tiny_config
+from helpers import tiny_config
 from sample import SampleConfig, load_model
 from train import train
 
-TOL = 1e-5  # FSDP vs one process, float32 (tests/test_fsdp.py)
-RUN = dict(gradient_accumulation_steps=2, max_iters=8, lr_decay_iters=8, eval_interval=4, log_interval=1,
-           dropout=0.0)
+
+def test_a_full_disk_is_a_clear_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(UserError) as info:
+        save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 2})
+    assert str(info.value) == (f"could not write checkpoint {path} (No space left on device); the previous "
+                               f"checkpoint is intact: free disk space or choose another out_dir")
+    monkeypatch.undo()
+    assert load_checkpoint(path)["iter_num"] == 1 and os.listdir(tmp_path) == ["ckpt.pt"]
 
 
-def metrics(out_dir, key: str) -> list[dict]:
-    return [r for r in map(json.loads, open(out_dir / "metrics.jsonl")) if key in r]
+def _save_and_stop_at(path: str, point: str, ready_w: int) -> None:
+    """Child: save a checkpoint (iteration 2) and stop at `point` of the write, telling the parent through ready_w,
+    so that the parent's SIGKILL lands exactly there. Tensors come from numpy: a torch op would start OpenMP
+    threads, which deadlock in a forked child of a process that used them."""
+
+    def stop(*args, **kwargs):
+        os.write(ready_w, b"1")
+        time.sleep(3600)  # until killed
+
+    real_save = torch.save
+    if point == "half written":
+
+        def half_save(obj, f):  # the temporary file holds the first half of the checkpoint's bytes
+            buffer = io.BytesIO()
+            real_save(obj, buffer)
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            f.flush()
+            stop()
+
+        torch.save = half_save
+    elif point == "written, not synced":
+        os.fsync = stop
+    elif point == "synced, not renamed":
+        os.replace = stop
+    elif point == "renamed, folder not synced":
+        checkpoint.fsync_folder = stop
+    save_checkpoint(path, {"model": {"w": torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + 2)},
+                           "model_args": {}, "iter_num": 2})
 
 
-def params_of(path: str) -> dict[str, torch.Tensor]:
-    return run_checkpoints.read_weights(path)["model"]
+@pytest.mark.parametrize("point, survivor", [("half written", 1), ("written, not synced", 1),
+                                             ("synced, not renamed", 1), ("renamed, folder not synced", 2)])
+def test_sigkill_during_a_checkpoint_write_leaves_a_whole_checkpoint(tmp_path, point, survivor):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32) + 1}, "model_args": {},
+                           "iter_num": 1})
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(r)
+            _save_and_stop_at(path, point, w)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.read(r, 1) == b"1"  # the child is at `point`
+    os.close(r)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert any(".tmp." in f for f in os.listdir(tmp_path)) == (survivor == 1)  # killed inside the write
+    ckpt = load_checkpoint(path)  # whole: the old checkpoint or the new one, never a torn file
+    assert ckpt["iter_num"] == survivor
+    assert torch.equal(ckpt["model"]["w"], torch.arange(2_000_000, dtype=torch.float32) + survivor)
+    # temporary files of killed writers are cleaned at the next save
+    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 3})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+def test_a_crash_between_temporary_write_and_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1})
+
+    def die(*args):
+        raise SystemExit("killed between write and rename")
+
+    monkeypatch.setattr(os, "replace", die)
+    with pytest.raises(SystemExit):
+        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_args": {}, "iter_num": 2})
+    monkeypatch.undo()
+    ckpt = load_checkpoint(path)
+    assert ckpt["iter_num"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
 
 
-def test_resume_reads_the_newest_checkpoint_by_iteration_whatever_the_format(data_dir, tmp_path, capsys):
-    """Bug: FSDP always took the sharded folder and DDP the file, so a folder at iter 4 beside a ckpt.pt at iter 6
-    restarted an FSDP run at 4, silently. Here: FSDP to 4, without FSDP to 6 (from the folder: the only
-    checkpoint), FSDP to 8 (from ckpt.pt: newer); every resume says what it read, no iteration runs twice."""
-    out = tmp_path / "run"
-    reference = train(tiny_config(data_dir, tmp_path / "ref", **RUN))
-    train(tiny_config(data_dir, out, **{**RUN, "max_iters": 4}, parallelism="fsdp"))
-    capsys.readouterr()
-    train(tiny_config(data_dir, out, **{**RUN, "max_iters": 6}, init_from="resume"))
-    assert f"resuming from {out / 'ckpt_sharded'} at iter 4\n" in capsys.readouterr().out
-    resumed = train(tiny_config(data_dir, out, **RUN, parallelism="fsdp", init_from="resume"))
-    resumed_line = f"resuming from {out / 'ckpt.pt'} at iter 6 (ckpt_sharded is at iter 4, older)\n"
-    assert resumed_line in capsys.readouterr().out
-    assert [r["iter"] for r in metrics(out, "loss")] == list(range(1, 9))
-    assert resumed["last_loss"] == pytest.approx(reference["last_loss"], abs=TOL)
-    assert max_diff(reference["model"].state_dict(), params_of(str(out / "ckpt_sharded"))) < TOL
-    # sample.py and export.py read the newest too, and say which iteration
-    model, _ = load_model(SampleConfig(out_dir=str(out), device="cpu", dtype="float32"))
-    assert f"checkpoint: {out / 'ckpt_sharded'} at iter 8\n" in capsys.readouterr().err
-    # at the same iteration (a converted folder) an FSDP run reads the folder, any other the file, and says so
-    parallel.main([str(out / "ckpt_sharded")])
-    fsdp = run_checkpoints.find_checkpoint(str(out), prefer_sharded=True)
-    assert fsdp.describe("resuming from") == (f"resuming from {out / 'ckpt_sharded'} at iter 8 (ckpt.pt is at the "
-                                              f"same iteration: an FSDP run reads the sharded one)")
-    assert run_checkpoints.find_checkpoint(str(out)).path == str(out / "ckpt.pt")
+def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path / "data", tmp_path / "out", always_save_checkpoint=False, keep_last=1)
+    out = tmp_path / "out"
+    os.makedirs(out)
+
+    def saved(name):
+        return load_checkpoint(str(out / name))["iter_num"] if (out / name).exists() else None
+
+    def save(i, improved, best_file, config=cfg):
+        return save_run_checkpoint({"model": {}, "model_args": {}, "iter_num": i}, str(out), improved, best_file,
+                                   config.always_save_checkpoint, config.keep_last)
+
+    (out / "ckpt_best.pt").write_bytes(b"an earlier run's")  # not this run's: never claimed as its best
+    assert save(3, False, None) is None  # a stop before any improving eval: no best to keep
+    assert (out / "ckpt_best.pt").read_bytes() == b"an earlier run's"
+    assert save(10, True, None) == "ckpt.pt"  # an improving eval: ckpt.pt is the best (the stale file goes)
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (10, None)
+    assert save(13, False, "ckpt.pt") == "ckpt_best.pt"  # a stop: the best is kept first
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (13, 10)
+    best_file = load_checkpoint(str(out / "ckpt.pt"))["best_file"]  # what a resume reads back
+    assert save(17, False, best_file) == "ckpt_best.pt"  # resumed, stopped again before an improvement
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (17, 10)
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000017.pt", "ckpt_best.pt"]  # keep_last spares the best
+
+    # an improving eval writes ckpt_best.pt before touching ckpt.pt: a crash in between loses no best weights
+    def crash(*args):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr("checkpoint.keep_as", crash)
+    with pytest.raises(SystemExit):
+        save(20, True, "ckpt_best.pt")
+    monkeypatch.undo()
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (17, 20)
+    assert load_checkpoint(str(out / "ckpt.pt"))["best_file"] == "ckpt_best.pt"  # and the resume point says so
+    assert save(20, True, "ckpt_best.pt") == "ckpt.pt"  # the same eval again, uninterrupted
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (20, None)
+
+    always = tiny_config(tmp_path / "data", out, always_save_checkpoint=True, keep_last=2)
+    assert save(23, False, "ckpt.pt", always) is None  # ckpt.pt is the latest anyway: the best is not kept
+    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (23, None)
+    for i in (99, 100, 10_000_000):  # keep_last orders by iteration, not by name
+        save(i, False, None, always)
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == ["ckpt_0000100.pt", "ckpt_10000000.pt"]
+    assert os.path.samefile(out / "ckpt.pt", out / "ckpt_10000000.pt")  # a link, not a second write
 
 
-def test_no_checkpoint_names_what_the_folder_holds(tmp_path):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
-    with pytest.raises(UserError) as e:
-        run_checkpoints.find_checkpoint(str(tmp_path / "run"))
-    assert str(e.value) == (f"no checkpoint in {tmp_path / 'run'} (neither ckpt.pt nor ckpt_sharded; "
-                            f"{tmp_path / 'run'} holds metrics.jsonl): train first, or set --out_dir to the run's folder")
+def test_keep_last_orders_the_snapshots_by_iteration_not_by_name(tmp_path):
+    """ckpt_9999999.pt sorts after ckpt_10000000.pt by name: pruning must keep the newest iteration."""
+    state = {"model": {}, "model_args": {}, "iter_num": 0}
+    for it in (9_999_998, 9_999_999, 10_000_000):
+        checkpoint.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_10000000.pt", "ckpt_9999999.pt"]
 
 
-def stop_at(monkeypatch, stage: str) -> None:
-    """SIGTERM to this process at `stage` of the first iteration: during the iter-0 eval, or between the two
-    micro-steps of the first step (which is then dropped): the save happens before any optimizer step."""
-    if stage == "iter-0 eval":
-        real = train_module.estimate_loss
-
-        def eval_then_signal(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGTERM)  # the StopRequest handler sets its flag
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(train_module, "estimate_loss", eval_then_signal)
-    else:
-        real_step = train_module.train_step
-
-        def step_then_signal(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGTERM)
-            return real_step(*args, **kwargs)
-
-        monkeypatch.setattr(train_module, "train_step", step_then_signal)
-
-
-@pytest.mark.parametrize("parallelism, optimizer", [("fsdp", "adamw"), ("ddp", "adamw"), ("ddp", "muon")])
-@pytest.mark.parametrize("stage", ["iter-0 eval", "first step"])
-def test_a_stop_before_the_first_step_resumes_exactly(data_dir, tmp_path, monkeypatch, parallelism, optimizer,
-                                                      stage):
-    """Bug (FSDP): DCP's get_state_dict filled the empty AdamW state with a zero-gradient step, saving step=1, so
-    the resumed run's losses differed (4.1692 vs 4.1627)."""
-    run = {**RUN, "parallelism": parallelism, "optimizer": optimizer, "eval_interval": 1000}
-    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
-    with monkeypatch.context() as m:
-        stop_at(m, stage)
-        with pytest.raises(SystemExit, match="stopped by SIGTERM after iter 0; checkpoint saved"):
-            train(tiny_config(data_dir, tmp_path / "run", **run))
-    found = run_checkpoints.find_checkpoint(str(tmp_path / "run"))
-    assert found.iter_num == 0 and found.name == ("ckpt_sharded" if parallelism == "fsdp" else "ckpt.pt")
-    resumed = train(tiny_config(data_dir, tmp_path / "run", **run, init_from="resume"))
-    assert resumed["last_loss"] == reference["last_loss"]
-    saved = [params_of(run_checkpoints.find_checkpoint(str(tmp_path / name)).path) for name in ("ref", "run")]
-    assert max_diff(*saved) == 0.0  # from the saves: a sharded run returns no model (its group is gone)
-
-
-def test_saves_remove_only_the_names_they_write(data_dir, tmp_path):
-    """Bug: every sharded save deleted any out_dir entry starting with ckpt_sharded_, a user's backup too."""
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "ckpt_sharded_keep_iter5").mkdir()
-    (out / "ckpt_sharded_keep_iter5" / "notes.txt").write_text("mine")
-    (out / "ckpt_sharded_notes.txt").write_text("mine")
-    (out / "ckpt_5.pt").write_text("mine")  # keep_last writes 7-digit names only
-    (out / "ckpt_sharded_0000002_0").mkdir()  # as a killed save leaves it: removed by the next save
-    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp"))
-    train(tiny_config(data_dir, out, max_iters=6, eval_interval=2, init_from="resume", keep_last=1))
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000006.pt", "ckpt_5.pt", "ckpt_sharded",
-                                       "ckpt_sharded_0000004_0", "ckpt_sharded_keep_iter5", "ckpt_sharded_notes.txt",
-                                       "metrics.jsonl", "previous", "run.json"]
-    # the killed save's folder is a run's file: the new run moved it aside with the rest, the user's files stayed
-    assert [p.name for p in (out / "previous").glob("*/*")] == ["ckpt_sharded_0000002_0"]
-    assert (out / "ckpt_sharded_keep_iter5" / "notes.txt").read_text() == "mine"
-
-
-def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_path, monkeypatch, capsys):
-    """always_save_checkpoint=False (nanoGPT's own Shakespeare config) was refused under FSDP. Now the best val
-    loss's folder keeps a second link, ckpt_sharded_best, while a stop saves the latest in ckpt_sharded."""
-    out = tmp_path / "run"
-    run = dict(max_iters=4, eval_interval=2, parallelism="fsdp", always_save_checkpoint=False)
-    train(tiny_config(data_dir, out, **run))
-    evals = {r["iter"]: r["val_loss"] for r in metrics(out, "val_loss")}
-    assert evals[4] < evals[2]  # the data is learnable: iter 4 is the best so far
-    assert os.readlink(out / "ckpt_sharded") == os.readlink(out / "ckpt_sharded_best") == "ckpt_sharded_0000004_0"
-    best_weights = params_of(str(out / "ckpt_sharded_best"))
-    with monkeypatch.context() as m:  # a stop at the second step of the resume: iter 5 is saved, not the best
-        real_step, calls = train_module.train_step, []
-
-        def step(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return real_step(*args, **kwargs)
-
-        m.setattr(train_module, "train_step", step)
-        with pytest.raises(SystemExit):
-            train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, gradient_accumulation_steps=2,
-                              init_from="resume"))
-    assert "the best val loss's weights stay in ckpt_sharded_best" in capsys.readouterr().out
-    assert run_checkpoints.find_checkpoint(str(out)).iter_num == 5
-    assert run_checkpoints.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
-    assert max_diff(best_weights, params_of(str(out / "ckpt_sharded_best"))) == 0.0
-    assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
-        "ckpt_sharded", "ckpt_sharded_0000004_0", "ckpt_sharded_0000005_0", "ckpt_sharded_best"]
-    # the resume continues from 5; an improving eval moves the best link, and the old best folder goes
-    train(tiny_config(data_dir, out, **{**run, "max_iters": 6}, gradient_accumulation_steps=2, init_from="resume"))
-    assert os.readlink(out / "ckpt_sharded") == os.readlink(out / "ckpt_sharded_best") == "ckpt_sharded_0000006_0"
-    assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
-        "ckpt_sharded", "ckpt_sharded_0000006_0", "ckpt_sharded_best"]
-    # sample.py reads the best copy by name
-    load_model(SampleConfig(out_dir=str(out), ckpt="ckpt_sharded_best", device="cpu", dtype="float32"))
-    assert f"checkpoint: {out / 'ckpt_sharded_best'} at iter 6" in capsys.readouterr().err
-
-
-def test_a_sharded_folder_is_read_wherever_a_file_is(data_dir, tmp_path, capsys):
-    """Bug: export.py called the folder 'truncated or corrupt ... start again', a folder with only ckpt_sharded
-    had 'no checkpoint', and init_from=out/ckpt_sharded tried to download GPT-2."""
-    from transformers import GPT2LMHeadModel
-
-    out = tmp_path / "run"
-    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2, parallelism="fsdp"))
-    ours = params_of(str(out / "ckpt_sharded"))
-    export.main([f"--out_dir={out}", f"--to={tmp_path / 'hf'}"])  # the newest: the folder, with no ckpt.pt there
-    export.main([f"--out_dir={out}", "--ckpt=ckpt_sharded", f"--to={tmp_path / 'hf2'}"])
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
-    assert torch.equal(hf["transformer.wpe.weight"], ours["transformer.wpe.weight"])
-    assert torch.equal(hf["transformer.h.0.mlp.c_fc.weight"], ours["transformer.h.0.mlp.c_fc.weight"].t())
-    # a new run starts from its weights (a file, the folder, or the run folder: the same weights)
-    for init_from in (out / "ckpt_sharded", out):
-        started = train(tiny_config(data_dir, tmp_path / f"ft{len(str(init_from))}", max_iters=0,
-                                    init_from=str(init_from)))
-        assert max_diff(ours, started["model"].state_dict()) == 0.0
-
-
-@pytest.fixture()
-def other_char_data(tmp_path):
-    """A char dataset of the same size of vocabulary but other characters than data_dir's."""
-    d = tmp_path / "otherchar"
-    meta = make_char_dataset(d, seed=0)
-    meta["itos"] = [c.upper() if c.isalpha() else c for c in meta["itos"]]
-    with open(d / "meta.json", "w") as f:
-        json.dump(meta, f)
-    return d
-
-
-def test_weights_of_another_tokenizer_are_refused_at_start(data_dir, other_char_data, tmp_path, monkeypatch):
-    """Bug: init_from=gpt2 (or a BPE checkpoint, a HF folder) trained on a char-level dataset, silently."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    folder = tmp_path / "tiny-gpt2"
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)).save_pretrained(
-        folder)
-    loads = []
-    monkeypatch.setattr(train_module.GPT, "from_pretrained", lambda *a, **k: loads.append(a))
-    for init_from in ("gpt2", str(folder)):
-        with pytest.raises(UserError) as e:
-            train(tiny_config(data_dir, tmp_path / "ft", init_from=init_from))
-        assert str(e.value) == (
-            f"init_from={init_from!r} was trained with another tokenizer (gpt2, 50257 tokens) than dataset "
-            f"'tinychar' (char, 30 tokens): the tokenizers differ; train it on a dataset prepared with its tokenizer "
-            f"(GPT-2 weights: GPT-2 BPE, e.g. data/shakespeare/prepare.py), or start from scratch")
-    assert loads == []  # refused before any weights were read
-    # a char checkpoint on other characters: same vocabulary size, another alphabet
-    train(tiny_config(data_dir, tmp_path / "char", max_iters=2, eval_interval=2))
-    with pytest.raises(UserError, match=r"was trained with another tokenizer \(char, 30 tokens\) than dataset "
-                                        r"'otherchar' \(char, 30 tokens\): the characters differ"):
-        train(tiny_config(other_char_data, tmp_path / "ft2", init_from=str(tmp_path / "char" / "ckpt.pt")))
-
-
-READ_RSS = """
-import resource, sys
-sys.path.insert(0, {root!r})
-import run_checkpoints
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-weights = run_checkpoints.read_weights({path!r})
-total = sum(t.float().sum().item() for t in weights["model"].values())  # every weight read
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
-"""
-
-
-def test_reading_weights_maps_the_file_and_never_reads_the_optimizer_state(tmp_path):
-    """Bug: sample.py, export.py and hellaswag.py read the whole checkpoint, optimizer state included, into memory
-    (1,031 vs 615 MB max RSS for a 45M model)."""
-    from model import GPT, GPTConfig
-
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50))
-    moments = {"exp_avg": torch.ones(100_000_000 // 4 // 2), "exp_avg_sq": torch.ones(100_000_000 // 4 // 2)}
-    state = {"model": model.state_dict(), "model_args": {**vars(model.config)}, "iter_num": 3,
-             "optimizer": {"state": {0: moments}, "param_groups": []}}
-    checkpoint.save_checkpoint(str(tmp_path / "ckpt.pt"), state)
-    r = subprocess.run([sys.executable, "-c", READ_RSS.format(root=ROOT, path=str(tmp_path / "ckpt.pt"))],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    grown_mb = int(r.stdout.strip().splitlines()[-1])
-    print(f"max RSS growth reading the weights of a checkpoint with 100 MB of optimizer state: {grown_mb} MB")
-    assert grown_mb < 50
-
-
-def test_resume_without_the_config_file_continues_the_run_bitwise(data_dir, tmp_path, capsys):
-    """nanoGPT's habit: `python train.py --init_from=resume --out_dir=DIR` takes the model shape, optimizer and
-    every other setting it is not given from the checkpoint's run (it failed: 'the checkpoint's model differs')."""
-    from helpers import config_args
-
-    run = dict(max_iters=8, lr_decay_iters=8, eval_interval=4, optimizer="muon", n_layer=3, dropout=0.1)
-    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
-    first = tiny_config(data_dir, tmp_path / "run", **{**run, "max_iters": 4})
-    train_module.main(config_args(first))
-    capsys.readouterr()
-    train_module.main(["--init_from=resume", f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--device=cpu"])
-    out = capsys.readouterr().out
-    taken = out.split("resuming the run's settings (not given here): ")[1].splitlines()[0]
-    print(taken)
-    taken = dict(item.split("=", 1) for item in taken.split(", "))
-    assert (taken["n_layer"], taken["optimizer"], taken["lr_decay_iters"]) == ("3", "'muon'", "8")
-    assert "max_iters" not in taken and "device" not in taken  # given here
-    assert [line for line in out.splitlines() if "changed setting" in line] == [
-        "resuming with a changed setting (it applies from here on): max_iters: 4 -> 8"]
-    resumed = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
-    assert resumed["iter_num"] == 8
-    assert max_diff(reference["model"].state_dict(), resumed["model"]) == 0.0
+def test_keep_last_keeps_the_newest_checkpoints(data_dir, tmp_path):
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=8, eval_interval=2, keep_last=2))
+    assert sorted(os.listdir(tmp_path / "out")) == ["ckpt.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "metrics.jsonl",
+                                                    "run.json"]
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt_0000006.pt"))["iter_num"] == 6
 
 
 class _RunsACommand:
@@ -311,9 +200,13 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(da
     assert not marker.exists()
 
 
-def test_keep_last_orders_the_snapshots_by_iteration_not_by_name(tmp_path):
-    """ckpt_9999999.pt sorts after ckpt_10000000.pt by name: pruning must keep the newest iteration."""
-    state = {"model": {}, "model_args": {}, "iter_num": 0}
-    for it in (9_999_998, 9_999_999, 10_000_000):
-        checkpoint.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_10000000.pt", "ckpt_9999999.pt"]
+def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
+    from checkpoint import checkpoint_model_config
+
+    ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
+            "vocab_padding_multiple": 64, "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}
+    assert checkpoint_model_config(ours).gelu == "tanh"  # this repo before the setting: GPT-2's tanh form
+    nanogpt = {k: ours[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")}
+    assert checkpoint_model_config(nanogpt).gelu == "erf"  # nanoGPT's nn.GELU()
+    assert checkpoint_model_config({**ours, "gelu": "erf"}).gelu == "erf"  # recorded: used as it is
+    assert checkpoint_model_config(ours, attention="math").attention == "math"  # overrides apply

@@ -70,18 +70,6 @@ def test_auto_dtype_is_bf16_for_cpu_training_on_bf16_hardware_and_float32_for_cp
         resolve_dtype("fp8", "cpu")
 
 
-def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
-    from checkpoint import checkpoint_model_config
-
-    ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
-            "vocab_padding_multiple": 64, "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}
-    assert checkpoint_model_config(ours).gelu == "tanh"  # this repo before the setting: GPT-2's tanh form
-    nanogpt = {k: ours[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")}
-    assert checkpoint_model_config(nanogpt).gelu == "erf"  # nanoGPT's nn.GELU()
-    assert checkpoint_model_config({**ours, "gelu": "erf"}).gelu == "erf"  # recorded: used as it is
-    assert checkpoint_model_config(ours, attention="math").attention == "math"  # overrides apply
-
-
 def test_synchronize_waits_for_the_runs_gpu(monkeypatch):
     # with --device=cuda:1 the timings must wait for GPU 1, not the current device (GPU 0)
     waited = []

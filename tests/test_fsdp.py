@@ -1,6 +1,7 @@
 """FSDP2 (parallelism="fsdp") on the CPU: 2 gloo processes under torchrun against one process, sharded checkpoints,
 activation checkpointing. Expected values come from the plain one-process run (no FSDP, no recompute), and the
-memory line's from the bytes each rank's tensors hold. parallel.py's own tests: tests/test_parallel.py."""
+memory line's from the bytes each rank's tensors hold. parallel.py's own tests: tests/test_parallel.py; sharded.py's:
+tests/test_sharded.py."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ import sharded
 import parallel
 from checkpoint import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, run_script, tiny_config, wait_for_iter
-from model import GPT, GPTConfig
+from test_sharded import KILL_CHILD
 from train import train
 
 # float32 on the CPU: FSDP computes the same sums in another order (reduce-scatter of 2 halves, sharded AdamW)
@@ -203,110 +204,6 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
     assert diff < TOL
 
 
-KILL_CHILD = """
-import os, signal, sys
-sys.path[:0] = [{root!r}, {tests!r}]
-import sharded
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from helpers import tiny_config
-from train import train
-
-import train as train_module
-stage, saves, steps = sys.argv[1], [], []
-real_step = train_module.train_step
-def step(*args, **kwargs):
-    steps.append(1)
-    return real_step(*args, **kwargs)
-train_module.train_step = step
-def kill(at):
-    if at == stage and len(saves) == 2:  # the second save: the first one is the checkpoint to keep
-        print(f"steps run: {{len(steps)}}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-def counted(save):
-    def count(*args, **kwargs):
-        saves.append(1)
-        return save(*args, **kwargs)
-    return count
-sharded.save_sharded = counted(sharded.save_sharded)
-sharded.start_sharded_save = counted(sharded.start_sharded_save)  # async_save
-sharded._fault_point = kill
-finish = FileSystemWriter.finish
-def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
-    kill("dcp_finish")
-    return finish(self, *args, **kwargs)
-FileSystemWriter.finish = finish_or_die
-train(tiny_config({data!r}, {out!r}, max_iters=4, eval_interval=2, parallelism="fsdp"))
-"""
-
-
-@pytest.mark.parametrize("stage", ["dcp_finish", "before_link"])
-def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tmp_path, stage):
-    out = tmp_path / "run"
-    code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
-    r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
-    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    assert len([f for f in os.listdir(out) if f.startswith(sharded.SHARDED_NAME + "_")]) == 2  # the killed save's too
-    ckpt = run_checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()
-    assert ckpt["iter_num"] == 2
-    model, _ = sharded.load_sharded_as_full(ckpt["sharded"])
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    # the next save removes the killed save's folder
-    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
-    kept = sorted(f for f in os.listdir(out) if f not in ("metrics.jsonl", "run.json"))
-    assert kept == ["ckpt_sharded", os.readlink(out / "ckpt_sharded")] and kept[1].startswith("ckpt_sharded_0000004_")
-
-
-def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_once_written(tmp_path):
-    """async_save: training changes the weights (in place, as the optimizer does) while DCP writes; the folder holds
-    the step's weights and optimizer state, and ckpt_sharded names it only after finish()."""
-    from distributed import checkpoint_group, cleanup_distributed, setup_distributed
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    dist = setup_distributed("cpu", group_of_one=True)
-    write, started = FileSystemWriter.write_data, []
-
-    def slow_write(self, *args, **kwargs):  # the shards land after training has changed the weights
-        started.append(1)
-        torch.distributed.barrier(group=group)  # never returns before the main thread changed them
-        return write(self, *args, **kwargs)
-
-    try:
-        torch.manual_seed(0)
-        model = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
-                                     dist, "float32", compile=False)
-        optimizer = torch.optim.AdamW(model.parameters())
-        idx = torch.randint(11, (2, 8))
-        model(idx, idx)[1].backward()
-        optimizer.step()
-        expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-        exp_avg = [optimizer.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
-        group = checkpoint_group(dist)
-        FileSystemWriter.write_data = slow_write
-        state = {"iter_num": 1, "model_args": model.config.__dict__, "config": {}}
-        pending = sharded.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
-        with torch.no_grad():  # the next step
-            for p in model.parameters():
-                p.add_(1.0)
-                optimizer.state[p]["exp_avg"].add_(1.0)
-        assert not os.path.exists(tmp_path / sharded.SHARDED_NAME)  # nothing linked while the shards are written
-        torch.distributed.barrier(group=group)
-        pending.finish()
-        assert started and os.readlink(tmp_path / sharded.SHARDED_NAME) == "ckpt_sharded_0000001_0"
-        saved, _ = sharded.load_sharded_as_full(str(tmp_path / sharded.SHARDED_NAME))
-        assert all(torch.equal(saved.state_dict()[k], expected[k]) for k in expected)
-        fresh = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
-                                     dist, "float32", compile=False)
-        fresh_opt = torch.optim.AdamW(fresh.parameters())
-        fresh(idx, idx)[1].backward()
-        fresh_opt.step()
-        sharded.load_sharded(str(tmp_path / sharded.SHARDED_NAME), fresh, fresh_opt)
-        assert all(torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), e)
-                   for p, e in zip(fresh.parameters(), exp_avg))
-    finally:
-        FileSystemWriter.write_data = write
-        cleanup_distributed(dist)
-
-
 ASYNC = {**RESUME, "max_iters": 8, "lr_decay_iters": 8, "eval_interval": 1000, "checkpoint_interval": 2}
 
 
@@ -372,7 +269,7 @@ def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path, 
     torch.manual_seed(0)
     folder = tmp_path / "tiny-gpt2"
     vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]  # a char model in HF's format: the
-    # dataset's tokenizer (GPT-2's vocabulary on char data is refused: tests/test_checkpoint.py)
+    # dataset's tokenizer (GPT-2's vocabulary on char data is refused: tests/test_run_checkpoints.py)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=vocab))
     hf.save_pretrained(folder)
     run = dict(init_from=str(folder), max_iters=2, eval_interval=2, dropout=0.0)

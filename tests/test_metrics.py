@@ -13,7 +13,7 @@ import pytest
 from checkpoint import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from metrics import read_metrics
-from test_checkpoint import metrics
+from test_run_checkpoints import metrics
 from test_train import no_wandb_login
 from train import TrainConfig, train
 

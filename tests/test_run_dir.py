@@ -1,7 +1,7 @@
 """One run per out_dir across starts (run_dir.py): the same command again, init_from=auto, a new run in a used folder
-(each checkpoint format), keep_last across runs, a torchrun restart, a damaged run.json or metrics.jsonl,
-checkpoint_interval under a hard kill, and torchrun's elastic restarts and two agents on one machine (real torchrun,
-gloo, tiny models)."""
+(each checkpoint format), a resume that takes the run's settings it is not given, keep_last across runs, a torchrun
+restart, a damaged run.json or metrics.jsonl, checkpoint_interval under a hard kill, and torchrun's elastic restarts
+and two agents on one machine (real torchrun, gloo, tiny models)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +22,7 @@ import checkpoint
 import run_checkpoints
 import sharded
 import run_dir
+import train as train_module
 from checkpoint import load_checkpoint
 from helpers import (
     HANG_S,
@@ -32,6 +33,7 @@ from helpers import (
     starts_of,
     tiny_config,
 )
+from test_run_checkpoints import max_diff
 from train import train
 
 
@@ -271,6 +273,30 @@ def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(dat
     assert folder_state(out) == before
 
 
+def test_resume_without_the_config_file_continues_the_run_bitwise(data_dir, tmp_path, capsys):
+    """nanoGPT's habit: `python train.py --init_from=resume --out_dir=DIR` takes the model shape, optimizer and
+    every other setting it is not given from the checkpoint's run (it failed: 'the checkpoint's model differs')."""
+    from helpers import config_args
+
+    run = dict(max_iters=8, lr_decay_iters=8, eval_interval=4, optimizer="muon", n_layer=3, dropout=0.1)
+    reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
+    first = tiny_config(data_dir, tmp_path / "run", **{**run, "max_iters": 4})
+    train_module.main(config_args(first))
+    capsys.readouterr()
+    train_module.main(["--init_from=resume", f"--out_dir={tmp_path / 'run'}", "--max_iters=8", "--device=cpu"])
+    out = capsys.readouterr().out
+    taken = out.split("resuming the run's settings (not given here): ")[1].splitlines()[0]
+    print(taken)
+    taken = dict(item.split("=", 1) for item in taken.split(", "))
+    assert (taken["n_layer"], taken["optimizer"], taken["lr_decay_iters"]) == ("3", "'muon'", "8")
+    assert "max_iters" not in taken and "device" not in taken  # given here
+    assert [line for line in out.splitlines() if "changed setting" in line] == [
+        "resuming with a changed setting (it applies from here on): max_iters: 4 -> 8"]
+    resumed = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert resumed["iter_num"] == 8
+    assert max_diff(reference["model"].state_dict(), resumed["model"]) == 0.0
+
+
 def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
     """Bug: a new run with keep_last=2 after a run to iter 30 with keep_last=3 deleted its own snapshots and kept the
     old run's ckpt_0000025.pt and ckpt_0000030.pt."""
@@ -315,7 +341,7 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
     assert run_dir.move_previous_run(str(out)) is None  # nothing of a run left
 
 
-# ----------------------------------------------------------------------------------------------- metrics.jsonl
+# ----------------------------------------------------------------------------------------------- damaged files
 
 
 def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warns(data_dir, tmp_path, capsys):

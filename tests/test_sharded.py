@@ -1,0 +1,168 @@
+"""sharded.py: FSDP's sharded folders, in processes of one (FSDP over a process group of one). A SIGKILL at any stage
+of a save (every shard written but not DCP's metadata; all written but not yet linked) leaves the previous folder
+loadable, and the next save removes the killed one's; a save in the background (start_sharded_save) keeps the
+weights and optimizer state of its step while training changes them, and is linked only once written; the best val
+loss's folder stays linked as ckpt_sharded_best across a stop and a resume. Sharded saves, kills and resumes on 2
+ranks: tests/test_fsdp.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import parallel
+import run_checkpoints
+import sharded
+import train as train_module
+from helpers import HANG_S, ROOT, tiny_config
+from model import GPT, GPTConfig
+from sample import SampleConfig, load_model
+from test_run_checkpoints import max_diff, metrics, params_of
+from train import train
+
+
+KILL_CHILD = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import sharded
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from helpers import tiny_config
+from train import train
+
+import train as train_module
+stage, saves, steps = sys.argv[1], [], []
+real_step = train_module.train_step
+def step(*args, **kwargs):
+    steps.append(1)
+    return real_step(*args, **kwargs)
+train_module.train_step = step
+def kill(at):
+    if at == stage and len(saves) == 2:  # the second save: the first one is the checkpoint to keep
+        print(f"steps run: {{len(steps)}}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+def counted(save):
+    def count(*args, **kwargs):
+        saves.append(1)
+        return save(*args, **kwargs)
+    return count
+sharded.save_sharded = counted(sharded.save_sharded)
+sharded.start_sharded_save = counted(sharded.start_sharded_save)  # async_save
+sharded._fault_point = kill
+finish = FileSystemWriter.finish
+def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
+    kill("dcp_finish")
+    return finish(self, *args, **kwargs)
+FileSystemWriter.finish = finish_or_die
+train(tiny_config({data!r}, {out!r}, max_iters=4, eval_interval=2, parallelism="fsdp"))
+"""
+
+
+@pytest.mark.parametrize("stage", ["dcp_finish", "before_link"])
+def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tmp_path, stage):
+    out = tmp_path / "run"
+    code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
+    r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert len([f for f in os.listdir(out) if f.startswith(sharded.SHARDED_NAME + "_")]) == 2  # the killed save's too
+    ckpt = run_checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()
+    assert ckpt["iter_num"] == 2
+    model, _ = sharded.load_sharded_as_full(ckpt["sharded"])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the next save removes the killed save's folder
+    train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
+    kept = sorted(f for f in os.listdir(out) if f not in ("metrics.jsonl", "run.json"))
+    assert kept == ["ckpt_sharded", os.readlink(out / "ckpt_sharded")] and kept[1].startswith("ckpt_sharded_0000004_")
+
+
+def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_once_written(tmp_path):
+    """async_save: training changes the weights (in place, as the optimizer does) while DCP writes; the folder holds
+    the step's weights and optimizer state, and ckpt_sharded names it only after finish()."""
+    from distributed import checkpoint_group, cleanup_distributed, setup_distributed
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    dist = setup_distributed("cpu", group_of_one=True)
+    write, started = FileSystemWriter.write_data, []
+
+    def slow_write(self, *args, **kwargs):  # the shards land after training has changed the weights
+        started.append(1)
+        torch.distributed.barrier(group=group)  # never returns before the main thread changed them
+        return write(self, *args, **kwargs)
+
+    try:
+        torch.manual_seed(0)
+        model = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
+                                     dist, "float32", compile=False)
+        optimizer = torch.optim.AdamW(model.parameters())
+        idx = torch.randint(11, (2, 8))
+        model(idx, idx)[1].backward()
+        optimizer.step()
+        expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        exp_avg = [optimizer.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
+        group = checkpoint_group(dist)
+        FileSystemWriter.write_data = slow_write
+        state = {"iter_num": 1, "model_args": model.config.__dict__, "config": {}}
+        pending = sharded.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
+        with torch.no_grad():  # the next step
+            for p in model.parameters():
+                p.add_(1.0)
+                optimizer.state[p]["exp_avg"].add_(1.0)
+        assert not os.path.exists(tmp_path / sharded.SHARDED_NAME)  # nothing linked while the shards are written
+        torch.distributed.barrier(group=group)
+        pending.finish()
+        assert started and os.readlink(tmp_path / sharded.SHARDED_NAME) == "ckpt_sharded_0000001_0"
+        saved, _ = sharded.load_sharded_as_full(str(tmp_path / sharded.SHARDED_NAME))
+        assert all(torch.equal(saved.state_dict()[k], expected[k]) for k in expected)
+        fresh = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
+                                     dist, "float32", compile=False)
+        fresh_opt = torch.optim.AdamW(fresh.parameters())
+        fresh(idx, idx)[1].backward()
+        fresh_opt.step()
+        sharded.load_sharded(str(tmp_path / sharded.SHARDED_NAME), fresh, fresh_opt)
+        assert all(torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), e)
+                   for p, e in zip(fresh.parameters(), exp_avg))
+    finally:
+        FileSystemWriter.write_data = write
+        cleanup_distributed(dist)
+
+
+def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_path, monkeypatch, capsys):
+    """always_save_checkpoint=False (nanoGPT's own Shakespeare config) was refused under FSDP. Now the best val
+    loss's folder keeps a second link, ckpt_sharded_best, while a stop saves the latest in ckpt_sharded."""
+    out = tmp_path / "run"
+    run = dict(max_iters=4, eval_interval=2, parallelism="fsdp", always_save_checkpoint=False)
+    train(tiny_config(data_dir, out, **run))
+    evals = {r["iter"]: r["val_loss"] for r in metrics(out, "val_loss")}
+    assert evals[4] < evals[2]  # the data is learnable: iter 4 is the best so far
+    assert os.readlink(out / "ckpt_sharded") == os.readlink(out / "ckpt_sharded_best") == "ckpt_sharded_0000004_0"
+    best_weights = params_of(str(out / "ckpt_sharded_best"))
+    with monkeypatch.context() as m:  # a stop at the second step of the resume: iter 5 is saved, not the best
+        real_step, calls = train_module.train_step, []
+
+        def step(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_step(*args, **kwargs)
+
+        m.setattr(train_module, "train_step", step)
+        with pytest.raises(SystemExit):
+            train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, gradient_accumulation_steps=2,
+                              init_from="resume"))
+    assert "the best val loss's weights stay in ckpt_sharded_best" in capsys.readouterr().out
+    assert run_checkpoints.find_checkpoint(str(out)).iter_num == 5
+    assert run_checkpoints.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
+    assert max_diff(best_weights, params_of(str(out / "ckpt_sharded_best"))) == 0.0
+    assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
+        "ckpt_sharded", "ckpt_sharded_0000004_0", "ckpt_sharded_0000005_0", "ckpt_sharded_best"]
+    # the resume continues from 5; an improving eval moves the best link, and the old best folder goes
+    train(tiny_config(data_dir, out, **{**run, "max_iters": 6}, gradient_accumulation_steps=2, init_from="resume"))
+    assert os.readlink(out / "ckpt_sharded") == os.readlink(out / "ckpt_sharded_best") == "ckpt_sharded_0000006_0"
+    assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
+        "ckpt_sharded", "ckpt_sharded_0000006_0", "ckpt_sharded_best"]
+    # sample.py reads the best copy by name
+    load_model(SampleConfig(out_dir=str(out), ckpt="ckpt_sharded_best", device="cpu", dtype="float32"))
+    assert f"checkpoint: {out / 'ckpt_sharded_best'} at iter 6" in capsys.readouterr().err
