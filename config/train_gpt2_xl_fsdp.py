@@ -13,7 +13,7 @@
 #     parameters at a time (~60 MiB) and the activations: with activation checkpointing every block keeps only
 #     its input (12 x 1024 x 1600 x 2 B = 38 MiB per block, 1.8 GiB for 48 blocks) and recomputes the rest in
 #     the backward. About 10 GiB in all.
-# (tests/test_fsdp.py checks these figures against memory_per_rank of the model sharded over 8 ranks.)
+# (tests/test_parallel.py checks these figures against memory_per_rank of the model sharded over 8 ranks.)
 
 wandb_log = True
 wandb_project = "owt"
