@@ -31,6 +31,7 @@ from common import (
 )
 from distributed import Dist
 from errors import UserError
+from measure import DeviceClock
 from model import GPT, GPTConfig
 from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer, step_unless
 
@@ -345,34 +346,37 @@ class OneStepLate:
     waiting and returns those of the step pushed before, which by then has finished or is about to (while the step
     just pushed keeps the device busy). So reading every step's figures never leaves a GPU idle, and the loop
     waits for the device only where it must (flush: before an eval, a save, a stop, the end). Each figure comes back
-    with the tag it was pushed with (the iteration, its learning rate).
+    with the tag it was pushed with (the iteration, its learning rate) and the step's time in ms on the device's
+    timeline (measure.DeviceClock: from the end of the step before, or of what restart() marked, to its own end).
     """
 
     def __init__(self, device: str):
-        self.device = device
-        self.cuda = device.startswith("cuda")
-        self.pending: tuple | None = None  # (tag, host copy, event)
+        self.clock = DeviceClock(device)
+        self.pending: tuple | None = None  # (tag, host copy, the step's end mark, the mark its time counts from)
+        self.restart()
+
+    def restart(self) -> None:
+        """The next step's time counts from here (after an eval or a save, which are not part of it)."""
+        self.last_mark = self.clock.mark()
 
     def push(self, tag, result: StepResult) -> tuple | None:
-        host = torch.empty(result.stats.shape, dtype=result.stats.dtype, pin_memory=self.cuda)
+        """Start reading `result`; return (tag, StepFigures, ms) of the step pushed before, or None."""
+        host = torch.empty(result.stats.shape, dtype=result.stats.dtype, pin_memory=self.clock.cuda)
         host.copy_(result.stats, non_blocking=True)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        previous, self.pending = self.pending, (tag, host, event)
+        mark = self.clock.mark()  # on a GPU an event after the step's work: waiting on it waits for this step only
+        previous, self.pending = self.pending, (tag, host, mark, self.last_mark)
+        self.last_mark = mark
         return self._read(previous)
 
     def flush(self) -> tuple | None:
-        """The last pushed step's (tag, StepFigures), waiting for it; None if there is none."""
+        """The last pushed step's (tag, StepFigures, ms), waiting for it; None if there is none."""
         previous, self.pending = self.pending, None
         return self._read(previous)
 
-    @staticmethod
-    def _read(pending: tuple | None) -> tuple | None:
+    def _read(self, pending: tuple | None) -> tuple | None:
         if pending is None:
             return None
-        tag, host, event = pending
-        if event is not None:
-            event.synchronize()  # that step only: the steps queued after it keep running
-        return tag, figures(host.tolist())
+        tag, host, mark, since = pending
+        if self.clock.cuda:
+            mark.synchronize()  # that step only: the steps queued after it keep running
+        return tag, figures(host.tolist()), self.clock.ms(since, mark)

@@ -222,9 +222,8 @@ class NonFiniteError(UserError):
 class StepReports:
     """What the loop does with each step's figures once they are read (step.OneStepLate: one step late, so reading
     never holds the device back): stop the run once more than max_nonfinite_skips steps had a non-finite loss or
-    gradient norm, warn of each such skipped step, and every log_interval steps log the loss, learning rate, time,
-    tokens/s, MFU and gradient norm. A step's time is the time between two steps' figures arriving: in a steady loop,
-    what a step takes on the device."""
+    gradient norm, warn of each such skipped step, and every log_interval steps log the loss, learning rate, the
+    step's time on the device's timeline, tokens/s, MFU and gradient norm."""
 
     def __init__(self, cfg: TrainConfig, log: Logger, model: GPT, tokens_per_iter: int, accum_steps: int,
                  peak_flops: float | None, scaler_enabled: bool):
@@ -232,19 +231,13 @@ class StepReports:
         self.tokens_per_iter, self.accum_steps, self.peak_flops = tokens_per_iter, accum_steps, peak_flops
         self.running_mfu = -1.0
         self.last_loss = float("nan")
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
-        """The next step's time counts from now (after an eval or a save, which are not part of it)."""
-        self.t0 = time.time()
 
     def report(self, read: tuple | None) -> None:
-        """read: ((iteration, learning rate), StepFigures) of one step, or None."""
+        """read: ((iteration, learning rate), StepFigures, ms) of one step, or None."""
         if read is None:
             return
-        (it, lr), f = read
-        t1 = time.time()
-        dt, self.t0 = t1 - self.t0, t1
+        (it, lr), f, ms = read
+        dt = ms / 1000
         cfg = self.cfg
         if not f.applied and not (self.scaler_enabled and math.isfinite(f.loss)):  # float16 overflow: the scaler's
             what = "loss" if not math.isfinite(f.loss) else "gradient norm"
@@ -261,11 +254,11 @@ class StepReports:
         if mfu is not None:
             self.running_mfu = mfu if self.running_mfu < 0 else 0.9 * self.running_mfu + 0.1 * mfu
         self.log.print(
-            f"iter {it + 1}: loss {f.loss:.4f}, lr {lr:.2e}, time {dt * 1000:.2f}ms, "
+            f"iter {it + 1}: loss {f.loss:.4f}, lr {lr:.2e}, time {ms:.2f}ms, "
             f"{self.tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text(self.running_mfu if self.running_mfu >= 0 else None)}, "
             f"grad norm {f.grad_norm:.3f}"
         )
-        self.log.metrics({"iter": it + 1, "loss": f.loss, "lr": lr, "ms": dt * 1000, "tok_s": self.tokens_per_iter / dt,
+        self.log.metrics({"iter": it + 1, "loss": f.loss, "lr": lr, "ms": ms, "tok_s": self.tokens_per_iter / dt,
                           "mfu": mfu, "grad_norm": f.grad_norm})
 
 
@@ -665,7 +658,7 @@ class Loop:
             if self.saves.periodic_due(self.iter_num):  # between evals (an eval's save counts)
                 self.steps.report(self.late.flush())
                 self.saves.save(self.iter_num, self.best_val_loss, improved=False)
-                self.steps.restart_clock()
+                self.late.restart()
             if self.iter_num >= cfg.max_iters or eval_only:
                 return
             self.step()
@@ -693,7 +686,7 @@ class Loop:
         self.best_val_loss = min(self.best_val_loss, self.losses["val"])  # never overwritten by a worse value
         if (improved or cfg.always_save_checkpoint) and it > 0 and not r.eval_only:
             self.saves.save(it, self.best_val_loss, improved)
-        self.steps.restart_clock()  # the eval is not part of the next step's time
+        self.late.restart()  # the eval is not part of the next step's time
 
     def step(self) -> None:
         """One optimizer step, queued: the host goes on while the device computes it."""

@@ -114,19 +114,34 @@ def test_past_its_limit_the_guard_skips_every_later_step():
         assert guard.skips.item() == 1  # only the NaN step is counted
 
 
-def test_one_step_late_returns_each_steps_figures_with_its_tag_when_the_next_is_pushed():
+def test_one_step_late_returns_each_steps_figures_with_its_tag_when_the_next_is_pushed(monkeypatch):
+    """Each step's figures come back one push later, with its tag and its time: from the end of the step before (or
+    the last restart) to its own end, on the CPU the host clock (here one the test sets: 5, 7 and 11 ms steps)."""
+    import measure
+
+    now = {"t": 0.0}
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now["t"])
     model = _tiny_model()
     opt = build_optimizer(model, StepConfig(learning_rate=1e-2), "cpu", verbose=False)
     scaler, ctx = torch.amp.GradScaler("cpu", enabled=False), torch.autocast("cpu", enabled=False)
     batches = [(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16)))]
     late = OneStepLate("cpu")
     assert late.flush() is None
-    results = [train_step(model, opt, scaler, batches, ctx, StepConfig(), Dist()) for _ in range(3)]
-    assert late.push("a", results[0]) is None
-    tag, figures = late.push("b", results[1])
-    assert tag == "a" and figures == results[0].read()
-    assert late.push("c", results[2])[0] == "b"
-    tag, figures = late.flush()
-    assert tag == "c" and figures == results[2].read() and figures.applied and late.flush() is None
+    results, reads = [], []
+    for tag, ms in (("a", 5), ("b", 7), ("c", 11)):
+        now["t"] += ms / 1000  # the step's time on the test's clock
+        results.append(train_step(model, opt, scaler, batches, ctx, StepConfig(), Dist()))
+        reads.append(late.push(tag, results[-1]))
+    assert reads[0] is None
+    (tag_a, figures_a, ms_a), (tag_b, _, ms_b) = reads[1:]
+    assert (tag_a, tag_b) == ("a", "b") and figures_a == results[0].read()
+    tag_c, figures_c, ms_c = late.flush()  # the last step: its own time, not the time since the read before
+    assert tag_c == "c" and figures_c == results[2].read() and figures_c.applied and late.flush() is None
+    assert [ms_a, ms_b, ms_c] == pytest.approx([5, 7, 11])
+    now["t"] += 1.0  # an eval: not part of the next step's time once restart() marks its end
+    late.restart()
+    now["t"] += 0.003
+    late.push("d", train_step(model, opt, scaler, batches, ctx, StepConfig(), Dist()))
+    assert late.flush()[2] == pytest.approx(3)
     losses = [r.read().loss for r in results]
     assert losses[2] < losses[0]  # three different steps: the model trained

@@ -387,3 +387,32 @@ def test_a_resume_announces_only_the_settings_the_user_changed(data_dir, tmp_pat
     assert r.returncode == 0
     assert [line for line in r.stdout.splitlines() if "changed setting" in line] == [
         "resuming with a changed setting (it applies from here on): max_iters: 4 -> 8"]
+
+
+def test_each_logged_step_time_is_that_steps_own_the_last_one_too(data_dir, tmp_path, monkeypatch):
+    """train.py logs each step's time as step.OneStepLate measures it, from the end of the step before to its own
+    end: on a clock the test moves by 40 ms in each step and by 1 s in each eval, every logged step took 40 ms, the
+    one after an eval (which is not part of it) and the last (read at the final eval) included."""
+    import measure
+    import train as train_module
+    from metrics import read_records
+
+    now = {"t": 0.0}
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now["t"])
+    real_step, real_eval = train_module.train_step, train_module.estimate_loss
+
+    def step(*args, **kwargs):
+        now["t"] += 0.040
+        return real_step(*args, **kwargs)
+
+    def evaluate(*args, **kwargs):
+        now["t"] += 1.0
+        return real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    monkeypatch.setattr(train_module, "estimate_loss", evaluate)
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=6, eval_interval=3, log_interval=1, peak_flops=1e12))
+    records = [r for r in read_records(str(tmp_path / "out" / "metrics.jsonl")) if "ms" in r]
+    assert [r["iter"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["ms"] for r in records] == pytest.approx([40.0] * 6)
+    assert records[-1]["tok_s"] == pytest.approx(4 * 32 / 0.040)  # 1 micro-step x 4 x 32 tokens
