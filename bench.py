@@ -238,6 +238,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     ms = [clock.ms(a, b) for a, b in zip(marks, marks[1:])]
     peak = memory.peak_mib()
     optimizer_timer.timing = False
+    loss = held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"])  # after the timed steps, as every run
     prof = None
     if cfg.profile:  # steps of their own: the profiler's cost stays out of the timings
         print(f"profiling {plural(PROFILED_STEPS, 'more step')}...", flush=True)
@@ -263,7 +264,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "ms_median": median, "ms_mean": sum(ms) / len(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_q1": q1, "ms_q3": q3, "ms": ms,
         "tokens_per_iter": tokens_per_iter, "tokens_per_s": tokens_per_iter / (median / 1000), "mfu": mfu,
         "peak_memory_mib": peak, "memory_measure": memory.measure,
-        "loss": held_out_loss(raw_model, cfg, run["ctx"], device, run["data_path"]), "initial_loss": initial_loss,
+        "loss": loss, "initial_loss": initial_loss,
         "gpu_busy": gpu_busy_share(prof) if cfg.profile else None,
         "device": device, "dtype": dtype_label(run["dtype"]), "allocator": detect_allocator(),
         "threads": torch.get_num_threads(), "others_cpu": others.fraction,

@@ -362,7 +362,7 @@ class OneStepLate:
     def push(self, tag, result: StepResult) -> tuple | None:
         """Start reading `result`; return (tag, StepFigures, ms) of the step pushed before, or None."""
         host = torch.empty(result.stats.shape, dtype=result.stats.dtype, pin_memory=self.clock.cuda)
-        host.copy_(result.stats, non_blocking=True)
+        host.copy_(result.stats, non_blocking=self.clock.cuda)  # waited for by the event; other devices: now
         mark = self.clock.mark()  # on a GPU an event after the step's work: waiting on it waits for this step only
         previous, self.pending = self.pending, (tag, host, mark, self.last_mark)
         self.last_mark = mark

@@ -298,3 +298,14 @@ def test_floor_operands_are_fresh_per_call_except_large_ones_and_fill_overlappin
     bias = measure._fresh(("tensor", (3, 8), (0, 1), torch.float32), "cpu", {})
     assert bias.shape == (3, 8) and torch.equal(bias[0], bias[2]) and bias[0].std() > 0.5
     assert measure._fresh(7, "cpu", made) == 7  # not a tensor: the recorded value
+
+
+def test_the_profiled_steps_come_after_the_loss_so_it_is_the_same_with_or_without_them(tmp_path):
+    """--profile runs 5 more steps under the profiler after the timed ones; the held-out loss is taken before them,
+    so a profiled run reports the loss every run reports, after the timed steps."""
+    losses = []
+    for profile in (False, True):
+        cfg, _ = bench.load_config([*TINY, "--warmup_steps=1", "--timed_steps=2", f"--profile={profile}",
+                                    f"--results_dir={tmp_path}"])
+        losses.append(bench.run_bench(cfg)["result"]["loss"])
+    assert losses[0] == losses[1]
