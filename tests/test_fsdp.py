@@ -20,7 +20,7 @@ import run_checkpoints
 import sharded
 import parallel
 from checkpoint import load_checkpoint
-from helpers import HANG_S, ROOT, config_args, run_script, tiny_config, wait_for_iter
+from helpers import HANG_S, ROOT, config_args, run_script, tiny_config
 from test_sharded import KILL_CHILD
 from train import train
 
@@ -181,19 +181,16 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
     run = {**RESUME, "max_iters": 16, "lr_decay_iters": 16, "eval_interval": 1000}
     reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
     cfg = tiny_config(data_dir, tmp_path / "run", **run, parallelism="fsdp")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "train.py", *config_args(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for_iter(tmp_path / "run" / "metrics.jsonl", 3, proc, timeout=200)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
-    os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only, as when one node is preempted first
-    _, err = proc.communicate(timeout=200)
-    assert proc.returncode != 0
+    # the signal reaches rank 1 only, during its 4th step, as when one node is preempted first (injected at that step
+    # by tests/signal_at_step.py, never raced against the run)
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/signal_at_step.py",
+                    "SIGTERM", "4", "1", *config_args(cfg)], timeout=HANG_S)
+    err = r.stderr
+    assert r.returncode != 0
     assert "checkpoint saved: resume with --init_from=resume" in err
     folder = tmp_path / "run" / sharded.SHARDED_NAME
     stopped_at = sharded.read_train_state(str(folder))["iter_num"]
-    assert 3 <= stopped_at < 16, err[-2000:]
+    assert stopped_at == 4, err[-2000:]
     assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # saved on 2 ranks, resumed in one process (FSDP with a group of one)
     resumed = train(tiny_config(data_dir, tmp_path / "run", **run, parallelism="fsdp", init_from="resume"))
