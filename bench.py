@@ -221,9 +221,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.warmup_steps:
         print(f"warming up: {plural(cfg.warmup_steps, 'step')}{' (the first compiles the model)' if cfg.compile else ''}"
               f"...", flush=True)
+    warmup_start = time.perf_counter()
     for i in range(cfg.warmup_steps):
         step(i)
     late.flush()
+    synchronize(device)
+    warmup_s = time.perf_counter() - warmup_start  # with compile=True: mostly the compile
     memory.before_timed_steps()
     print(f"timing {plural(cfg.timed_steps, 'step')}...", flush=True)
     optimizer_timer.timing = True
@@ -264,7 +267,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "ms_median": median, "ms_mean": sum(ms) / len(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_q1": q1, "ms_q3": q3, "ms": ms,
         "tokens_per_iter": tokens_per_iter, "tokens_per_s": tokens_per_iter / (median / 1000), "mfu": mfu,
         "peak_memory_mib": peak, "memory_measure": memory.measure,
-        "loss": loss, "initial_loss": initial_loss,
+        "loss": loss, "initial_loss": initial_loss, "warmup_s": warmup_s, "compiled": cfg.compile,
         "gpu_busy": gpu_busy_share(prof) if cfg.profile else None,
         "device": device, "dtype": dtype_label(run["dtype"]), "allocator": detect_allocator(),
         "threads": torch.get_num_threads(), "others_cpu": others.fraction,
@@ -317,6 +320,8 @@ def print_result(r: dict) -> None:
     if r.get("gpu_busy") is not None:
         print(f"GPU busy: {r['gpu_busy']:.1%} of the {plural(PROFILED_STEPS, 'profiled step')} (it waited for the host "
               f"{1 - r['gpu_busy']:.1%} of the time)")
+    if r["warmup_s"]:
+        print(f"warm-up: {r['warmup_s']:.1f} s{' (compile included)' if r['compiled'] else ''}")
     peak = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:.1f} MiB"
     print(f"peak memory: {peak} ({r['memory_measure']})")
     print(f"loss: {r['loss']:.4f} after the timed steps, {r['initial_loss']:.4f} before the first step "

@@ -126,7 +126,22 @@ def test_figures_follow_the_step_times_and_the_counted_flops(tmp_path, monkeypat
     assert r["mfu"] == pytest.approx(flops_per_step / 0.030 / 1e12, rel=0.02)
     assert r["floor_multiple"] == pytest.approx(30 / 7.5) and r["peak_source"] == "--peak_flops"
     assert r["loss"] < r["initial_loss"] - 0.05  # real text is learnable, even in 5 steps
-    assert f"vocab {meta['vocab_size']} (padded to 64)" in capsys.readouterr().out
+    assert r["warmup_s"] == 0 and f"vocab {meta['vocab_size']} (padded to 64)" in capsys.readouterr().out
+
+
+def test_the_warm_up_time_is_the_warm_up_steps_own(monkeypatch, capsys):
+    """The compile modes' cost is their compile time: bench.py reports the warm-up steps' wall time (the first
+    compiles), apart from the timed steps' (fake clock: warm-up steps of 900 and 40 ms, timed ones of 10 ms)."""
+    cfg, _ = bench.load_config([*TINY, "--warmup_steps=2", "--timed_steps=3", "--peak_flops=1e12"])
+    clock = FakeClock([900, 40, 10, 10, 10])
+    real_step = bench.train_step
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    monkeypatch.setattr(bench, "train_step", lambda *a: (clock.advance(), real_step(*a))[1])
+    monkeypatch.setattr(bench, "matmul_floor", lambda *a, **k: (7.5, 21))
+    r = bench.run_bench(cfg)["result"]
+    assert r["warmup_s"] == pytest.approx(0.94) and r["ms"] == pytest.approx([10, 10, 10])
+    bench.print_result(r)
+    assert "warm-up: 0.9 s\n" in capsys.readouterr().out  # compile=False: nothing compiled
 
 
 def test_the_optimizers_share_of_the_step_is_each_optimizers_own_time(monkeypatch, capsys):
