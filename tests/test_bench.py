@@ -324,3 +324,18 @@ def test_the_profiled_steps_come_after_the_loss_so_it_is_the_same_with_or_withou
                                     f"--results_dir={tmp_path}"])
         losses.append(bench.run_bench(cfg)["result"]["loss"])
     assert losses[0] == losses[1]
+
+
+def test_a_floor_that_runs_out_of_gpu_memory_loses_no_timed_figure(tmp_path, monkeypatch, capsys):
+    """Seen on an H100: compile_mode=reduce-overhead at 64 x 1024 timed its 20 steps, then the matmul floor's eager
+    step ran out of the memory the CUDA graphs kept, and the row was lost in a traceback."""
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB.")
+
+    monkeypatch.setattr(bench, "matmul_floor", out_of_memory)
+    bench.main([*TINY, "--peak_flops=1e12", f"--result_json={tmp_path / 'run.json'}"])
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert len(saved["ms"]) == 3 and saved["tokens_per_s"] > 0 and saved["matmul_floor_ms"] is None
+    assert saved["floor_multiple"] is None and "ms/iter: median" in out and "tokens/s:" in out
+    assert "matmul floor: n/a (the GPU had no memory left for the eager step it replays (CUDA graphs keep theirs))" in out
