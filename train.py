@@ -703,6 +703,10 @@ class Loop:
             if rng[1] is not None:
                 torch.cuda.set_rng_state(rng[1], device)
             self.stop_now()
+        except BaseException:  # a step that fails (out of memory, Ctrl-C): the step before's line first, as a loop
+            with contextlib.suppress(Exception):  # that read each step at once would have logged it; a device too
+                self.steps.report(self.late.flush())  # broken to read it loses that line only, never the error
+            raise
         self.steps.report(self.late.push((self.iter_num, lr), result))  # the step before's: log, or stop if non-finite
         self.iter_num += 1
 

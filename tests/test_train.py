@@ -389,6 +389,28 @@ def test_a_resume_announces_only_the_settings_the_user_changed(data_dir, tmp_pat
         "resuming with a changed setting (it applies from here on): max_iters: 4 -> 8"]
 
 
+def test_a_step_that_fails_leaves_the_step_before_logged(data_dir, tmp_path, monkeypatch):
+    """Each step's figures are read one step late, so the step before a failing one (out of memory, a second Ctrl-C)
+    was not yet logged when it failed: its line is written before the error goes on, as a loop reading each step at
+    once would have written it (log_interval=1: iters 1-3 logged, the 4th step fails)."""
+    import train as train_module
+    from metrics import read_records
+
+    real_step, calls = train_module.train_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("CUDA out of memory (the test's)")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    with pytest.raises(RuntimeError, match="the test's"):
+        train(tiny_config(data_dir, tmp_path / "out", max_iters=6, eval_interval=100, log_interval=1))
+    records = [r for r in read_records(str(tmp_path / "out" / "metrics.jsonl")) if "loss" in r and "ms" in r]
+    assert [r["iter"] for r in records] == [1, 2, 3]
+
+
 def test_each_logged_step_time_is_that_steps_own_the_last_one_too(data_dir, tmp_path, monkeypatch):
     """train.py logs each step's time as step.OneStepLate measures it, from the end of the step before to its own
     end: on a clock the test moves by 40 ms in each step and by 1 s in each eval, every logged step took 40 ms, the
