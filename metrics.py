@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from dataclasses import asdict
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from common import optional_import
@@ -172,14 +173,22 @@ def _line_numbers(numbers: list[int]) -> str:
     return f"line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}{' ...' if len(numbers) > 5 else ''}"
 
 
-def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
-    """The run's logged training steps (iter, loss, elapsed_s) and its evals (iter, val_loss, elapsed_s)."""
+class RunMetrics(NamedTuple):
+    """A run's metrics.jsonl, read once: its logged training steps (iter, loss, elapsed_s, ...), its evals (iter,
+    val_loss, elapsed_s, ...) and its starts (iter, init_from, command, changes)."""
+    steps: list[dict]
+    evals: list[dict]
+    starts: list[dict]
+
+
+def read_metrics(out_dir: str) -> RunMetrics:
+    """The run's metrics.jsonl, read (and any unreadable line warned of) once."""
     path = os.path.join(out_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise UserError(f"no {path}: give the out_dir of a train.py run")
     records = read_records(path)
-    steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "val_loss" in r]
-    if not steps and not evals:
+    run = RunMetrics(steps=[r for r in records if "loss" in r], evals=[r for r in records if "val_loss" in r],
+                     starts=[r["start"] for r in records if "start" in r])
+    if not run.steps and not run.evals:
         raise UserError(f"{path} has no losses yet: plot after the first logged step")
-    return steps, evals
+    return run

@@ -18,16 +18,21 @@ import os
 
 from common import pyplot
 from errors import exit_on_user_error
-from metrics import read_metrics
+from metrics import RunMetrics, read_metrics
 
 
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
     """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
+    pyplot("plot.py")  # a missing matplotlib is named first, before any run is read
+    return draw([(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in out_dirs], out)
+
+
+def draw(runs: list[tuple[str, RunMetrics]], out: str) -> str:
+    """Draw (name, metrics) runs into the PNG `out`; returns `out`."""
     plt = pyplot("plot.py")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for i, out_dir in enumerate(out_dirs):
-        steps, evals = read_metrics(out_dir)
-        color, name = f"C{i}", os.path.basename(os.path.normpath(out_dir))
+    for i, (name, (steps, evals, _)) in enumerate(runs):
+        color = f"C{i}"
         for ax, x in zip(axes, ("iter", "elapsed_s")):
             ax.plot([r[x] for r in steps], [r["loss"] for r in steps], color=color, lw=0.8, alpha=0.5,
                     label=f"{name} train")

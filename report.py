@@ -23,7 +23,7 @@ import dataio
 import plot
 from common import mfu_text
 from errors import UserError
-from metrics import METRICS_NAME, read_metrics, read_records
+from metrics import RunMetrics, read_metrics
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
 
@@ -54,7 +54,8 @@ def sample_text(model, tokenizer: dataio.Tokenizer, device: str, ctx=contextlib.
 def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str | None) -> str:
     """Write out_dir/report.md (and loss.png beside it); returns the report's path. `info`: the run's machine and
     versions (common.run_info) and world size."""
-    steps, evals = read_metrics(out_dir)
+    run = read_metrics(out_dir)  # once: a damaged line is warned of once
+    steps, evals, starts = run
     lines = [f"# Run report: {os.path.basename(os.path.normpath(out_dir))}", ""]
     lines += [f"- command: `{' '.join(['python', *sys.argv])}`",
               f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
@@ -65,7 +66,6 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     lines += ["", "## Settings (those that differ from the defaults)", ""]
     lines += ["| key | value | default |", "|:--|:--|:--|"] + [f"| {k} | `{v!r}` | `{d!r}` |" for k, v, d in diffs]
     lines += ["", "## Results", ""]
-    starts = [r["start"] for r in read_records(os.path.join(out_dir, METRICS_NAME)) if "start" in r]
     if steps:
         last = steps[-1]
         timed = steps[1:] or steps  # the first logged step holds warm-up (compile)
@@ -92,7 +92,7 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
         lines += [f"| {st['iter']} | {st['init_from']} | {'; '.join(st.get('changes') or []) or '-'} | "
                   f"`{st['command']}` |" for st in starts]
     lines += ["", "## Loss", ""]
-    lines.append(_loss_picture(out_dir) if steps or evals else "no losses logged")
+    lines.append(_loss_picture(out_dir, run))
     if sample is not None:
         lines += ["", "## A sample from the final weights", "", "```text", sample.strip("\n"), "```"]
     path = os.path.join(out_dir, REPORT_NAME)
@@ -101,9 +101,9 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     return path
 
 
-def _loss_picture(out_dir: str) -> str:
+def _loss_picture(out_dir: str, run: RunMetrics) -> str:
     try:
-        plot.plot_runs([out_dir], os.path.join(out_dir, PLOT_NAME))
+        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, PLOT_NAME))
     except UserError as e:  # matplotlib is optional: the report goes without the picture
         return f"(no picture: {e}; then `python plot.py {out_dir}`)"
     return f"![train and val loss against steps and wall time]({PLOT_NAME})"

@@ -52,11 +52,11 @@ def test_a_torn_metrics_line_is_skipped_with_a_warning_and_the_next_append_start
     r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=6, eval_interval=2,
                                                              init_from="resume", report=True))], capsys)
     assert r.returncode == 0 and "report: " in r.stdout
-    assert "skipped 1 unreadable line" in r.stderr
+    assert r.stderr.count("skipped 1 unreadable line") == 1  # the report reads the file once (it read it 3 times)
     lines = open(out / "metrics.jsonl").read().splitlines()
     torn = lines.index('{"iter": 5, "loss": 2.')
     assert all(json.loads(line) for line in lines[torn + 1:])  # the resumed run's records each on a line of its own
-    steps, evals = read_metrics(str(out))
+    evals = read_metrics(str(out)).evals
     assert [r["iter"] for r in evals] == [0, 2, 4, 4, 6]  # a resume evaluates where it starts
     assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
 
