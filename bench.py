@@ -1,6 +1,6 @@
 """
 What a training step costs on this machine: ms/iter, tokens/s, MFU, its matmul floor, the optimizer's share of it,
-peak memory.
+peak memory, and the warm-up's wall time (with compile=True, the compile's cost).
 
 $ python bench.py                       # GPT-2 124M, batch 12 x 1024 on a GPU; on the CPU, config/bench_cpu.py
 $ python bench.py config/bench_cpu.py --dtype=float32 --attention=math
