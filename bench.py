@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-import dataio
-import float8
-from measure import (
-    DeviceClock,
+from nanogpt import dataio
+from nanogpt import float8
+from nanogpt.device import DeviceClock
+from nanogpt.measure import (
     OptimizerTimer,
     OtherLoad,
     PeakMemory,
@@ -48,13 +48,15 @@ from measure import (
     write_json,
     write_profile,
 )
-from common import dtype_reason, mfu_text, plural, resolve_attention, resolve_device, run_peak_flops, synchronize
-from errors import UserError, exit_on_user_error
-from hardware import check_attention_kernel
-from distributed import Dist
+from nanogpt.device import dtype_reason, resolve_attention, resolve_device, synchronize
+from nanogpt.mfu import mfu_text, run_peak_flops
+from nanogpt.text import plural
+from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.hardware import check_attention_kernel
+from nanogpt.distributed import Dist
 from configurator import configure
 from model import GPT
-from step import (
+from nanogpt.step import (
     OneStepLate,
     StepConfig,
     batch_generator,

@@ -25,7 +25,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from errors import UserError
+from nanogpt.errors import UserError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

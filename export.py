@@ -13,7 +13,7 @@ GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is 
 
 Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
 
-Reads checkpoints through run_checkpoints.py; imports nothing from train.py or sample.py.
+Reads checkpoints through checkpoint_manager.py; imports nothing from train.py or sample.py.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-import dataio
-import run_checkpoints
-from checkpoint import checkpoint_model_config, clean_state_dict
-from errors import UserError, exit_on_user_error
+from nanogpt import dataio
+from nanogpt import checkpoint_manager
+from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
+from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
 from model import GPTConfig
 
@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = configure(ExportConfig(), sys.argv[1:] if argv is None else argv)
     if not cfg.to:
         raise UserError("to='' : name the folder to write, e.g. --to=hf-model")
-    found = run_checkpoints.find_checkpoint(cfg.out_dir, cfg.ckpt)
+    found = checkpoint_manager.find_checkpoint(cfg.out_dir, cfg.ckpt)
     path = found.path
-    ckpt = run_checkpoints.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
+    ckpt = checkpoint_manager.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
     check_expressible(ckpt["model_args"])
     log(f"checkpoint: {path} at iter {ckpt['iter_num']}")
     tokenizer = dataio.checkpoint_tokenizer(ckpt, log)  # the tokenizer sample.py would use

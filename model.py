@@ -1,18 +1,22 @@
 """
-A GPT-2-style language model: GPTConfig, attention, MLP, Block and GPT (forward, the GPT-2 weights, the optimizer's
-parameter groups, MFU). Decoding (GPT.generate, the KV cache the attention fills, sampling's filters) lives in
-engine.py; what else the model calls but a reader of it need not see lives beside it too, in modules that never
-import this one: the fused loss (fused_loss.py), the HF GPT-2 conversion (hf_gpt2.py), the device probes
-(hardware.py) and UserError (errors.py).
+A GPT-2-style language model, in one file that works copied alone (it imports torch and the standard library only):
+GPTConfig, CausalSelfAttention, MLP, Block and GPT, with nanoGPT's API: `GPT(GPTConfig(...))`, `logits, loss =
+model(idx, targets)`, `GPT.from_pretrained("gpt2")`, `model.generate(idx, max_new_tokens)`,
+`configure_optimizers`, `estimate_mfu`.
 
 References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
 The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
 
 Speed switches live in GPTConfig and none of them changes what the model computes beyond float rounding:
   attention="math" | "sdpa", sdpa_backend="auto" | "flash" | "efficient" | "cudnn" | "math",
-  vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out).
+  vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out),
+  fused_loss (the head and the loss chunk by chunk: the project's nanogpt/fused_loss.py, imported when it is on).
 One setting does change the function, and only slightly: gelu="tanh" (GPT-2's "gelu_new", needed for its weights)
 or "erf" (the exact GELU, as in nanoGPT, and the faster of the two on CPUs: docs/performance.md).
+
+The project around it adds, taking the model as an argument: fast decoding with a KV cache (nanogpt/engine.py, which
+fills the cache through forward's kv_cache), GPT-2 weights loaded offline-first (nanogpt/hf_gpt2.py), and the checks
+that turn a bad setting into one line before a model is built. Here a bad argument is a ValueError.
 """
 from __future__ import annotations
 
@@ -25,13 +29,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-import engine
-from engine import KVCache
-from errors import UserError
-from fused_loss import fused_linear_cross_entropy
-from hardware import device_peak_flops, fused_adamw_available, sdpa_kernel_refusal
-from hf_gpt2 import copy_hf_weights, hf_config_args, load_hf_gpt2
-
 ATTENTION_CHOICES = ("math", "sdpa")
 SDPA_BACKENDS = {
     "auto": None,  # PyTorch picks the fastest kernel that can run
@@ -40,9 +37,11 @@ SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
-# Kernels that PyTorch only implements for CUDA; on another device they cannot run at all.
-_CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
 GELU_CHOICES = ("tanh", "erf")
+# HF transformers' activation_function names of the two GELU forms (GPTConfig.gelu)
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+# HF's GPT-2 uses Conv1D modules whose weights are stored (in, out), where nn.Linear's are (out, in)
+HF_CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
 @dataclass
@@ -58,10 +57,10 @@ class GPTConfig:
     attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
     sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
     gelu: str = "tanh"  # "tanh": GPT-2's approximation (its weights need it); "erf": the exact GELU
-    # A forward that asks for the loss only (return_logits=False: the training step, evaluation) computes the head
-    # and the loss chunk by chunk (fused_linear_cross_entropy): no (tokens x vocab) logits, the same loss and
-    # gradients. False: the plain path (full logits, F.cross_entropy). Calls that want the logits always get them.
-    fused_loss: bool = True
+    # True: a forward that asks for the loss only (return_logits=False: the training step, evaluation) computes the
+    # head and the loss chunk by chunk (the project's nanogpt/fused_loss.py): no (tokens x vocab) logits, the same loss
+    # and gradients. False: the plain path (full logits, F.cross_entropy). Calls that want the logits always get them.
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -79,12 +78,24 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
-            raise UserError("; ".join(problems))
+            raise ValueError("; ".join(problems))
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.vocab_padding_multiple
         return (self.vocab_size + m - 1) // m * m
+
+
+def hf_config_args(hf_config) -> dict:
+    """GPTConfig's architecture arguments for an HF GPT2Config; options this model does not implement are refused."""
+    activation = getattr(hf_config, "activation_function", "gelu_new")
+    if activation not in HF_ACTIVATIONS:
+        raise ValueError(f"unsupported GPT-2 activation {activation!r}: this model supports {', '.join(HF_ACTIVATIONS)}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(hf_config, flag, False):
+            raise ValueError(f"unsupported GPT-2 option {flag}=True")
+    return dict(block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size, n_layer=hf_config.n_layer,
+                n_head=hf_config.n_head, n_embd=hf_config.n_embd, bias=True, gelu=HF_ACTIVATIONS[activation])
 
 
 def causal_mask(T: int, device: torch.device | str) -> torch.Tensor:
@@ -113,11 +124,12 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache=None,
         pos: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """pos: (T,) the positions of x's rows, where kv_cache stores their keys and values.
+        """kv_cache: a KV cache (nanogpt/engine.py's KVCache: update(layer, k, v, pos) stores this layer's keys and values
+        and returns what attention reads). pos: (T,) the positions of x's rows, where kv_cache stores them.
         last_only: the output of the last position only, (B, 1, C): every row's key and value, one query."""
         B, T, C = x.size()  # batch, sequence length, n_embd
         hs = C // self.n_head
@@ -186,25 +198,8 @@ class CausalSelfAttention(nn.Module):
         backend = SDPA_BACKENDS[self.sdpa_backend]
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        if self.sdpa_backend in _CUDA_ONLY_BACKENDS and q.device.type != "cuda":
-            raise UserError(
-                f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type}: PyTorch has no "
-                f"{self.sdpa_backend} kernel there (use 'flash', 'math' or 'auto')"
-            )
-        try:
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
-                )
-        except RuntimeError as e:
-            if not any(s in str(e) for s in ("No viable backend", "No available kernel")):  # CPU, CUDA wording
-                raise
-            reasons = sdpa_kernel_refusal(backend, q, k, v, mask, dropout_p, is_causal)
-            raise UserError(
-                f"sdpa_backend={self.sdpa_backend!r} cannot run on {q.device.type} with dtype {q.dtype}, "
-                f"head size {q.size(-1)}, {'a' if mask is not None else 'no'} mask: {reasons} "
-                f"(choose another sdpa_backend, or 'auto')"
-            ) from None
+        with sdpa_kernel(backend):  # a forced kernel: PyTorch raises a RuntimeError where it cannot run this call
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
 class MLP(nn.Module):
@@ -308,20 +303,22 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache=None,
         return_logits: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """
         idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
-        kv_cache: optional KVCache; idx then holds only the positions after those already cached.
+        kv_cache: optional KV cache (nanogpt/engine.py); idx then holds only the positions after those already cached.
         Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets
         (None without targets), as nanoGPT's `logits, loss = model(X, Y)`.
         return_logits=False, for callers that need only the loss (train_step, estimate_loss): (None, loss), and with
-        config.fused_loss the (B, T, padded vocab) logits are never formed (fused_linear_cross_entropy).
+        config.fused_loss the (B, T, padded vocab) logits are never formed (nanogpt/fused_loss.py).
         """
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
         if targets is not None and not return_logits and self.config.fused_loss:
+            from nanogpt.fused_loss import fused_linear_cross_entropy  # the project's chunked head + loss
+
             n_targets = (targets != -1).sum().clamp(min=1)
             loss_sum = fused_linear_cross_entropy(
                 x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
@@ -340,14 +337,14 @@ class GPT(nn.Module):
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
-            raise UserError(
+            raise ValueError(
                 f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
                 f"crop the input to the last {self.config.block_size} tokens"
             )
         if kv_cache is not None and past + T > kv_cache.size:
-            raise UserError(f"{past + T} positions do not fit the KV cache, which holds {kv_cache.size}")
+            raise ValueError(f"{past + T} positions do not fit the KV cache, which holds {kv_cache.size}")
         if attention_mask is not None and kv_cache is not None:
-            raise UserError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
+            raise ValueError("attention_mask and kv_cache cannot be combined: generate one sequence length at a time")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
         if kv_cache is not None:
             kv_cache.length = past + T
@@ -370,7 +367,7 @@ class GPT(nn.Module):
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size, for fine-tuning on short sequences."""
         if not 1 <= block_size <= self.config.block_size:
-            raise UserError(f"block_size={block_size} must be between 1 and the model's {self.config.block_size}")
+            raise ValueError(f"block_size={block_size} must be between 1 and the model's {self.config.block_size}")
         self.config.block_size = block_size
         # a copy, not a view: a view would keep the whole larger table alive
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
@@ -389,23 +386,44 @@ class GPT(nn.Module):
         cls, model_type: str, override_args: dict | None = None, vocab_padding_multiple: int = 64
     ) -> "GPT":
         """
-        Load GPT-2 weights through HF transformers: "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a local
-        folder written by `save_pretrained`. Only `dropout`, `attention`, `sdpa_backend` and `fused_loss` may be
-        overridden.
+        GPT-2's weights through HF transformers (imported here): "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a
+        local folder written by `save_pretrained`. Only `dropout`, `attention`, `sdpa_backend` and `fused_loss` may be
+        overridden. (The project loads them through nanogpt/hf_gpt2.py: the HF cache first, offline in seconds.)
         """
         override_args = dict(override_args or {})
         allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
         if set(override_args) - allowed:
-            raise UserError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
-        hf_model = load_hf_gpt2(model_type)
+            raise ValueError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
+        from transformers import GPT2LMHeadModel
+
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
         return cls.from_hf_model(hf_model, vocab_padding_multiple=vocab_padding_multiple, **override_args)
 
     @classmethod
     def from_hf_model(cls, hf_model, vocab_padding_multiple: int = 64, **overrides) -> "GPT":
-        """Our GPT with the config and weights of an HF GPT2LMHeadModel (hf_gpt2.py: every key and shape checked)."""
+        """Our GPT with the config and weights of an HF GPT2LMHeadModel: every key and shape checked, HF's Conv1D
+        weights transposed, the padding rows of the embedding zeroed."""
         model = cls.uninitialized(GPTConfig(**hf_config_args(hf_model.config),
                                             vocab_padding_multiple=vocab_padding_multiple, **overrides))
-        copy_hf_weights(model, hf_model)  # every weight (the padding rows of the embedding zeroed)
+        sd = model.state_dict()
+        sd_hf = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
+        theirs = set(sd_hf) - {"lm_head.weight"}
+        if ours != theirs:
+            raise ValueError(
+                f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
+            )
+        vocab_size = model.config.vocab_size
+        with torch.no_grad():
+            for k in sorted(theirs):
+                src = sd_hf[k].t() if k.endswith(HF_CONV1D_WEIGHTS) else sd_hf[k]  # (in, out) -> (out, in)
+                dst = sd[k]
+                if k == "transformer.wte.weight":  # our table may have extra (padding) rows: copy the real ones
+                    dst = dst[:vocab_size]
+                    sd[k][vocab_size:].zero_()
+                if src.shape != dst.shape:
+                    raise ValueError(f"GPT-2 checkpoint key {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(src)
         return model
 
     # ------------------------------------------------------------------------------------------- training helpers
@@ -421,7 +439,8 @@ class GPT(nn.Module):
         params: list[nn.Parameter] | None = None,
     ) -> torch.optim.AdamW:
         """AdamW with weight decay on 2-D weights (matmuls, embeddings) only; biases and LayerNorms are not decayed.
-        fused=None uses the fused kernel where the device has one. params: a subset to optimize (default: all)."""
+        fused=None: the fused kernel on CUDA, as nanoGPT's (the project decides per device and torch: optim.py).
+        params: a subset to optimize (default: all)."""
         if params is None:
             params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
@@ -431,7 +450,7 @@ class GPT(nn.Module):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         if fused is None:
-            fused = fused_adamw_available(device_type)
+            fused = device_type == "cuda"
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
         if verbose:
             impl = "fused" if fused else ("foreach" if device_type == "cuda" else "for-loop")
@@ -453,9 +472,9 @@ class GPT(nn.Module):
     def estimate_mfu(
         self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None, seq_len: int | None = None
     ) -> float | None:
-        """Model FLOPs utilisation: achieved FLOP/s over the peak (bf16 dense) of the device the model is on, or
-        `peak_flops`. None if the peak is unknown."""
-        peak = peak_flops if peak_flops is not None else device_peak_flops(self.lm_head.weight.device)
+        """Model FLOPs utilisation: achieved FLOP/s over the device's peak `peak_flops` (bf16 dense: an A100's is
+        312e12; the project's nanogpt/mfu.py knows more, and measures a CPU's). None without a peak."""
+        peak = peak_flops
         if peak is None or dt <= 0:
             return None
         T = seq_len or self.config.block_size
@@ -464,8 +483,27 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------- generation
 
+    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 **options) -> torch.Tensor:
-        """nanoGPT's `model.generate(idx, max_new_tokens, temperature, top_k)`: idx (B, T) extended by max_new_tokens
-        sampled tokens, through the KV cache (engine.generate, which also takes top_p, a generator, compile, ...)."""
-        return engine.generate(self, idx, max_new_tokens, temperature, top_k, **options)
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """
+        nanoGPT's loop: idx (B, T) extended by max_new_tokens tokens, each drawn from softmax(logits / temperature)
+        over the top_k most likely (temperature 0: the most likely one), the whole context (its last block_size
+        tokens) run through the model again for every token. The project's nanogpt/engine.py generates the same tokens
+        fast (a KV cache, the window past block_size), and is tested against this loop. Call model.eval() first.
+        """
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)  # (B, T, vocab_size)
+            logits = logits[:, -1, :].float()  # (B, vocab_size)
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                probs = F.softmax(logits, dim=-1)
+                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx

@@ -12,7 +12,7 @@ last, one line to parse: `tokens/s: <float> (...)`, the new tokens over the gene
 
 Config: the SampleConfig defaults below, then config files and --key=value overrides in the order given.
 
-Reads checkpoints and GPT-2 weights through run_checkpoints.py; imports nothing from train.py.
+Reads checkpoints and GPT-2 weights through checkpoint_manager.py; imports nothing from train.py.
 """
 from __future__ import annotations
 
@@ -27,21 +27,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import dataio
-import run_checkpoints
-from common import (
+from nanogpt import dataio, engine
+from nanogpt import checkpoint_manager
+from nanogpt.device import (
     DTYPES,
     autocast_context,
-    cpu_has_native_bf16,
     keep_freed_memory,
-    plural,
     resolve_attention,
     resolve_device,
     resolve_dtype,
     resolve_sampling_attention,
     synchronize,
 )
-from errors import UserError, exit_on_user_error
+from nanogpt.hardware import cpu_has_native_bf16
+from nanogpt.text import plural
+from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -157,7 +157,7 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
         return resolve_sampling_attention("auto", cfg.device, cfg.window_dtype or cfg.dtype, config.block_size,
                                           cfg.sdpa_backend)[0]
 
-    return run_checkpoints.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
+    return checkpoint_manager.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
                                          cfg.compile, log, auto_attention if cfg.attention == "auto" else None)
 
 
@@ -195,7 +195,7 @@ def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConf
         rows = min(batch, cfg.num_samples - first)
         x = torch.tensor([ids] * rows, dtype=torch.long, device=device)  # (rows, T)
         with autocast_context(device, dtype):
-            y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
+            y = engine.generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
                                generator=generators[first:first + rows], vocab_size=tokenizer.vocab_size,
                                compile=cfg.compile, window_dtype=DTYPES[cfg.window_dtype] if cfg.window_dtype else None)
         outputs += y.tolist()

@@ -17,7 +17,7 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 
 Config: the TrainConfig defaults below, then config files and --key=value overrides in the order given.
 
-A run, top to bottom: train() holds out_dir (run_dir.hold) and decides the start once (decide_start: resume or not);
+A run, top to bottom: train() holds out_dir (outdir.hold) and decides the start once (decide_start: resume or not);
 start_run() does the start (settings, data, log, model, optimizer, compile, DDP) and accepts it only once every
 check has passed; Loop.iterate() runs the iterations (evaluate and save, one step, log), RunSaves says when a save is
 due and writes it, and Loop.end() writes the report. The training step itself (StepConfig, the batches, train_step)
@@ -38,20 +38,24 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint
-import dataio
-import float8
-import hellaswag
-import parallel
-import report
-import run_checkpoints
-import run_dir
-from metrics import Logger, wandb_problem
-from checkpoint import checkpoint_model_config
-from common import dtype_reason, mfu_text, plural, resolve_attention, run_info, run_peak_flops
-from errors import UserError, exit_on_user_error
-from hardware import check_attention_kernel
-from distributed import (
+from nanogpt import checkpoint
+from nanogpt import dataio
+from nanogpt.hf_gpt2 import pretrained_gpt2
+from nanogpt import float8
+from nanogpt import hellaswag
+from nanogpt import parallel
+from nanogpt import report
+from nanogpt import checkpoint_manager
+from nanogpt import outdir
+from nanogpt.metrics import Logger, wandb_problem
+from nanogpt.checkpoint import checkpoint_model_config
+from nanogpt.device import dtype_reason, resolve_attention
+from nanogpt.mfu import mfu_text, run_peak_flops
+from nanogpt.text import plural
+from nanogpt.hardware import run_info
+from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.hardware import check_attention_kernel
+from nanogpt.distributed import (
     DDP_SETTINGS,
     Dist,
     Stopped,
@@ -64,8 +68,8 @@ from distributed import (
 )
 from configurator import config_summary, configure_keys
 from model import GPT
-from optim import Optimizers
-from step import (
+from nanogpt.optim import Optimizers
+from nanogpt.step import (
     MODEL_KEYS,
     NonFiniteGuard,
     OneStepLate,
@@ -97,7 +101,7 @@ class TrainConfig(StepConfig):
     always_save_checkpoint: bool = True  # else save only when the val loss improves
     init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "auto" (resume if out_dir holds a
     # checkpoint, else scratch), "gpt2", "gpt2-medium", ... a HF folder, or a checkpoint (this repo's or nanoGPT's
-    # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (run_dir.py)
+    # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (outdir.py)
     keep_last: int = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
     checkpoint_interval: int = 0  # also save every this many iterations between evals (0: at evals only): a hard kill
     # (no SIGTERM) loses at most this many
@@ -279,11 +283,11 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         if "model" in ckpt:
             checkpoint.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
         return model
-    path = run_checkpoints.checkpoint_path(cfg.init_from)
+    path = checkpoint_manager.checkpoint_path(cfg.init_from)
     if path is not None:  # a checkpoint's weights (not its optimizer or iteration) start this run
-        return fit_pretrained(checkpoint.model_from_checkpoint(run_checkpoints.read_weights(path), **settings), cfg)
+        return fit_pretrained(checkpoint.model_from_checkpoint(checkpoint_manager.read_weights(path), **settings), cfg)
     if cfg.init_from in GPT2_NAMES or os.path.isdir(cfg.init_from):
-        model = GPT.from_pretrained(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
+        model = pretrained_gpt2(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
     raise UserError(
         f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
@@ -320,7 +324,7 @@ class Start:
     """What a start does, decided once from out_dir as it is, before anything is printed or changed there."""
     cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
     notes: list[str]  # why, and the settings taken: printed once the log is open
-    found: run_checkpoints.Found | None  # the checkpoint a resume continues: one of the run in out_dir
+    found: checkpoint_manager.Found | None  # the checkpoint a resume continues: one of the run in out_dir
     job: str | None  # torchrun's job (distributed.torchrun_job), recorded in run.json
 
 
@@ -330,21 +334,21 @@ def decide_start(cfg: TrainConfig, given: set[str] | None = None) -> Start:
     A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
     every key given)."""
     if not cfg.eval_only:
-        run_dir.read_run(cfg.out_dir)  # a damaged run.json: one line now, not once the start is accepted
+        outdir.read_run(cfg.out_dir)  # a damaged run.json: one line now, not once the start is accepted
     job = torchrun_job()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    init_from, why = run_dir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
+    init_from, why = outdir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
     cfg = replace(cfg, init_from=init_from)
     notes = [why] if why else []
     if init_from != "resume":
         return Start(cfg, notes, None, job)
-    found = run_checkpoints.find_checkpoint(cfg.out_dir)
+    found = checkpoint_manager.find_checkpoint(cfg.out_dir)
     if given is not None:
-        cfg, taken = run_dir.settings_of_the_run(cfg, given, found.read().get("config") or {})
+        cfg, taken = outdir.settings_of_the_run(cfg, given, found.read().get("config") or {})
         if taken:
             notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
     if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
-        found = run_checkpoints.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+        found = checkpoint_manager.find_checkpoint(cfg.out_dir, prefer_sharded=True)
     return Start(cfg, notes, found, job)
 
 
@@ -357,12 +361,12 @@ def accept_start(out_dir: str, resuming: bool, resumed_run_id: str | None, job: 
     if not dist.master:
         return None
     if resuming:
-        return run_dir.continue_run(out_dir, resumed_run_id, job)
-    if moved := run_dir.move_previous_run(out_dir):
-        log.print(f"a new run in {out_dir}: the previous run's files ({run_dir.size_text(run_dir.disk_usage(moved))}) "
-                  f"moved to {moved} (it resumes from there with --out_dir={moved}; {run_dir.PREVIOUS}/ keeps every run "
+        return outdir.continue_run(out_dir, resumed_run_id, job)
+    if moved := outdir.move_previous_run(out_dir):
+        log.print(f"a new run in {out_dir}: the previous run's files ({outdir.size_text(outdir.disk_usage(moved))}) "
+                  f"moved to {moved} (it resumes from there with --out_dir={moved}; {outdir.PREVIOUS}/ keeps every run "
                   f"moved aside, whole: remove those you no longer need)")
-    return run_dir.begin_run(out_dir, job)
+    return outdir.begin_run(out_dir, job)
 
 
 def write_report(cfg: TrainConfig, model: GPT, meta: dict | None, info: dict[str, str], log: Logger, ctx) -> None:
@@ -380,7 +384,7 @@ def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
     set (a resume takes its run's setting for every other key; None: every key given)."""
     # rank 0 holds out_dir for every rank of the job, from before the decision to the end (a start that saves nothing
     # holds nothing); every rank decides before rank 0 moves any file
-    with run_dir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
+    with outdir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
         return _run(decide_start(cfg, given))
 
 
@@ -503,7 +507,7 @@ def start_run(start: Start, dist: Dist) -> Run:
     optimizer, scaler = optimizer_and_scaler(raw_model, cfg, dist.device, dtype, verbose=dist.master)
     ckpt = resumed.ckpt
     if ckpt is not None:
-        run_checkpoints.load_training_state(raw_model, optimizer, ckpt)
+        checkpoint_manager.load_training_state(raw_model, optimizer, ckpt)
         if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
             scaler.load_state_dict(ckpt["scaler"])
         checkpoint.restore_rng(ckpt, cfg.seed, dist, resumed.iter_num)
@@ -540,7 +544,7 @@ def read_resumed(start: Start, cfg: TrainConfig, dist: Dist, log: Logger) -> Res
     log.print(start.found.describe("resuming from"))
     ckpt = start.found.read()
     saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
-    changes = run_dir.resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1),
+    changes = outdir.resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1),
                                      MODEL_KEYS)
     for change in changes:
         log.print(f"resuming with a changed setting (it applies from here on): {change}")
@@ -553,7 +557,7 @@ def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
-        dataio.check_tokenizer(*run_checkpoints.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
+        dataio.check_tokenizer(*checkpoint_manager.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
         model = init_model(cfg, meta, ckpt)
     if cfg.block_size > model.config.block_size:
@@ -596,14 +600,14 @@ def compile_and_wrap(model: GPT, cfg: TrainConfig, dist: Dist, log: Logger) -> t
 
 class RunSaves:
     """
-    When and how a run saves (run_checkpoints.RunSaver writes): at evals, every checkpoint_interval steps or
+    When and how a run saves (checkpoint_manager.RunSaver writes): at evals, every checkpoint_interval steps or
     checkpoint_minutes between them (the cadence counts from the last save begun), and on a stop. Under async_save a
     save is written in the background while training goes on, except the last, which is written before the run ends.
     """
 
     def __init__(self, run: Run, stop: StopRequest):
         cfg, self.run, self.stop = run.cfg, run, stop
-        self.saver = run_checkpoints.RunSaver(cfg.out_dir, run.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
+        self.saver = checkpoint_manager.RunSaver(cfg.out_dir, run.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
                                          cfg.keep_last, run.best_file, checkpoint_group(run.dist) if cfg.async_save
                                          else None)
         self.last_iter, self.last_time = run.iter_num, time.time()

@@ -22,19 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
-from measure import (  # noqa: E402
-    allocator_line,
-    detect_allocator,
-    load_note,
-    machine_info,
-    machine_line,
-    markdown_table,
-    run_child,
-    study_config,
-    write_json,
-)
-from common import pyplot, resolve_device, resolve_dtype  # noqa: E402
-from errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt.measure import allocator_line, detect_allocator, machine_info, machine_line, write_json  # noqa: E402
+from benchmarks import load_note, markdown_table, run_child, study_config
+from nanogpt.optional import pyplot
+from nanogpt.device import resolve_device, resolve_dtype  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 
 CHART = "benchmarks/ablation.py (for ablation.png)"  # what needs matplotlib, for its error
 

@@ -28,7 +28,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from metrics import read_records  # noqa: E402
+from nanogpt.metrics import read_records  # noqa: E402
 
 RUN = ["config/train_shakespeare_char.py", "--parallelism=fsdp", "--n_layer=6", "--n_head=6", "--n_embd=384",
        "--block_size=256", "--batch_size=8", "--gradient_accumulation_steps=2", "--eval_interval=100000",

@@ -31,7 +31,7 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from distributed import setup_distributed
+from nanogpt.distributed import setup_distributed
 from model import GPT, GPTConfig
 
 def rss_peak_kb():

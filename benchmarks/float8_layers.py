@@ -24,8 +24,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import float8  # noqa: E402
-from errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt import float8  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 
 WIDTHS = {768: "GPT-2 124M", 1024: "GPT-2 medium", 1280: "GPT-2 large", 1600: "GPT-2 XL"}
 

@@ -52,13 +52,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
 
-import engine  # noqa: E402
-from checkpoint import save_checkpoint  # noqa: E402
-from common import (  # noqa: E402
-    cpu_has_native_bf16, keep_freed_memory, resolve_device, resolve_sampling_attention, synchronize,
-)
-from measure import replayed_matmuls  # noqa: E402
-from errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt import engine  # noqa: E402
+from nanogpt.checkpoint import save_checkpoint  # noqa: E402
+from nanogpt.device import keep_freed_memory, resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
+from nanogpt.hardware import cpu_has_native_bf16  # noqa: E402
+from nanogpt.measure import replayed_matmuls  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,15 +142,9 @@ def _module_at_revision(rev: str, name: str, modules: set[str],
 
 
 def nanogpt_generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """nanoGPT's sample.py, greedy: the samples one after another (its loop over num_samples), each by its
-    GPT.generate: for every new token a whole forward pass over the last block_size tokens."""
-    samples = []
-    for idx in prompt.split(1):  # (1, T) each
-        for _ in range(max_new_tokens):
-            logits, _ = model(idx[:, -model.config.block_size:])  # (1, T, vocab_size)
-            idx = torch.cat((idx, logits[:, -1].argmax(dim=-1, keepdim=True)), dim=1)
-        samples.append(idx)
-    return torch.cat(samples)
+    """nanoGPT's sample.py, greedy: the samples one after another (its loop over num_samples), each by GPT.generate,
+    model.py's plain loop as nanoGPT's: for every new token a whole forward pass over the last block_size tokens."""
+    return torch.cat([model.generate(idx, max_new_tokens, temperature=0.0) for idx in prompt.split(1)])  # (1, T) each
 
 
 def with_attention(model: GPT, attention: str) -> GPT:
@@ -190,11 +183,11 @@ def build_modes(model: GPT, args: argparse.Namespace, device: str) -> dict:
     if args.uncached:
         modes["no cache, fp32 (nanoGPT's way)"] = (lambda p, n: nanogpt_generate(model, p, n), torch.float32, False)
     for name, m, dtype in (("fp32", fp32, torch.float32), ("bf16", bf16, torch.bfloat16)):
-        modes[f"eager, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0), dtype, False)
-        modes[f"compiled, {name}"] = (lambda p, n, m=m: m.generate(p, n, temperature=0.0, compile=True), dtype, True)
+        modes[f"eager, {name}"] = (lambda p, n, m=m: engine.generate(m, p, n, temperature=0.0), dtype, False)
+        modes[f"compiled, {name}"] = (lambda p, n, m=m: engine.generate(m, p, n, temperature=0.0, compile=True), dtype, True)
     for compiled in (False, True):  # float32 steps, the window past block_size in bf16 autocast
         modes[f"{'compiled' if compiled else 'eager'}, fp32, bf16 window"] = (
-            lambda p, n, c=compiled: bf16_window.generate(p, n, temperature=0.0, compile=c,
+            lambda p, n, c=compiled: engine.generate(bf16_window, p, n, temperature=0.0, compile=c,
                                                           window_dtype=torch.bfloat16),
             torch.bfloat16, compiled)
     return modes
@@ -303,8 +296,8 @@ def tiny_step_figures(device: str) -> str:
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     per_token = {}
     for compiled in (False, True):
-        model.generate(prompt, 256, temperature=0.0, compile=compiled)  # warm-up (and compile)
-        per_token[compiled] = min(timed(lambda p, n: model.generate(p, n, temperature=0.0, compile=compiled),
+        engine.generate(model, prompt, 256, temperature=0.0, compile=compiled)  # warm-up (and compile)
+        per_token[compiled] = min(timed(lambda p, n: engine.generate(model, p, n, temperature=0.0, compile=compiled),
                                         prompt, 256, device)[1] for _ in range(3)) / 256 * 1e6
     floor = cached_step_floor(model, 1, 128, device, torch.float32)[0] * 1000
     return (f"batch-1 cached step, {TINY['n_layer']} x {TINY['n_embd']} model, math attention, 256 tokens: eager "

@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from errors import UserError, exit_on_user_error  # noqa: E402
-from hardware import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
-from metrics import read_records  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt.mfu import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
+from nanogpt.metrics import read_records  # noqa: E402
 
 PARTS = ("nanogpt", "recipe", "headline", "attention", "cumulative", "largest", "baby")
 # config/train_gpt2_fineweb.py per GPU, one micro-step; each RECIPE row changes one key of it

@@ -28,10 +28,13 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import optional_import, resolve_device  # noqa: E402
-from errors import UserError, exit_on_user_error  # noqa: E402
-from fused_loss import fused_linear_cross_entropy  # noqa: E402
-from measure import DeviceClock, markdown_table, write_json  # noqa: E402
+from nanogpt.optional import optional_import
+from nanogpt.device import resolve_device  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt.fused_loss import fused_linear_cross_entropy  # noqa: E402
+from nanogpt.device import DeviceClock
+from nanogpt.measure import write_json
+from benchmarks import markdown_table  # noqa: E402
 from model import cross_entropy_sum  # noqa: E402
 
 N_EMBD, VOCAB, PADDED = 768, 50257, 50304

@@ -24,11 +24,13 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from measure import markdown_table, run_child, study_config, write_json  # noqa: E402
-from common import pyplot, resolve_device  # noqa: E402
-from errors import UserError, exit_on_user_error  # noqa: E402
-from distributed import Dist
-from step import train_step  # noqa: E402
+from nanogpt.measure import write_json
+from benchmarks import markdown_table, run_child, study_config  # noqa: E402
+from nanogpt.optional import pyplot
+from nanogpt.device import resolve_device  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt.distributed import Dist
+from nanogpt.step import train_step  # noqa: E402
 
 PATHS = {"math": dict(attention="math"), "sdpa/auto": dict(attention="sdpa", sdpa_backend="auto")}
 MAX_BATCH = 65536  # the search's cap

@@ -21,11 +21,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import bench  # noqa: E402
-from measure import markdown_table, write_json  # noqa: E402
-from common import autocast_context, resolve_device  # noqa: E402
-from errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt.measure import write_json
+from benchmarks import markdown_table  # noqa: E402
+from nanogpt.device import autocast_context, resolve_device  # noqa: E402
+from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from model import GPT  # noqa: E402
-from step import batch_generator  # noqa: E402
+from nanogpt.step import batch_generator  # noqa: E402
 
 PATHS = {  # the model's own loss is the fused linear + cross-entropy (fused_loss) but where it says "plain loss"
     "math": dict(attention="math"),

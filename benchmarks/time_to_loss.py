@@ -39,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from metrics import read_records  # noqa: E402
+from nanogpt.metrics import read_records  # noqa: E402
 
 NANOGPT_CPU = [  # nanoGPT's README command, then the settings that make this train.py do what nanoGPT's does
     "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from errors import UserError
-from dataio import GPT2_EOT, gpt2_tokenizer
+from nanogpt.errors import UserError
+from nanogpt.dataio import GPT2_EOT, gpt2_tokenizer
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 

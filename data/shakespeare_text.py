@@ -15,7 +15,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from errors import UserError
+from nanogpt.errors import UserError
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DOWNLOAD_TIMEOUT = 15.0  # seconds
@@ -156,7 +156,7 @@ def write_split(out_dir: Path, text: str, encode, meta: dict) -> dict:
     train.bin, val.bin (uint16 ids) and meta.json (`meta` with the token counts); returns what it wrote."""
     import numpy as np
 
-    from dataio import write_meta, write_tokens
+    from nanogpt.dataio import write_meta, write_tokens
 
     n = int(len(text) * TRAIN_FRACTION)
     train_ids = np.array(encode(text[:n]), dtype=np.uint16)

@@ -33,7 +33,7 @@ GPT2_BPE_URLS = (  # the files tiktoken's "gpt2" encoding reads, cached under sh
 @pytest.fixture()
 def gpt2_bpe():
     """The GPT-2 BPE tokenizer from a tiktoken cache; skips (with the reason) where there is none."""
-    import dataio
+    from nanogpt import dataio
 
     cache = os.environ.get("TIKTOKEN_CACHE_DIR", "")
     names = [hashlib.sha1(url.encode()).hexdigest() for url in GPT2_BPE_URLS]

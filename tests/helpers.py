@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-import dataio
+from nanogpt import dataio
 from train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +129,7 @@ def run_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
     imports); each script keeps tests that run it as a real process."""
     import importlib
 
-    from errors import exit_on_user_error
+    from nanogpt.errors import exit_on_user_error
 
     script, argv = args[0], args[1:]
     module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
@@ -173,7 +173,7 @@ def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[f
     (loss, grad norm, applied, parameters unchanged) per step."""
     import torch
 
-    from step import train_step
+    from nanogpt.step import train_step
 
     scale = {"now": 1.0}
 

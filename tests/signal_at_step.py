@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
-from errors import exit_on_user_error  # noqa: E402
+from nanogpt.errors import exit_on_user_error  # noqa: E402
 
 
 def signal_during_step(sig: int, step: int) -> None:

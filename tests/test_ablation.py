@@ -7,11 +7,11 @@ import json
 import matplotlib.image
 import pytest
 
-import common
+from nanogpt import device
 from benchmarks import ablation as ablation_script
 from benchmarks.ablation import AblationConfig, add_speedups, selected_rows
-from measure import detect_allocator
-from errors import UserError
+from nanogpt.measure import detect_allocator
+from nanogpt.errors import UserError
 from helpers import hide_module, run_in_process
 from test_bench import bench_script, number, table_rows
 
@@ -140,12 +140,12 @@ def test_study_and_row_selection_errors_list_the_choices():
 
 def test_a_gpu_without_bf16_runs_the_half_rows_in_float16_and_says_so(monkeypatch):
     """V100/T4: the "bf16" row's dtype would make it and every cumulative row below it fail; float16 instead."""
-    monkeypatch.setattr(common, "_cuda_bf16", lambda *a, **k: False)
+    monkeypatch.setattr(device, "_cuda_bf16", lambda *a, **k: False)
     rows = {r.name: r for r in selected_rows(AblationConfig(studies="cumulative"), "cuda")}
     assert rows["float32"].overrides["dtype"] == "float32"
     assert all(rows[n].overrides["dtype"] == "float16" for n in ("bf16", "compile", "flash", "padded", "malloc"))
     assert rows["bf16"].label == "+ float16 autocast (this GPU has no bf16)"
-    monkeypatch.setattr(common, "_cuda_bf16", lambda *a, **k: True)
+    monkeypatch.setattr(device, "_cuda_bf16", lambda *a, **k: True)
     assert selected_rows(AblationConfig(studies="cumulative"), "cuda")[-1].overrides["dtype"] == "bfloat16"
 
 

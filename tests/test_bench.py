@@ -15,9 +15,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench
-from measure import matmul_floor
-from common import PEAK_CACHE
-from errors import UserError
+from nanogpt.measure import matmul_floor
+from nanogpt.mfu import PEAK_CACHE
+from nanogpt.errors import UserError
 from helpers import HANG_S, make_char_dataset, run_script
 from model import GPT, GPTConfig
 
@@ -230,7 +230,7 @@ def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
     import shlex
 
     from benchmarks import ablation, generation, gpu, memory, time_to_loss
-    from measure import study_config
+    from benchmarks import study_config
     from configurator import configure
     from train import TrainConfig
 
@@ -287,7 +287,7 @@ def test_matmul_floor_counts_the_fused_losss_in_place_and_out_matmuls(monkeypatc
     """The fused loss writes its head products with mm(out=) and accumulates the head's weight gradient with
     addmm_: 3 matmuls per chunk, in place of the plain head's 3. 32 tokens in chunks of 8 rows: 4 chunks, so
     18 matmuls for the layer (as above, less the head) + 12 for the head; the floor's replay keeps their layouts."""
-    import fused_loss
+    from nanogpt import fused_loss
 
     monkeypatch.setattr(fused_loss.fused_linear_cross_entropy, "__defaults__", (8,))
     torch.manual_seed(0)
@@ -302,7 +302,7 @@ def test_floor_operands_are_fresh_per_call_except_large_ones_and_fill_overlappin
     """Small operands are new tensors per replayed call (no call finds another's in cache); those over
     SHARED_OPERAND_BYTES are one per layout (GPT-2's 48 loss chunks would otherwise hold gigabytes); a zero-stride
     layout (an expanded bias) is filled without an overlapping in-place write."""
-    import measure
+    from nanogpt import measure
 
     spec = ("tensor", (4, 8), (8, 1), torch.float32)
     made = {}

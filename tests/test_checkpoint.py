@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-from checkpoint import load_checkpoint, save_checkpoint, save_run_checkpoint
-from errors import UserError
+from nanogpt import checkpoint
+from nanogpt.checkpoint import load_checkpoint, save_checkpoint, save_run_checkpoint
+from nanogpt.errors import UserError
 from helpers import tiny_config
 from sample import SampleConfig, load_model
 from train import train
@@ -140,7 +140,7 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
     def crash(*args):
         raise SystemExit("killed")
 
-    monkeypatch.setattr("checkpoint.keep_as", crash)
+    monkeypatch.setattr("nanogpt.checkpoint.keep_as", crash)
     with pytest.raises(SystemExit):
         save(20, True, "ckpt_best.pt")
     monkeypatch.undo()
@@ -201,7 +201,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(da
 
 
 def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
-    from checkpoint import checkpoint_model_config
+    from nanogpt.checkpoint import checkpoint_model_config
 
     ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
             "vocab_padding_multiple": 64, "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}

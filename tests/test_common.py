@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import common
-from common import dtype_reason, resolve_attention, resolve_dtype, resolve_fused_loss, synchronize
-from errors import UserError
+from nanogpt import hardware, mfu, optional, text
+from nanogpt.device import dtype_reason, resolve_attention, resolve_dtype, resolve_fused_loss, synchronize
+from nanogpt.errors import UserError
 from helpers import run_script
 
 # Allocate 24 MiB in 256 KiB blocks (each above glibc's default mmap threshold), touch them, free them, and print
@@ -20,7 +20,7 @@ from helpers import run_script
 FREE_PROBE = """
 import ctypes, sys
 sys.path.insert(0, ".")
-from common import keep_freed_memory
+from nanogpt.device import keep_freed_memory
 applied = keep_freed_memory(sys.argv[1] == "on", sys.argv[2])
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -53,7 +53,7 @@ def test_keep_freed_memory_stops_glibc_returning_buffers_to_the_os():
 
 def test_auto_dtype_is_bf16_for_cpu_training_on_bf16_hardware_and_float32_for_cpu_generation(monkeypatch):
     for native, want in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(common, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda native=native: native)
         assert resolve_dtype("auto", "cpu") == want
         assert dtype_reason("auto", "cpu").startswith("auto: this CPU has " + ("bf16" if native else "no bf16"))
     assert resolve_dtype("bfloat16", "cpu") == "bfloat16" and dtype_reason("bfloat16", "cpu") == "set explicitly"
@@ -61,7 +61,7 @@ def test_auto_dtype_is_bf16_for_cpu_training_on_bf16_hardware_and_float32_for_cp
     # this machine's own answer comes from the CPU's feature flags (/proc/cpuinfo), not from PyTorch's build
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
     if flags is not None:
-        assert common.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_tile" in flags)
+        assert hardware.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_tile" in flags)
     assert resolve_dtype("auto", "cpu", training=False) == "float32"
     assert resolve_dtype("float32", "cpu", training=False) == "float32"
     with pytest.raises(UserError, match="dtype='float16' is not supported on the CPU: use bfloat16 or float32"):
@@ -103,7 +103,7 @@ def test_auto_attention_is_math_on_a_cpu_under_bf16_and_sdpa_elsewhere_explicit_
 
 def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_wins():
     from train import TrainConfig
-    from step import model_settings
+    from nanogpt.step import model_settings
 
     assert resolve_fused_loss(None, "cpu") is True
     assert resolve_fused_loss(None, "cuda:1") is False  # compiled, the plain loss was 1.22x faster on an H100
@@ -123,33 +123,33 @@ def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_win
 
 def test_cpu_peak_keeps_the_best_measured_and_a_busy_measurement_never_lowers_it(tmp_path, monkeypatch):
     cache = tmp_path / "peak.json"
-    key = f"{common.cpu_name()} | {torch.get_num_threads()} threads | "
+    key = f"{hardware.cpu_name()} | {torch.get_num_threads()} threads | "
     # a figure no CPU reaches stays (a measurement on a busy machine never lowers it); 123 FLOP/s, one no CPU
     # falls to, is replaced by the measured one, which the file then keeps
     cache.write_text(json.dumps({key + "float32": 1e18, key + "bfloat16": 123.0}))
-    assert common.measured_cpu_peak_flops("float32", str(cache), n=64, repeats=1) == 1e18
-    bf16 = common.measured_cpu_peak_flops("bfloat16", str(cache), n=64, repeats=1)
+    assert mfu.measured_cpu_peak_flops("float32", str(cache), n=64, repeats=1) == 1e18
+    bf16 = mfu.measured_cpu_peak_flops("bfloat16", str(cache), n=64, repeats=1)
     assert bf16 > 1e6 and json.loads(cache.read_text()) == {key + "float32": 1e18, key + "bfloat16": bf16}
-    monkeypatch.setattr(common, "PEAK_CACHE", str(cache))
-    assert common.run_peak_flops("cpu", "float32") == (1e18, f"measured float32 matmul peak of this CPU ({cache})")
-    assert common.run_peak_flops("cpu", "float32", given=5e12) == (5e12, "--peak_flops")
-    assert common.run_peak_flops("mps", "float32") == (None, "unknown: give --peak_flops")
+    monkeypatch.setattr(mfu, "PEAK_CACHE", str(cache))
+    assert mfu.run_peak_flops("cpu", "float32") == (1e18, f"measured float32 matmul peak of this CPU ({cache})")
+    assert mfu.run_peak_flops("cpu", "float32", given=5e12) == (5e12, "--peak_flops")
+    assert mfu.run_peak_flops("mps", "float32") == (None, "unknown: give --peak_flops")
     # a CPU that emulates bf16 has no peak to divide by: none is measured (it took seconds), MFU says n/a
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(common, "measured_cpu_peak_flops", lambda dtype: pytest.fail("measured an emulated peak"))
-    assert common.run_peak_flops("cpu", "bfloat16") == (
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(mfu, "measured_cpu_peak_flops", lambda dtype: pytest.fail("measured an emulated peak"))
+    assert mfu.run_peak_flops("cpu", "bfloat16") == (
         None, "this CPU emulates bfloat16 (no AVX-512-BF16/AMX): give --peak_flops")
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(common, "measured_cpu_peak_flops", lambda dtype: 7e11)
-    assert common.run_peak_flops("cpu", "bfloat16")[0] == 7e11
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(mfu, "measured_cpu_peak_flops", lambda dtype: 7e11)
+    assert mfu.run_peak_flops("cpu", "bfloat16")[0] == 7e11
 
 
 def test_measuring_the_cpu_peak_leaves_torchs_global_rng_alone(tmp_path):
     """A run measures the peak after seeding: a draw from the global RNG would change its initial weights (a
     torchrun worker measures, an in-process run may read the process's figure: DDP vs one process differed)."""
-    common._matmul_flops.cache_clear()
+    mfu._matmul_flops.cache_clear()
     state = torch.get_rng_state()
-    assert common.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json"), n=32, repeats=1) > 0
+    assert mfu.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json"), n=32, repeats=1) > 0
     assert torch.equal(state, torch.get_rng_state())
 
 
@@ -164,16 +164,16 @@ def test_the_cpu_peak_matmul_shrinks_to_its_time_budget(monkeypatch, budget, siz
         drawn.append(shape[0])
         return real_randn(*shape, **kwargs)
 
-    monkeypatch.setattr(common, "MATMUL_BUDGET_S", budget)
+    monkeypatch.setattr(mfu, "MATMUL_BUDGET_S", budget)
     monkeypatch.setattr(torch, "randn", randn)
-    assert common._matmul_flops.__wrapped__("float32", torch.get_num_threads(), 1024, 1) > 0
+    assert mfu._matmul_flops.__wrapped__("float32", torch.get_num_threads(), 1024, 1) > 0
     assert drawn == [s for s in sizes for _ in range(2)]  # two operands of each size tried
 
 
 def test_plural_says_one_thing_and_several_things():
-    assert [common.plural(n, "sample") for n in (0, 1, 2, 12000)] == [
+    assert [text.plural(n, "sample") for n in (0, 1, 2, 12000)] == [
         "0 samples", "1 sample", "2 samples", "12,000 samples"]
-    assert common.plural(1, "micro-step") == "1 micro-step" and common.plural(3, "timed step") == "3 timed steps"
+    assert text.plural(1, "micro-step") == "1 micro-step" and text.plural(3, "timed step") == "3 timed steps"
 
 
 def test_an_optional_package_missing_or_broken_is_a_user_error_naming_pip(tmp_path, monkeypatch):
@@ -181,14 +181,14 @@ def test_an_optional_package_missing_or_broken_is_a_user_error_naming_pip(tmp_pa
     (tmp_path / "broken_extra" / "__init__.py").write_text("import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError) as missing:
-        common.optional_import("no_such_package_xyz", "--feature=True")
+        optional.optional_import("no_such_package_xyz", "--feature=True")
     assert str(missing.value) == ("--feature=True needs no_such_package_xyz, which is not installed: "
                                   "pip install no_such_package_xyz")
     with pytest.raises(UserError) as broken:
-        common.optional_import("broken_extra", "--feature=True")
+        optional.optional_import("broken_extra", "--feature=True")
     assert str(broken.value) == ("--feature=True needs broken_extra, which fails to import (No module named "
                                  "'no_such_dependency_xyz'): pip install broken_extra")
-    assert common.optional_import("json", "--feature=True") is json
+    assert optional.optional_import("json", "--feature=True") is json
 
 
 def test_a_busy_start_cannot_collapse_the_cpu_peak(tmp_path, monkeypatch):
@@ -198,8 +198,8 @@ def test_a_busy_start_cannot_collapse_the_cpu_peak(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     busy = {1: 80e9, 2: 1e9}  # the 2-thread matmul waits for the busy core; one thread measures its real speed
-    monkeypatch.setattr(common, "_matmul_flops", lambda dtype, threads, n, repeats: busy[threads])
-    assert common.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json")) >= 160e9
+    monkeypatch.setattr(mfu, "_matmul_flops", lambda dtype, threads, n, repeats: busy[threads])
+    assert mfu.measured_cpu_peak_flops("float32", str(tmp_path / "peak.json")) >= 160e9
 
 
 def test_an_mfu_above_100_percent_is_never_printed(tmp_path, capsys):

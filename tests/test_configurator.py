@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import configurator
-from errors import UserError
+from nanogpt.errors import UserError
 from configurator import ConfigError, config_summary, configure
 
 # A module-level name that config files also assign: a file must never reach it.

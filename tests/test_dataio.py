@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import dataio
-from errors import UserError
+from nanogpt import dataio
+from nanogpt.errors import UserError
 from helpers import ROOT
 
 
@@ -30,7 +30,7 @@ def test_a_memo_shared_meta_pkl_is_read_in_linear_time(tmp_path):
     path = tmp_path / "meta.pkl"
     path.write_bytes(shared_list_pickle(64))
     assert path.stat().st_size < 4096
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); import dataio; print(dataio.load_nanogpt_meta({str(path)!r}))"
+    code = f"import sys; sys.path.insert(0, {ROOT!r}); from nanogpt import dataio; print(dataio.load_nanogpt_meta({str(path)!r}))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "'vocab_size': 1" in r.stdout, r.stderr[-2000:]
 

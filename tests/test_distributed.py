@@ -8,15 +8,16 @@ import re
 import subprocess
 import sys
 
-from checkpoint import load_checkpoint
+from nanogpt.checkpoint import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, tiny_config
 
 WRAPPER = """
 import os, sys, time, hashlib
 sys.path.insert(0, {root!r})
 import torch
-import checkpoint, train
-from errors import exit_on_user_error
+import train
+from nanogpt import checkpoint
+from nanogpt.errors import exit_on_user_error
 rank = int(os.environ["RANK"])
 what = os.environ["OBSERVE"]
 
@@ -137,7 +138,7 @@ def test_a_torchrun_restart_keeps_its_process_groups_keys_apart_from_the_failed_
 
     import torch.distributed as torch_dist
 
-    import distributed
+    from nanogpt import distributed
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,20 +12,29 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine
-from engine import KVCache, sample_next_token, top_k_filter, top_p_filter
-from errors import UserError
+from nanogpt import engine
+from nanogpt.engine import KVCache, sample_next_token, top_k_filter, top_p_filter
+from nanogpt.errors import UserError
 from model import GPT
 from model_helpers import VOCAB, make_model
 
 
 def greedy_reference(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """Greedy decoding the slow, obvious way: full forward over the last block_size tokens each step."""
-    with torch.no_grad():
-        for _ in range(n):
-            logits, _ = model(idx[:, -model.config.block_size :])
-            idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
-    return idx
+    """Greedy decoding the slow, obvious way: model.py's own generate, a full forward over the last block_size tokens
+    each step (the model in eval mode: make_model's)."""
+    assert not model.training
+    return model.generate(idx, n, temperature=0.0)
+
+
+def test_the_engine_draws_what_the_models_own_loop_draws_within_and_past_block_size() -> None:
+    """engine.generate (cache, window past block_size) against model.generate, nanoGPT's plain loop: the same tokens,
+    greedy and sampled from the same random stream, for a prompt that fills the block and slides past it."""
+    model = make_model(seed=60)  # block_size 16
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(61))
+    for temperature, top_k in ((0.0, None), (0.9, 20), (1.0, None)):
+        ours = engine.generate(model, prompt, 30, temperature, top_k, generator=torch.Generator().manual_seed(62))
+        reference = model.generate(prompt, 30, temperature, top_k, generator=torch.Generator().manual_seed(62))
+        assert torch.equal(ours, reference), (temperature, top_k)
 
 
 PATHS = [("math", "auto"), ("sdpa", "auto"), ("sdpa", "math"), ("sdpa", "flash")]
@@ -39,8 +48,8 @@ def test_cached_greedy_generation_matches_uncached_past_block_size(attention: st
     model = make_model(seed=8, attention=attention, sdpa_backend=backend)  # block_size 16
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(9))
     expected = greedy_reference(model, prompt, 40)
-    cached = model.generate(prompt, 40, temperature=0.0, use_cache=True)
-    uncached = model.generate(prompt, 40, temperature=0.0, use_cache=False)
+    cached = engine.generate(model, prompt, 40, temperature=0.0, use_cache=True)
+    uncached = engine.generate(model, prompt, 40, temperature=0.0, use_cache=False)
     assert cached.shape == (2, 45)
     assert torch.equal(uncached, expected)
     assert torch.equal(cached, expected)
@@ -54,7 +63,7 @@ def test_seeded_sampling_is_identical_with_and_without_cache(attention: str) -> 
 
     def sample(seed: int, use_cache: bool) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
-        return model.generate(prompt, 30, temperature=0.9, top_k=40, top_p=0.95, generator=g, use_cache=use_cache)
+        return engine.generate(model, prompt, 30, temperature=0.9, top_k=40, top_p=0.95, generator=g, use_cache=use_cache)
 
     a, b = sample(123, True), sample(123, False)
     assert torch.equal(a, b)
@@ -73,7 +82,7 @@ def test_kv_cache_forward_matches_full_forward(attention: str) -> None:
         pieces = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in steps]
     assert (cache.pos, cache.length) == (16, 16)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
-    with pytest.raises(UserError, match="longer than block_size=16"):
+    with pytest.raises(ValueError, match="longer than block_size=16"):
         model(idx[:, :1], kv_cache=cache)
 
 
@@ -82,14 +91,14 @@ def test_prompt_is_prefilled_in_one_pass_then_one_position_per_token() -> None:
     widths = []
     model.transformer.h[0].register_forward_hook(lambda mod, args, out: widths.append(args[0].size(1)))
     prompt = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(31))
-    model.generate(prompt, 10, temperature=0.0)
+    engine.generate(model, prompt, 10, temperature=0.0)
     assert widths == [7] + [1] * 9  # the 10th token's logits come from the 9th step; nothing runs after it
 
 
 def test_batch_rows_generate_as_they_would_alone() -> None:
     model = make_model(seed=32)
     prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(33))
-    together = model.generate(prompt, 25, temperature=0.0)  # past block_size 16 too
+    together = engine.generate(model, prompt, 25, temperature=0.0)  # past block_size 16 too
     for row in range(3):
         alone = greedy_reference(model, prompt[row : row + 1], 25)
         assert torch.equal(together[row : row + 1], alone), f"row {row}"
@@ -124,9 +133,9 @@ def test_the_cache_holds_the_positions_generation_feeds_and_tokens_do_not_change
 
     def sample(use_cache: bool) -> torch.Tensor:
         g = torch.Generator().manual_seed(42)
-        return model.generate(prompt, n, temperature=0.9, top_k=40, top_p=0.95, generator=g, use_cache=use_cache)
+        return engine.generate(model, prompt, n, temperature=0.9, top_k=40, top_p=0.95, generator=g, use_cache=use_cache)
 
-    greedy, sampled = model.generate(prompt, n, temperature=0.0), sample(True)
+    greedy, sampled = engine.generate(model, prompt, n, temperature=0.0), sample(True)
     assert len(caches) == 2
     for cache in caches:
         assert {tuple(t.shape) for t in cache.k + cache.v} == {(2, 2, size, 16)}
@@ -142,7 +151,7 @@ def test_a_cache_smaller_than_the_block_refuses_positions_past_its_size() -> Non
     cache = KVCache(model.config, 1, size=5)
     with torch.no_grad():
         model(idx[:, :5], kv_cache=cache)
-        with pytest.raises(UserError, match="6 positions do not fit the KV cache, which holds 5"):
+        with pytest.raises(ValueError, match="6 positions do not fit the KV cache, which holds 5"):
             model(idx[:, 5:], kv_cache=cache)
     with pytest.raises(UserError, match="must hold 1 to block_size=16"):
         KVCache(model.config, 1, size=17)
@@ -177,7 +186,7 @@ def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_match
 
     def sample(compile: bool, p: torch.Tensor, n: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(38)
-        return model.generate(p, n, temperature=0.9, top_k=40, top_p=0.95, generator=g, compile=compile)
+        return engine.generate(model, p, n, temperature=0.9, top_k=40, top_p=0.95, generator=g, compile=compile)
 
     compiles = []
 
@@ -189,14 +198,14 @@ def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_match
 
     torch._dynamo.reset()
     # 16 positions, then 19 steps of the sliding window: the step and the window compile once each
-    past = counted(lambda: model.generate(prompt, 30, temperature=0.0, compile=True))
+    past = counted(lambda: engine.generate(model, prompt, 30, temperature=0.0, compile=True))
     reaching = counted(lambda: sample(True, prompt[:, :3], 14))  # 3 + 14 = block_size + 1: 16 positions, no slide
-    within = counted(lambda: model.generate(prompt, 6, temperature=0.0, compile=True))  # 10 positions
+    within = counted(lambda: engine.generate(model, prompt, 6, temperature=0.0, compile=True))  # 10 positions
     within_sampled = counted(lambda: sample(True, prompt[:, :3], 8))  # another prompt length, 10 positions again
-    longer = counted(lambda: model.generate(prompt, 40, temperature=0.0, compile=True))  # more window steps: none
+    longer = counted(lambda: engine.generate(model, prompt, 40, temperature=0.0, compile=True))  # more window steps: none
     # one sample: a batch of 1 compiles its own variants, once each, though a slice of one row is "contiguous"
     # with the stride of the whole sequence (which grows every step)
-    single = counted(lambda: model.generate(prompt[:1], 30, temperature=0.0, compile=True))
+    single = counted(lambda: engine.generate(model, prompt[:1], 30, temperature=0.0, compile=True))
     assert compiles == [2, 0, 1, 0, 0, 2]
     assert torch.equal(single, past[:1])
     assert torch.equal(past, greedy_reference(model, prompt, 30))
@@ -228,13 +237,13 @@ def test_compiled_steps_after_each_loops_first_skip_dynamo_guards(monkeypatch) -
     monkeypatch.setattr(engine, "sample_next_token", flipping)
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    out = model.generate(prompt, 20, temperature=0.0, compile=True)
+    out = engine.generate(model, prompt, 20, temperature=0.0, compile=True)
     assert counters["stats"]["unique_graphs"] - before == 2  # the step and the window, once each
     assert len(draws) == 20 and torch.equal(out, greedy_reference(model, prompt, 20))
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     with torch.compiler.set_stance("force_eager"):
-        assert torch.equal(model.generate(prompt, 20, temperature=0.0, compile=True), out)
+        assert torch.equal(engine.generate(model, prompt, 20, temperature=0.0, compile=True), out)
     assert counters["stats"]["unique_graphs"] == before
 
 
@@ -244,12 +253,12 @@ def test_compiled_generation_without_the_cache_leaves_a_callers_compiled_blocks_
     (PyTorch raises where a recompile is needed under it). The tokens are compile=False's."""
     model = make_model(seed=5)  # block_size 16
     prompt = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(0))
-    expected = model.generate(prompt, 25, temperature=0.0, use_cache=False)
+    expected = engine.generate(model, prompt, 25, temperature=0.0, use_cache=False)
     torch._dynamo.reset()
     for block in model.transformer.h:
         block.compile()
     try:
-        assert torch.equal(model.generate(prompt, 25, temperature=0.0, compile=True, use_cache=False), expected)
+        assert torch.equal(engine.generate(model, prompt, 25, temperature=0.0, compile=True, use_cache=False), expected)
     finally:
         torch._dynamo.reset()
 
@@ -292,7 +301,7 @@ def test_past_block_size_the_window_runs_in_the_window_dtype_and_the_steps_do_no
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(41))
     seen = []
     model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: seen.append((o.size(1), o.dtype)))
-    out = model.generate(prompt, 20, temperature=0.0, window_dtype=torch.bfloat16)
+    out = engine.generate(model, prompt, 20, temperature=0.0, window_dtype=torch.bfloat16)
     steps = {dtype for length, dtype in seen if length < 16}  # prefill (5) and the one-token steps
     windows = [dtype for length, dtype in seen if length == 16]
     assert steps == {torch.float32} and len(windows) == 5 + 20 - 1 - 16 and set(windows) == {torch.bfloat16}
@@ -332,7 +341,7 @@ def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a
 
     def weight_casts(window_steps: int) -> int:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            out = model.generate(prompt, 8 + window_steps, temperature=0.0, window_dtype=torch.bfloat16)
+            out = engine.generate(model, prompt, 8 + window_steps, temperature=0.0, window_dtype=torch.bfloat16)
         assert out.size(1) == 16 + window_steps
         return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                    and tuple(e.input_shapes[0]) == (128, 32))
@@ -373,7 +382,7 @@ def test_the_bf16_window_runs_its_linears_from_weights_packed_once_for_the_phase
     runs = {}
     for window_steps in (2, 9):
         with OpCounter() as ops:  # 8 + 8 positions fill the block; each token after the next one slides it
-            model.generate(prompt, 9 + window_steps, temperature=0.0, window_dtype=torch.bfloat16)
+            engine.generate(model, prompt, 9 + window_steps, temperature=0.0, window_dtype=torch.bfloat16)
         runs[window_steps] = (ops.counts["mkldnn._reorder_linear_weight.default"],
                               ops.counts["mkldnn._linear_pointwise.default"])
     assert runs == {2: (9, 2 * 9), 9: (9, 9 * 9)}
@@ -403,7 +412,7 @@ def test_packing_holds_one_copy_of_each_weight_and_gives_a_bf16_model_its_weight
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
     prompt = idx[:, :5]
-    assert torch.equal(model.generate(prompt, 20, temperature=0.0), model.generate(prompt, 20, temperature=0.0))
+    assert torch.equal(engine.generate(model, prompt, 20, temperature=0.0), engine.generate(model, prompt, 20, temperature=0.0))
 
 
 def test_a_float32_window_dtype_runs_the_window_in_float32_without_warnings() -> None:
@@ -415,10 +424,10 @@ def test_a_float32_window_dtype_runs_the_window_in_float32_without_warnings() ->
     model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: seen.append((o.size(1), o.dtype)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model.generate(prompt, 3, window_dtype=torch.float32)  # within the block
+        engine.generate(model, prompt, 3, window_dtype=torch.float32)  # within the block
         seen.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            model.generate(prompt, 20, temperature=0.0, window_dtype=torch.float32)
+            engine.generate(model, prompt, 20, temperature=0.0, window_dtype=torch.float32)
     assert {dtype for length, dtype in seen if length == 16} == {torch.float32}
     assert {dtype for length, dtype in seen if length < 16} == {torch.bfloat16}  # the caller's autocast
 
@@ -490,7 +499,7 @@ def test_bad_sampling_arguments_raise(kwargs: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
         sample_next_token(torch.zeros(1, 5), **kwargs)
     with pytest.raises(UserError, match=message):
-        make_model().generate(torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
+        engine.generate(make_model(), torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -512,7 +521,7 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_dominate(use_cache:
     assert F.softmax(full, -1)[..., VOCAB:].sum(-1).min() > 0.999
 
     g = torch.Generator().manual_seed(7)
-    out = model.generate(prompt, 125, temperature=1.0, generator=g, use_cache=use_cache)  # 8 x 125 = 1,000 tokens
+    out = engine.generate(model, prompt, 125, temperature=1.0, generator=g, use_cache=use_cache)  # 8 x 125 = 1,000 tokens
     new = out[:, 4:]
     assert new.numel() == 1000
     assert new.max().item() < VOCAB, f"sampled padded id {new.max().item()}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from errors import UserError, exit_on_user_error
+from nanogpt.errors import UserError, exit_on_user_error
 
 
 def test_user_errors_exit_2_with_one_line(capsys):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import export
-from errors import UserError
-from checkpoint import save_checkpoint
+from nanogpt.errors import UserError
+from nanogpt.checkpoint import save_checkpoint
 from helpers import make_char_dataset, run_script
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model, sample
@@ -135,7 +135,7 @@ def test_without_the_gpt2_bpe_files_the_folder_gets_no_tokenizer_and_a_note(tmp_
     """No tiktoken cache and no network (the read fails as requests' errors do, with an OSError)."""
     import tiktoken.load
 
-    import dataio
+    from nanogpt import dataio
 
     def offline(url, expected_hash=None):
         raise OSError(f"no network for {url}")

@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import run_checkpoints
-import distributed
-from errors import UserError
-from checkpoint import load_checkpoint, save_checkpoint
+from nanogpt import checkpoint_manager
+from nanogpt import distributed
+from nanogpt.errors import UserError
+from nanogpt.checkpoint import load_checkpoint, save_checkpoint
 from helpers import (
     HANG_S,
     ROOT,
@@ -33,7 +33,7 @@ from helpers import (
 from model import GPT
 import train as train_module
 from train import NonFiniteError, train
-from step import batch_generator, get_batch
+from nanogpt.step import batch_generator, get_batch
 
 
 def start(args, **kw) -> subprocess.Popen:
@@ -237,14 +237,14 @@ def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, mon
     run = dict(max_iters=2, eval_interval=2, optimizer=optimizer, dropout=0.0)
     train(tiny_config(data_dir, tmp_path / "out", **run))
     seen = []
-    real = run_checkpoints.load_training_state
+    real = checkpoint_manager.load_training_state
 
     def spy(model, optim, ckpt):
         real(model, optim, ckpt)
         seen.append([{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups])
         seen.append({id(p): s for opt in optim.optimizers.values() for p, s in opt.state.items()})
 
-    monkeypatch.setattr(run_checkpoints, "load_training_state", spy)
+    monkeypatch.setattr(checkpoint_manager, "load_training_state", spy)
     changed = CHANGED_OPTIMIZER[optimizer]
     out = {}
     for name, changes in (("same", {}), ("changed", changed)):
@@ -345,9 +345,9 @@ def _step_with(loss_scale: float, scaler_enabled: bool, optimizer: str = "adamw"
 def _steps_with(loss_scales: list[float], scaler_enabled: bool, optimizer: str = "adamw"):
     """train_steps of one tiny model, optimizer and scaler, the i-th with its loss multiplied by loss_scales[i].
     Returns [(loss, norm, applied, parameters unchanged by the step)] per step, and the scaler."""
-    from distributed import Dist
+    from nanogpt.distributed import Dist
     from model import GPTConfig
-    from optim import build_optimizer
+    from nanogpt.optim import build_optimizer
     from train import TrainConfig
 
     torch.manual_seed(0)
@@ -469,9 +469,9 @@ def test_a_stop_between_micro_steps_drops_the_step_and_resumes_bitwise(data_dir,
 SHARED_PROBE = """
 import os, sys
 sys.path.insert(0, {root!r})
-from errors import UserError
-from distributed import cleanup_distributed, setup_distributed
-from distributed import check_shared_out_dir
+from nanogpt.errors import UserError
+from nanogpt.distributed import cleanup_distributed, setup_distributed
+from nanogpt.distributed import check_shared_out_dir
 d = setup_distributed("cpu")
 for case in ("shared", "local"):
     # "local": each rank gets its own folder, as nodes whose out_dir is on a local disk

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-import dataio
+from nanogpt import dataio
 import train as train_module
-from common import resolve_attention, resolve_device, resolve_dtype
-from checkpoint import load_checkpoint
+from nanogpt.device import resolve_attention, resolve_device, resolve_dtype
+from nanogpt.checkpoint import load_checkpoint
 from configurator import configure
 from helpers import ROOT, run_script, run_script_waiting, tiny_config
-from model import GPT, UserError
+from model import GPT
+from nanogpt.errors import UserError
+from nanogpt.hf_gpt2 import pretrained_gpt2
 from sample import SampleConfig, load_model
 from train import TrainConfig, init_model, train
 
@@ -100,11 +102,11 @@ def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkey
 
     calls = []
 
-    def fake_from_pretrained(name, override_args=None, vocab_padding_multiple=64):
-        calls.append((name, override_args, vocab_padding_multiple))
+    def fake_pretrained(name, overrides=None, vocab_padding_multiple=64):
+        calls.append((name, overrides, vocab_padding_multiple))
         raise RuntimeError("stop here: no weights in a test")
 
-    monkeypatch.setattr(train_module.GPT, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(train_module, "pretrained_gpt2", fake_pretrained)
     with pytest.raises(RuntimeError, match="stop here"):
         init_model(cfg, None, None)
     # attention="auto": the path for this machine's device and dtype (common.resolve_attention, tested there)
@@ -161,7 +163,7 @@ def test_a_folder_without_weights_is_a_one_line_error_naming_it(tmp_path):
     folder = tmp_path / "config-only"
     GPT2Config(n_layer=1, n_head=2, n_embd=32).save_pretrained(folder)  # config.json, no weights
     with pytest.raises(UserError) as e:
-        GPT.from_pretrained(str(folder))
+        pretrained_gpt2(str(folder))
     assert str(e.value).startswith(f"could not load GPT-2 weights '{folder}' (")
     assert str(e.value).endswith("): pass a local folder written by save_pretrained")
 
@@ -170,7 +172,7 @@ def test_a_shape_key_that_disagrees_with_the_weights_is_refused_and_the_report_s
     """Bug: --n_head/--n_embd given with init_from=<checkpoint> were silently replaced by the checkpoint's, while the
     config line and report.md showed the user's values."""
     from helpers import make_char_dataset
-    from errors import UserError
+    from nanogpt.errors import UserError
 
     data_dir = tmp_path / "data"
     make_char_dataset(data_dir)

@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import dataio
-from errors import UserError, exit_on_user_error
-from checkpoint import load_checkpoint
+from nanogpt import dataio
+from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.checkpoint import load_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
 from train import train
-from step import batch_generator, get_batch, train_batches
+from nanogpt.step import batch_generator, get_batch, train_batches
 from train import main as train_main
 
 PREPARE = os.path.join(ROOT, "data", "fineweb_edu", "prepare.py")

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-import float8
+from nanogpt import float8
 from model import GPT, GPTConfig
 
 

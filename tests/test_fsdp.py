@@ -16,10 +16,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import run_checkpoints
-import sharded
-import parallel
-from checkpoint import load_checkpoint
+from nanogpt import checkpoint_manager
+from nanogpt import sharded
+import convert_sharded
+from nanogpt import parallel
+from nanogpt.checkpoint import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, run_script, tiny_config
 from test_sharded import KILL_CHILD
 from train import train
@@ -43,8 +44,9 @@ def torchrun(cfg, nproc: int = 2, script: str = "train.py") -> subprocess.Comple
 MEASURING_TRAIN = """
 import contextlib, os, sys
 sys.path.insert(0, {root!r})
-import parallel, train
-from errors import exit_on_user_error
+import train
+from nanogpt import parallel
+from nanogpt.errors import exit_on_user_error
 from torch.distributed.fsdp import FSDPModule
 
 def unsharded_grads(model):
@@ -154,12 +156,12 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
     print(f"resume 1 -> 2 ranks: max |param diff| {diff:.2e}")
     assert diff < TOL
     # the conversion to one ckpt.pt: logits equal the sharded model's, and the uninterrupted run's within TOL
-    parallel.main([str(tmp_path / "run" / sharded.SHARDED_NAME)])  # python parallel.py OUT_DIR/ckpt_sharded
+    convert_sharded.main([str(tmp_path / "run" / sharded.SHARDED_NAME)])  # python convert_sharded.py OUT_DIR/ckpt_sharded
     converted = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     assert converted["iter_num"] == 8 and converted["optimizer"]["state"]
     idx = torch.randint(converted["model_args"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
     gathered, _ = sharded.load_sharded_as_full(str(tmp_path / "run" / sharded.SHARDED_NAME))
-    from checkpoint import model_from_checkpoint
+    from nanogpt.checkpoint import model_from_checkpoint
 
     from sample import SampleConfig, load_model
 
@@ -241,7 +243,7 @@ def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_d
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     # training went on while the save was written: the step of iter 4 (the 5th) ran before the save was linked
     assert int(re.search(r"steps run: (\d+)", r.stdout).group(1)) > 4, r.stdout[-2000:]
-    assert run_checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
+    assert checkpoint_manager.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
     resumed = train(tiny_config(data_dir, out, **ASYNC, parallelism="fsdp", async_save=True, init_from="resume"))
     assert resumed["iter_num"] == 8
     diff = max_diff(reference["model"].state_dict(), sharded_params(out))
@@ -299,7 +301,7 @@ NAN_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {root!r})
 import train
-from errors import exit_on_user_error
+from nanogpt.errors import exit_on_user_error
 from model import GPT
 
 forward, calls = GPT.forward, [0]
@@ -331,7 +333,7 @@ def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_impor
     """FSDP and DTensor took 1.2 s of every sample.py start on 2 cores: the scripts' modules import them only where
     a run shards (train.py and bench.py still get them through torch.optim, which imports torch._dynamo);
     distributed.is_dtensor then still tells a shard from a tensor."""
-    probe = ("import sys, bench, sample, train, parallel, distributed, torch; "
+    probe = ("import sys, bench, sample, train, torch; from nanogpt import distributed, parallel; "
              "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') if m in sys.modules)); "
              "import torch.distributed as d; "
              "d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1); "

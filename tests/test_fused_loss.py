@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import Dist
+from nanogpt import engine
+from nanogpt.distributed import Dist
 from helpers import HANG_S, config_args, make_char_dataset, run_script, tiny_config
-from fused_loss import fused_linear_cross_entropy
+from nanogpt.fused_loss import fused_linear_cross_entropy
 from model import GPT, GPTConfig
 from train import TrainConfig, train
-from step import train_step
+from nanogpt.step import train_step
 
 VOCAB = 101  # padded to 128: 27 rows that must get no probability and no gradient
 # float32 against the float64 reference: both paths sum the same terms in another order, a few ulps apart
@@ -139,7 +140,7 @@ def test_sampling_and_plain_forward_still_return_logits():
     idx, _ = model_batch()
     logits, loss = model(idx)
     assert logits.shape == (3, 16, VOCAB) and loss is None
-    out = model.generate(idx[:, :4], max_new_tokens=3, generator=torch.Generator().manual_seed(0))
+    out = engine.generate(model, idx[:, :4], max_new_tokens=3, generator=torch.Generator().manual_seed(0))
     assert out.shape == (3, 7)
 
 

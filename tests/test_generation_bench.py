@@ -3,6 +3,7 @@ token is named. The expected choices come from a brute-force float64 forward pas
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from helpers import ROOT
 sys.path.insert(0, f"{ROOT}/benchmarks")
 from generation import build_modes, first_divergence, nanogpt_generate  # noqa: E402
 
+from nanogpt import engine
 from model import GPT, GPTConfig  # noqa: E402
 
 
@@ -22,7 +24,7 @@ def test_near_ties_pass_and_a_clearly_worse_token_is_named() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double().eval()
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
-    out = model.generate(prompt, 9, temperature=0.0)  # (2, 12): past block_size 8, so windows slide
+    out = engine.generate(model, prompt, 9, temperature=0.0)  # (2, 12): past block_size 8, so windows slide
     assert first_divergence(model, out, 3, tol=0.0) is None  # greedy tokens are the float64 argmax
 
     # at new token 6 (position 9, predicted from the window of positions 1..8) take the runner-up of sample 1
@@ -41,20 +43,24 @@ def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch, c
     """--before=REV builds the model of model.py at REV (read with git show) with this model's weights, passing only
     the settings REV knows: a revision whose GPTConfig has no `fused_loss` (today's model.py without that field
     stands in for it) still loads, and its greedy tokens equal today's. The project modules it imports are read at
-    REV too (a revision's model.py may import a module this tree no longer has), not taken from this tree."""
-    import os
+    REV too (a revision's model.py may import a module this tree no longer has: REV's stand-in imports `errors`, a
+    module of the root then), not taken from this tree."""
     import subprocess
 
     import generation
 
     shown = []
+    at_rev = {"errors.py": "class UserError(ValueError):\n    pass\n"}  # a root module REV had and this tree has not
 
-    def git(cmd, **kw):  # REV is this tree, but for model.py's fused_loss field
+    def git(cmd, **kw):  # REV is this tree's model.py, without its fused_loss field, importing REV's errors.py
         if cmd[1] == "ls-tree":
-            return subprocess.CompletedProcess(cmd, 0, stdout="\n".join(os.listdir(ROOT)), stderr="")
-        path = os.path.join(ROOT, cmd[-1].split(":", 1)[1])
+            return subprocess.CompletedProcess(cmd, 0, stdout="model.py\nerrors.py\ntrain.py\n", stderr="")
+        name = cmd[-1].split(":", 1)[1]
         shown.append(cmd[-1])
-        source = "".join(line for line in open(path) if not line.startswith("    fused_loss: bool"))
+        if name in at_rev:
+            return subprocess.CompletedProcess(cmd, 0, stdout=at_rev[name], stderr="")
+        source = "".join(line for line in open(os.path.join(ROOT, name)) if not line.startswith("    fused_loss: bool"))
+        source = source.replace("\nimport math\n", "\nimport math\n\nimport errors  # noqa: F401\n", 1)
         return subprocess.CompletedProcess(cmd, 0, stdout=source, stderr="")
 
     monkeypatch.setattr(generation.subprocess, "run", git)
@@ -62,14 +68,13 @@ def test_before_mode_runs_an_older_model_py_with_the_same_weights(monkeypatch, c
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
     modes = build_modes(model, argparse.Namespace(before="abc123", uncached=False, device="cpu", attention="auto"),
                         "cpu")
-    assert shown[0] == "abc123:model.py" and {"abc123:engine.py", "abc123:errors.py"} <= set(shown)
-    assert len(shown) == len(set(shown))  # each module read once
-    assert generation.model_at_revision("abc123").engine.__name__ == "engine_abc123"  # REV's engine, not this tree's
+    assert shown == ["abc123:model.py", "abc123:errors.py"]  # each module read once, REV's
+    assert generation.model_at_revision("abc123").errors.__name__ == "errors_abc123"  # REV's, not this tree's
     assert "--before=abc123: its GPTConfig has no fused_loss: built without" in capsys.readouterr().out
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
     before, dtype, compiled = modes["before (abc123), fp32"]
     assert (dtype, compiled) == (torch.float32, False)
-    assert torch.equal(before(prompt, 20), model.generate(prompt, 20, temperature=0.0))
+    assert torch.equal(before(prompt, 20), engine.generate(model, prompt, 20, temperature=0.0))
 
 
 def test_nanogpt_rows_way_and_the_modes_give_the_tokens_of_generate_without_the_cache() -> None:
@@ -80,7 +85,7 @@ def test_nanogpt_rows_way_and_the_modes_give_the_tokens_of_generate_without_the_
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=2, n_head=2, n_embd=16, gelu="erf")).eval()
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
-    expected = model.generate(prompt, 12, temperature=0.0, use_cache=False)
+    expected = engine.generate(model, prompt, 12, temperature=0.0, use_cache=False)
     with torch.no_grad():
         assert torch.equal(nanogpt_generate(model, prompt, 12), expected)
     modes = build_modes(model, argparse.Namespace(before=None, uncached=True, device="cpu", attention="auto"), "cpu")
@@ -106,7 +111,7 @@ def test_nanogpt_rows_way_and_the_modes_give_the_tokens_of_generate_without_the_
 def linear_flops(run) -> int:
     """The FLOPs of the (b)mm-free matmuls `run()` does: its linear layers' (mm, addmm, or from a packed weight),
     whose shapes do not depend on the position a step is at."""
-    from measure import MatmulRecorder
+    from nanogpt.measure import MatmulRecorder
 
     recorder = MatmulRecorder()
     with recorder:
@@ -134,7 +139,7 @@ def test_the_sample_commands_bound_adds_up_the_work_generate_does(new, monkeypat
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16, attention="math")).eval()
     prompt = torch.zeros(3, 4, dtype=torch.long)
-    real = linear_flops(lambda: model.generate(prompt, new, temperature=0.8, top_k=200, window_dtype=torch.bfloat16))
+    real = linear_flops(lambda: engine.generate(model, prompt, new, temperature=0.8, top_k=200, window_dtype=torch.bfloat16))
     monkeypatch.setattr(generation, "replayed_matmuls", lambda run, device, repeats=3: (linear_flops(run), 0))
     seconds, _ = generation.sample_command_bound(model, 3, 4, new, "cpu", torch.bfloat16)
     assert round(seconds * 1000) == real

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from errors import UserError
+from nanogpt.errors import UserError
 from helpers import ROOT, run_script
 from test_hardware import DEVICE_PEAKS
 

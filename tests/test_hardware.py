@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hardware
-from errors import UserError
-from hardware import check_attention_kernel, device_peak_flops, gpu_peak_flops, sdpa_kernel_compiles
+from nanogpt import hardware
+from nanogpt.errors import UserError
+from nanogpt.hardware import check_attention_kernel, sdpa_kernel_compiles
+from nanogpt.mfu import device_peak_flops, gpu_peak_flops
 from model_helpers import make_model
 
 
@@ -70,11 +71,11 @@ def test_peak_flops_asks_for_the_runs_gpu(monkeypatch) -> None:
 
 
 def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
-    """On CUDA, PyTorch words a refused kernel "No available kernel"; the model must turn it into a UserError
-    (simulated here: the CPU cannot run the CUDA kernels)."""
+    """On CUDA, PyTorch words a refused kernel "No available kernel"; the check that runs before the first forward
+    (train.py, bench.py, sample.py) turns it into a UserError (simulated here: the CPU cannot run the CUDA kernels)."""
     import torch.nn.functional as F
 
-    from errors import UserError
+    from nanogpt.errors import UserError
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16, sdpa_backend="flash"))
@@ -84,14 +85,14 @@ def test_a_cuda_kernel_refusal_becomes_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
     with pytest.raises(UserError, match=r"sdpa_backend='flash' cannot run on cpu with dtype torch.float32"):
-        model(torch.zeros(1, 8, dtype=torch.long))
+        check_attention_kernel(model)
 
 
 def test_a_cuda_refusal_names_the_chosen_kernels_reasons_only():
     """The warnings an H100 gave (torch 2.11) when flash refused float32 with a mask: the refusal keeps the two
     reasons and drops the per-kernel headers, the kernels sdpa_kernel turned off and the source locations (the
     first version of the message began with "Memory efficient kernel not used because: (Triggered internally")."""
-    from hardware import sdpa_refusal_reasons
+    from nanogpt.hardware import sdpa_refusal_reasons
 
     at = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)"
     warned = [

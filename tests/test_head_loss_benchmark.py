@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from errors import UserError
+from nanogpt.errors import UserError
 from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -1,4 +1,4 @@
-"""HellaSwag scoring (hellaswag.py) against a brute-force loss, in training runs and standalone, and its errors."""
+"""HellaSwag scoring (nanogpt/hellaswag.py, and the hellaswag.py command) against a brute-force loss, in training runs and standalone, and its errors."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import dataio
+from nanogpt import dataio
 import hellaswag
-from errors import UserError, exit_on_user_error
-from distributed import Dist
+import nanogpt.hellaswag
+from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.distributed import Dist
 from helpers import run_script, tiny_config
 from model import GPT, GPTConfig
 from train import main as train_main
@@ -71,9 +72,9 @@ def test_batched_scores_equal_a_brute_force_loss_per_example(tmp_path):
     reference = GPT(model.config)
     reference.load_state_dict(model.state_dict())
     model_double = reference.double().eval()
-    encoded = hellaswag.encode(hellaswag.load_examples(str(tmp_path / "hs.jsonl")), tok, 64)
+    encoded = nanogpt.hellaswag.encode(nanogpt.hellaswag.load_examples(str(tmp_path / "hs.jsonl")), tok, 64)
     # examples of different lengths in one padded batch
-    total, mean = hellaswag.ending_losses(model.eval(), encoded, "cpu", torch.autocast("cpu", enabled=False))
+    total, mean = nanogpt.hellaswag.ending_losses(model.eval(), encoded, "cpu", torch.autocast("cpu", enabled=False))
     right = [0, 0]
     for k, (ex_rows, n_ends, label) in enumerate(encoded):
         expected = [brute_force(model_double, ids, n_end) for ids, n_end in zip(ex_rows, n_ends)]
@@ -82,13 +83,13 @@ def test_batched_scores_equal_a_brute_force_loss_per_example(tmp_path):
         right[0] += min(range(4), key=lambda j: expected[j][0]) == label
         right[1] += min(range(4), key=lambda j: expected[j][1]) == label
     # in bf16 autocast the same losses, to bf16's precision (8 bits of mantissa: ~0.5% of a ~3.3 per-token loss)
-    total_bf16, mean_bf16 = hellaswag.ending_losses(model, encoded, "cpu", torch.autocast("cpu", dtype=torch.bfloat16))
+    total_bf16, mean_bf16 = nanogpt.hellaswag.ending_losses(model, encoded, "cpu", torch.autocast("cpu", dtype=torch.bfloat16))
     assert total_bf16.dtype == torch.float32 and not torch.equal(mean_bf16, mean)
     assert torch.allclose(mean_bf16, mean, atol=0.05)
     # acc and acc_norm from the brute-force losses; under "DDP" the ranks' shares add up to the same counts
-    result = hellaswag.evaluate(model, encoded, Dist(), torch.autocast("cpu", enabled=False), examples_per_batch=3)
+    result = nanogpt.hellaswag.evaluate(model, encoded, Dist(), torch.autocast("cpu", enabled=False), examples_per_batch=3)
     assert (result["hellaswag_acc"], result["hellaswag_acc_norm"]) == (right[0] / 9, right[1] / 9)
-    shares = [hellaswag.evaluate(model, encoded, Dist(rank=r, world_size=4), torch.autocast("cpu", enabled=False))
+    shares = [nanogpt.hellaswag.evaluate(model, encoded, Dist(rank=r, world_size=4), torch.autocast("cpu", enabled=False))
               for r in range(4)]
     assert sum(s["hellaswag_n"] for s in shares) == 9
     assert sum(s["hellaswag_acc"] * s["hellaswag_n"] for s in shares) == pytest.approx(right[0])
@@ -123,7 +124,7 @@ def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path,
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
                     f"--out_dir={tmp_path / 'out'}", f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"{hellaswag.describe(result)} in " in r.stdout and "(cpu, float32, 2 ranks)" in r.stdout
+    assert f"{nanogpt.hellaswag.describe(result)} in " in r.stdout and "(cpu, float32, 2 ranks)" in r.stdout
 
 
 @pytest.mark.parametrize("line, message", [
@@ -162,21 +163,21 @@ def test_hellaswag_settings_in_training_are_one_line_errors(tmp_path, capsys, ex
 def test_download_fetches_the_validation_set_once_and_checks_it(tmp_path, monkeypatch):
     line = json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}) + "\n"
     full, short = tmp_path / "full.jsonl", tmp_path / "short.jsonl"
-    full.write_text(line * hellaswag.VAL_EXAMPLES, encoding="utf-8")
+    full.write_text(line * nanogpt.hellaswag.VAL_EXAMPLES, encoding="utf-8")
     short.write_text(line * 10, encoding="utf-8")
     cache = tmp_path / "cache" / "hellaswag_val.jsonl"
-    monkeypatch.setattr(hellaswag, "CACHE", str(cache))
-    monkeypatch.setattr(hellaswag, "URL", short.as_uri())  # urllib reads file:// URLs as it reads https://
-    with pytest.raises(UserError, match=f"gave 10 examples, not HellaSwag validation's {hellaswag.VAL_EXAMPLES}"):
-        hellaswag.load_examples()
-    monkeypatch.setattr(hellaswag, "URL", (tmp_path / "missing.jsonl").as_uri())
+    monkeypatch.setattr(nanogpt.hellaswag, "CACHE", str(cache))
+    monkeypatch.setattr(nanogpt.hellaswag, "URL", short.as_uri())  # urllib reads file:// URLs as it reads https://
+    with pytest.raises(UserError, match=f"gave 10 examples, not HellaSwag validation's {nanogpt.hellaswag.VAL_EXAMPLES}"):
+        nanogpt.hellaswag.load_examples()
+    monkeypatch.setattr(nanogpt.hellaswag, "URL", (tmp_path / "missing.jsonl").as_uri())
     with pytest.raises(UserError, match="cannot download HellaSwag from .*; check the network, or set the hellaswag path"):
-        hellaswag.load_examples()
+        nanogpt.hellaswag.load_examples()
     assert not cache.exists() and os.listdir(cache.parent) == []  # no partial copy left to be read later
-    monkeypatch.setattr(hellaswag, "URL", full.as_uri())
-    assert len(hellaswag.load_examples()) == hellaswag.VAL_EXAMPLES and cache.read_bytes() == full.read_bytes()
+    monkeypatch.setattr(nanogpt.hellaswag, "URL", full.as_uri())
+    assert len(nanogpt.hellaswag.load_examples()) == nanogpt.hellaswag.VAL_EXAMPLES and cache.read_bytes() == full.read_bytes()
     full.unlink()  # the cached copy is used from now on
-    assert hellaswag.load_examples()[0] == hellaswag.Example("A man", ["a", "b", "c", "d"], 2)
+    assert nanogpt.hellaswag.load_examples()[0] == nanogpt.hellaswag.Example("A man", ["a", "b", "c", "d"], 2)
 
 
 def test_gpt2_weights_are_scored_with_the_bpe_as_hf_scores_them(tmp_path, gpt2_bpe, capsys):

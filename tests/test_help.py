@@ -23,7 +23,7 @@ from benchmarks import ablation, memory
 from configurator import help_text
 from helpers import ROOT
 
-SCRIPTS = ["train.py", "sample.py", "bench.py", "hellaswag.py", "export.py", "plot.py", "parallel.py",
+SCRIPTS = ["train.py", "sample.py", "bench.py", "hellaswag.py", "export.py", "plot.py", "convert_sharded.py",
            *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "[!_]*.py"))),
            *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "data", "*", "prepare.py")))]
 # The typed configs whose keys each script's --help lists (a study's own, then bench.py's).
@@ -96,7 +96,7 @@ def test_help_prints_the_usage_and_exits_0(script, capsys):
     code, out, err = run_help(script, capsys)
     assert code == 0, err
     assert "error" not in err and "Traceback" not in err
-    if script in CONFIGS or script == "parallel.py":  # the usage is the docstring's
+    if script in CONFIGS or script == "convert_sharded.py":  # the usage is the docstring's
         docstring = open(os.path.join(ROOT, script), encoding="utf-8").read().split('"""')[1]
         assert out.startswith(docstring.strip().splitlines()[0]), out[:300]
     else:

@@ -1,13 +1,15 @@
-"""Tests for hf_gpt2.py through GPT.from_pretrained: a random HF GPT-2 saved locally loads with the same logits, and bad
-overrides, names and shapes are one-line errors."""
+"""GPT-2's weights: a random HF GPT-2 saved locally loads with the same logits, through model.py's own
+GPT.from_pretrained and the project's nanogpt/hf_gpt2.py (the HF cache first, offline), and bad overrides, names and
+shapes are one-line errors there."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
 
-from errors import UserError
 from model import GPT
+from nanogpt.errors import UserError
+from nanogpt.hf_gpt2 import pretrained_gpt2
 from model_helpers import max_err
 
 
@@ -42,6 +44,8 @@ def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int, activat
     hf.save_pretrained(path)
     model = GPT.from_pretrained(str(path), vocab_padding_multiple=multiple).eval()
     assert model.config.vocab_size == 300 and model.config.gelu == gelu
+    loaded = pretrained_gpt2(str(path), vocab_padding_multiple=multiple)  # the project's loader: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert model.lm_head.weight.shape[0] == (320 if multiple == 64 else 300)
     idx = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(15))
     with torch.no_grad():
@@ -58,15 +62,21 @@ def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int, activat
 def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> None:
     allowed = r"only \['attention', 'dropout', 'fused_loss', 'sdpa_backend'\]"
     with pytest.raises(UserError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):
+        pretrained_gpt2("gpt2", {"n_layer": 4})
+    with pytest.raises(ValueError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):  # model.py's own
         GPT.from_pretrained("gpt2", override_args={"n_layer": 4})
     with pytest.raises(UserError, match=r"unknown GPT-2 model 'gpt3': use gpt2, gpt2-medium"):
-        GPT.from_pretrained("gpt3")
+        pretrained_gpt2("gpt3")
     with pytest.raises(UserError, match="unknown GPT-2 model"):
-        GPT.from_pretrained(str(tmp_path / "no-such-folder"))
+        pretrained_gpt2(str(tmp_path / "no-such-folder"))
 
+    relu = tmp_path / "relu"
+    tiny_hf_gpt2("relu").save_pretrained(relu)
     with pytest.raises(UserError, match=r"unsupported GPT-2 activation 'relu': this model supports gelu_new, gelu_pytorch_tanh, gelu"):
+        pretrained_gpt2(str(relu))
+    with pytest.raises(ValueError, match=r"unsupported GPT-2 activation 'relu'"):
         GPT.from_hf_model(tiny_hf_gpt2("relu"))
     hf = tiny_hf_gpt2()
     hf.transformer.h[1].mlp.c_fc.bias = nn.Parameter(torch.zeros(100))  # expected 4 * 64 = 256
-    with pytest.raises(UserError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
+    with pytest.raises(ValueError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
         GPT.from_hf_model(hf)

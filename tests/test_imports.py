@@ -1,34 +1,44 @@
-"""The project's import graph, read from the sources (every import, also those inside functions): no file imports one
-that imports it back, directly or through others, and the inference scripts never load the training script."""
+"""The house's shape, read from the sources (every import, also those inside functions): the root holds the commands,
+model.py and configurator.py; the library is the package nanogpt/, which imports no command; no file imports one that
+imports it back, directly or through others; the inference scripts never load the training script."""
 from __future__ import annotations
 
 import ast
 import glob
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMANDS = {"train", "sample", "bench", "export", "hellaswag", "plot", "convert_sharded"}
+ROOT_MODULES = {"model", "configurator"}  # the mission's names: the model, and the settings' reader
 
 
 def project_modules() -> dict[str, str]:
-    """Module name -> file, for the scripts, benchmarks/ and the data preparation scripts (tests excluded)."""
-    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    """Module name -> file, for the root, the package, benchmarks/ and data/ (tests excluded)."""
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "nanogpt", "*.py"))
+    files += glob.glob(os.path.join(ROOT, "benchmarks", "*.py")) + glob.glob(os.path.join(ROOT, "data", "*.py"))
     files += glob.glob(os.path.join(ROOT, "data", "*", "*.py"))
     return {os.path.relpath(f, ROOT)[:-3].replace(os.sep, "."): f for f in files if not f.endswith("__init__.py")}
 
 
+def imports_of(path: str, top_level_only: bool = False) -> set[str]:
+    """Every module name an import in `path` names (`from a import b` names a and a.b); top_level_only: those of
+    the module's own body, run when it is imported, not those inside functions or classes."""
+    tree = ast.parse(open(path).read(), path)
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    targets = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets.add(node.module)
+            targets.update(f"{node.module}.{alias.name}" for alias in node.names)  # from nanogpt import dataio
+    return targets
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
-    graph = {}
-    for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(open(path).read(), path)):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets.add(node.module)
-                targets.update(f"{node.module}.{alias.name}" for alias in node.names)  # from benchmarks import x
-        graph[name] = {t for t in targets if t in modules and t != name}
-    return graph
+    return {name: {t for t in imports_of(path) if t in modules and t != name} for name, path in modules.items()}
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -42,9 +52,29 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_graph_sees_the_imports_it_must():
     graph = import_graph()
-    assert {"checkpoint", "common", "model"} <= graph["train"]
-    assert "measure" in graph["bench"] and "bench" in graph["benchmarks.ablation"]
-    assert "dataio" in graph["data.shakespeare_char.prepare"]
+    assert {"nanogpt.checkpoint_manager", "nanogpt.device", "model"} <= graph["train"]
+    assert "nanogpt.measure" in graph["bench"] and "bench" in graph["benchmarks.ablation"]
+    assert "nanogpt.dataio" in graph["data.shakespeare_char.prepare"]
+    assert "nanogpt.errors" in graph["nanogpt.checkpoint"]  # from nanogpt.errors import UserError
+
+
+def test_the_root_holds_the_commands_model_and_configurator():
+    root = {os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "*.py"))}
+    assert root == COMMANDS | ROOT_MODULES, f"not a command, model.py or configurator.py: {root - COMMANDS - ROOT_MODULES}"
+
+
+def test_the_package_imports_no_command():
+    graph = import_graph()
+    upward = {name: sorted(graph[name] & COMMANDS) for name in graph if name.startswith("nanogpt.")}
+    assert not {k: v for k, v in upward.items() if v}, upward
+    # from the root, the package takes the model alone: the settings' reader is the commands'
+    assert {m for name in graph if name.startswith("nanogpt.") for m in graph[name] if "." not in m} <= {"model"}
+
+
+def test_model_imports_torch_and_the_standard_library_only_at_module_level():
+    allowed = set(sys.stdlib_module_names) | {"torch"}
+    names = imports_of(os.path.join(ROOT, "model.py"), top_level_only=True)
+    assert {n.split(".")[0] for n in names} <= allowed, names
 
 
 def test_no_file_imports_one_that_imports_it_back():
@@ -59,6 +89,6 @@ def test_no_file_imports_one_that_imports_it_back():
 
 def test_sampling_exporting_and_scoring_never_load_the_training_script():
     graph = import_graph()
-    for script in ("sample", "export", "hellaswag", "checkpoint", "parallel"):
+    for script in ("sample", "export", "hellaswag", "convert_sharded", "nanogpt.checkpoint_manager"):
         assert "train" not in reachable(graph, script), script
-    assert not {"bench", "train", "sample"} & reachable(graph, "checkpoint")  # the module every script reads through
+    assert not {"bench", "train", "sample"} & reachable(graph, "nanogpt.checkpoint")  # what every script reads through

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from bench import BenchConfig
-import measure
+import benchmarks
+from nanogpt import measure
 
 
 def test_allocator_is_read_from_the_mapped_libraries_or_ld_preload():
@@ -29,13 +30,13 @@ def test_other_load_is_the_share_of_the_cpus_that_other_processes_took(monkeypat
     with measure.OtherLoad() as load:
         pass
     assert load.fraction == pytest.approx(expected)
-    assert (measure.load_note(load.fraction) != "") == (expected >= 0.1)
+    assert (benchmarks.load_note(load.fraction) != "") == (expected >= 0.1)
 
 
 def test_a_study_takes_its_own_keys_and_passes_the_rest_to_bench():
     from benchmarks.ablation import AblationConfig
 
-    own, rest = measure.study_config(AblationConfig(), ["config/bench_cpu.py", "--studies=attention", "--batch_size=2"],
+    own, rest = benchmarks.study_config(AblationConfig(), ["config/bench_cpu.py", "--studies=attention", "--batch_size=2"],
                                      BenchConfig())
     assert own.studies == "attention" and rest == ["config/bench_cpu.py", "--batch_size=2"]
 
@@ -47,7 +48,7 @@ def test_the_matmul_floor_of_a_float8_model_replays_its_scaled_matmuls():
     those (with their float8 operands), not the float8 tensors' mm, which cannot be replayed on plain tensors."""
     import torch
 
-    import float8
+    from nanogpt import float8
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=100))

@@ -9,7 +9,7 @@ import torch
 
 import bench
 from benchmarks import memory
-from errors import UserError
+from nanogpt.errors import UserError
 from helpers import hide_module, run_in_process
 from test_bench import TINY, bench_script, table_rows
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from checkpoint import load_checkpoint
+from nanogpt.checkpoint import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
-from metrics import read_metrics
+from nanogpt.metrics import read_metrics
 from test_run_checkpoints import metrics
 from test_train import no_wandb_login
 from train import TrainConfig, train
@@ -74,7 +74,7 @@ def test_the_runs_wall_time_continues_across_resumes(data_dir, tmp_path, monkeyp
 
 def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from metrics import wandb_problem
+    from nanogpt.metrics import wandb_problem
 
     home = tmp_path / "home"
     no_wandb_login(monkeypatch, home)

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from errors import UserError
+from nanogpt import engine
+from nanogpt.errors import UserError
+from nanogpt.hardware import check_attention_kernel
 from model import GPT
 
 from model_helpers import (
@@ -166,17 +168,19 @@ def test_cuda_only_sdpa_backends_fail_clearly_on_cpu(backend: str) -> None:
     model = make_model(sdpa_backend=backend)
     idx = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(UserError, match=rf"sdpa_backend='{backend}' cannot run on cpu.*use 'flash', 'math' or 'auto'"):
+        check_attention_kernel(model)  # what train.py, bench.py and sample.py run before the first forward
+    with pytest.raises(RuntimeError):  # model.py alone: PyTorch's own error
         model(idx)
 
 
 def test_unknown_attention_settings_list_the_choices() -> None:
-    with pytest.raises(UserError, match=r"attention='flashy' is not one of math, sdpa"):
+    with pytest.raises(ValueError, match=r"attention='flashy' is not one of math, sdpa"):
         tiny_config(attention="flashy")
-    with pytest.raises(UserError, match=r"sdpa_backend='fast' is not one of auto, flash, efficient, cudnn, math"):
+    with pytest.raises(ValueError, match=r"sdpa_backend='fast' is not one of auto, flash, efficient, cudnn, math"):
         tiny_config(sdpa_backend="fast")
-    with pytest.raises(UserError, match=r"gelu='exact' is not one of tanh, erf"):
+    with pytest.raises(ValueError, match=r"gelu='exact' is not one of tanh, erf"):
         tiny_config(gelu="exact")
-    with pytest.raises(UserError) as info:  # both at once: one error naming both
+    with pytest.raises(ValueError) as info:  # both at once: one error naming both
         tiny_config(attention="flashy", sdpa_backend="fast")
     assert "attention='flashy'" in str(info.value) and "sdpa_backend='fast'" in str(info.value)
 
@@ -238,11 +242,11 @@ def test_crop_block_size_shrinks_wpe_and_still_runs() -> None:
     with torch.no_grad():
         after, _ = model(idx)
     torch.testing.assert_close(after, before, atol=0, rtol=0)  # causal: the first 16 positions do not change
-    out = model.generate(idx[:, :5], 20, temperature=0.0)
-    assert out.shape == (2, 25) and torch.equal(out, model.generate(idx[:, :5], 20, temperature=0.0, use_cache=False))
-    with pytest.raises(UserError, match="longer than block_size=16"):
+    out = engine.generate(model, idx[:, :5], 20, temperature=0.0)
+    assert out.shape == (2, 25) and torch.equal(out, model.generate(idx[:, :5], 20, temperature=0.0))
+    with pytest.raises(ValueError, match="longer than block_size=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(UserError, match="must be between 1 and the model's 16"):
+    with pytest.raises(ValueError, match="must be between 1 and the model's 16"):
         model.crop_block_size(32)
 
 
@@ -258,7 +262,7 @@ def test_no_per_layer_causal_mask_and_crop_keeps_no_view_of_the_larger_tables() 
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def test_estimate_mfu_and_device_peak_flops() -> None:
+def test_estimate_mfu() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     # math attention: the counter sees its matmuls; no biases, which the estimate counts as if they were weights
@@ -270,12 +274,12 @@ def test_estimate_mfu_and_device_peak_flops() -> None:
     # the 6N + 12·L·C·T estimate also counts the LayerNorm weights (0.6% of N here) as matmul weights
     assert model.estimate_mfu(4, 0.5, peak_flops=1e12) == pytest.approx(counted / 0.5 / 1e12, rel=0.01)
     assert model.estimate_mfu(4, 0.0, peak_flops=1e12) is None
-    assert model.estimate_mfu(4, 0.5) is None  # on the CPU: no peak in the GPU table
+    assert model.estimate_mfu(4, 0.5) is None  # no peak given
 
 
 def test_sequence_longer_than_block_size_is_an_error() -> None:
     model = make_model()  # block_size 16
-    with pytest.raises(UserError, match=r"sequence of 17 tokens is longer than block_size=16: crop the input"):
+    with pytest.raises(ValueError, match=r"sequence of 17 tokens is longer than block_size=16: crop the input"):
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
@@ -370,7 +374,7 @@ def test_a_model_built_for_loading_draws_no_random_init_and_loads_whole():
     the random init a load would throw away: the global RNG is where it was, as after no init at all. A checkpoint
     loaded into it is the saved model exactly, its head tied to the token embedding; and GPT(config) after it
     initialises as before (the skipping ends with the build)."""
-    from checkpoint import model_from_checkpoint
+    from nanogpt.checkpoint import model_from_checkpoint
 
     torch.manual_seed(0)
     saved = GPT(tiny_config())
@@ -386,3 +390,51 @@ def test_a_model_built_for_loading_draws_no_random_init_and_loads_whole():
     again = GPT(tiny_config())
     for p, q in zip(saved.parameters(), again.parameters()):
         assert torch.equal(p, q)
+
+
+
+COPIED_ALONE = """
+import json, sys
+root, folder = sys.argv[1], sys.argv[2]
+sys.path[:] = [p for p in sys.path if p not in ("", root)]  # nothing of the project's but the copy
+sys.path.insert(0, folder)
+import torch
+import model
+from model import GPT, GPTConfig
+torch.manual_seed(0)
+gpt = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32))
+optimizer = gpt.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu", verbose=False)
+x = torch.randint(0, 50, (4, 16))
+before = gpt(x, x)[1].item()
+for _ in range(3):
+    logits, loss = gpt(x, x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+after = gpt(x, x)[1].item()
+out = gpt.eval().generate(x[:1, :4], 20, temperature=0.8, top_k=10)  # past block_size: the window slides
+print(json.dumps({"file": model.__file__, "logits": list(logits.shape), "before": before, "after": after,
+                  "generated": list(out.shape), "imported": sorted(sys.modules.keys() & {"nanogpt", "transformers", "configurator"})}))
+"""
+
+
+def test_model_py_works_copied_alone_into_an_empty_folder(tmp_path) -> None:
+    """People copy model.py into their own projects, as nanoGPT's: there it builds a model, trains steps and generates
+    with torch alone (no module of this project, nor transformers, imported)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    shutil.copy(os.path.join(ROOT, "model.py"), tmp_path / "model.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", COPIED_ALONE, ROOT, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["file"] == str(tmp_path / "model.py") and got["imported"] == [], got
+    assert got["logits"] == [4, 16, 50] and got["generated"] == [1, 24], got
+    assert got["after"] < got["before"], got  # the steps trained it

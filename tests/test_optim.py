@@ -6,14 +6,14 @@ import dataclasses
 import pytest
 import torch
 
-from errors import UserError
-from distributed import Dist
-from checkpoint import load_checkpoint
+from nanogpt.errors import UserError
+from nanogpt.distributed import Dist
+from nanogpt.checkpoint import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
-from optim import build_optimizer
+from nanogpt.optim import build_optimizer
 from train import TrainConfig, train
-from step import train_step
+from nanogpt.step import train_step
 
 
 def _model() -> GPT:
@@ -113,7 +113,7 @@ def test_newton_schulz_in_float32_agrees_with_torchs_bfloat16_and_orthogonalises
     singular value of a badly conditioned matrix into the quintic's band around 1 (SVD in float64)."""
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
 
-    from optim import newton_schulz
+    from nanogpt.optim import newton_schulz
 
     coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_newton_schulz_in_float32_agrees_with_torchs_bfloat16_and_orthogonalises
 
 
 def test_muon_ns_dtype_auto_is_float32_only_on_a_cpu_without_bf16_kernels(monkeypatch):
-    from optim import ns_dtype_for
+    from nanogpt.optim import ns_dtype_for
 
     assert ns_dtype_for("float32", "cuda") == torch.float32 and ns_dtype_for("bfloat16", "cpu") == torch.bfloat16
     assert ns_dtype_for("auto", "cuda") == torch.bfloat16

@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-import parallel
+from nanogpt import parallel
 import train as train_module
-from errors import UserError
+from nanogpt.errors import UserError
 from helpers import ROOT, tiny_config
 from model import GPT, GPTConfig
 from test_fsdp import max_diff
@@ -63,7 +63,7 @@ def test_nanogpts_shakespeare_config_runs_under_fsdp(tmp_path):
 
 
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_shards_and_grads():
-    from distributed import cleanup_distributed, setup_distributed
+    from nanogpt.distributed import cleanup_distributed, setup_distributed
 
     dist = setup_distributed("cpu", group_of_one=True)  # FSDP needs a process group, even of one
     try:
@@ -87,7 +87,7 @@ def test_the_xl_fsdp_config_states_the_memory_line_of_8_ranks():
     import torch.distributed as torch_dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from distributed import Dist
+    from nanogpt.distributed import Dist
     from configurator import configure
     from train import TrainConfig
 

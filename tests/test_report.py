@@ -30,16 +30,16 @@ def test_a_run_ends_with_a_report_of_its_settings_results_picture_and_a_sample(t
 def test_the_reports_sample_runs_under_the_runs_autocast(tmp_path, monkeypatch):
     """The sample at the end of a run uses the run's precision: outside its autocast, a kernel the run chose can
     refuse (flash attention in float32 on a GPU ended the FineWeb recipe's run with an error after its last save)."""
-    import model as model_module
+    from nanogpt import engine
 
     seen = []
-    generate = model_module.GPT.generate
+    generate = engine.generate
 
-    def recording(self, *args, **kwargs):
+    def recording(*args, **kwargs):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return generate(self, *args, **kwargs)
+        return generate(*args, **kwargs)
 
-    monkeypatch.setattr(model_module.GPT, "generate", recording)
+    monkeypatch.setattr(engine, "generate", recording)
     data_dir = tmp_path / "data"
     make_char_dataset(data_dir)
     train(tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2, dtype="bfloat16", report=True))

@@ -1,4 +1,4 @@
-"""One run per out_dir across starts (run_dir.py): the same command again, init_from=auto, a new run in a used folder
+"""One run per out_dir across starts (outdir.py): the same command again, init_from=auto, a new run in a used folder
 (each checkpoint format), a resume that takes the run's settings it is not given, keep_last across runs, a torchrun
 restart, a damaged run.json or metrics.jsonl, checkpoint_interval under a hard kill, and torchrun's elastic restarts
 and two agents on one machine (real torchrun, gloo, tiny models)."""
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import run_checkpoints
-import sharded
-import run_dir
+from nanogpt import checkpoint
+from nanogpt import checkpoint_manager
+from nanogpt import sharded
+from nanogpt import outdir
 import train as train_module
-from checkpoint import load_checkpoint
+from nanogpt.checkpoint import load_checkpoint
 from helpers import (
     HANG_S,
     ROOT,
@@ -38,7 +38,7 @@ from train import train
 
 
 def previous_runs(out) -> list:
-    return sorted((out / run_dir.PREVIOUS).iterdir()) if (out / run_dir.PREVIOUS).exists() else []
+    return sorted((out / outdir.PREVIOUS).iterdir()) if (out / outdir.PREVIOUS).exists() else []
 
 
 def weights(path) -> dict:
@@ -89,10 +89,10 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     out = tmp_path / "mixed"
     train(tiny_config(data_dir, out, max_iters=20, eval_interval=10))
     train(tiny_config(data_dir, out, max_iters=10, eval_interval=10, parallelism="fsdp", n_layer=1))
-    found = run_checkpoints.find_checkpoint(str(out))
+    found = checkpoint_manager.find_checkpoint(str(out))
     assert (found.name, found.iter_num, found.state["model_args"]["n_layer"]) == ("ckpt_sharded", 10, 1)
     (previous,) = previous_runs(out)
-    assert run_checkpoints.find_checkpoint(str(previous)).iter_num == 20
+    assert checkpoint_manager.find_checkpoint(str(previous)).iter_num == 20
     r = run_in_process(["sample.py", f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"],
                        capsys)
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
@@ -196,12 +196,12 @@ def test_a_live_run_holds_its_folder_a_second_start_is_refused_and_a_killed_runs
     _, stderr = live.communicate(timeout=HANG_S)
     assert live.returncode == 0, stderr[-3000:]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6 and len(starts_of(out)) == 1
-    assert not previous_runs(out) and not (out / run_dir.LOCK_FILE).exists()  # let go at its end
+    assert not previous_runs(out) and not (out / outdir.LOCK_FILE).exists()  # let go at its end
 
     killed = stopped_in_step(dataclasses.replace(cfg, max_iters=9, init_from="auto"), step=2)
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait(timeout=HANG_S)
-    assert (out / run_dir.LOCK_FILE).exists()  # left behind by the kill, and held by no process
+    assert (out / outdir.LOCK_FILE).exists()  # left behind by the kill, and held by no process
     r = run_in_process(["train.py", *config_args(cfg), "--init_from=auto", "--max_iters=9"], capsys)
     assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 6" in r.stdout, r.stderr[-2000:]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9 and not previous_runs(out)
@@ -249,11 +249,11 @@ def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=4, parallelism="fsdp"))
     train(tiny_config(data_dir, other, max_iters=8, eval_interval=8))
     os.link(other / "ckpt.pt", out / "ckpt.pt")
-    found = run_checkpoints.find_checkpoint(str(out))
+    found = checkpoint_manager.find_checkpoint(str(out))
     assert (found.name, found.iter_num) == ("ckpt_sharded", 4) and "ckpt.pt belongs to another run" in found.note
     os.remove(out / "ckpt_sharded")
     with pytest.raises(checkpoint.UserError, match="ckpt.pt is a checkpoint of another run"):
-        run_checkpoints.find_checkpoint(str(out))
+        checkpoint_manager.find_checkpoint(str(out))
 
 
 def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(data_dir, tmp_path, capsys):
@@ -312,16 +312,16 @@ def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
 def test_a_torchrun_restart_resumes_its_own_run_and_never_another(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-7")[0] == "scratch"
+    assert outdir.resolve_init_from("scratch", str(out), restart=1, job="job-7")[0] == "scratch"
     (out / "ckpt.pt").write_bytes(b"x")
-    run_dir.begin_run(str(out), job="job-7")
-    init_from, why = run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-7")
+    outdir.begin_run(str(out), job="job-7")
+    init_from, why = outdir.resolve_init_from("scratch", str(out), restart=1, job="job-7")
     assert init_from == "resume" and why.startswith("torchrun restart 1 of the run in")
     # the first start of a torchrun (restart 0), a restart of another job's, or one that has no job id: as given
-    assert run_dir.resolve_init_from("scratch", str(out), restart=0, job="job-7")[0] == "scratch"
-    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job="job-8")[0] == "scratch"
-    assert run_dir.resolve_init_from("scratch", str(out), restart=1, job=None)[0] == "scratch"
-    assert run_dir.resolve_init_from("gpt2", str(out), restart=1, job="job-7")[0] == "resume"
+    assert outdir.resolve_init_from("scratch", str(out), restart=0, job="job-7")[0] == "scratch"
+    assert outdir.resolve_init_from("scratch", str(out), restart=1, job="job-8")[0] == "scratch"
+    assert outdir.resolve_init_from("scratch", str(out), restart=1, job=None)[0] == "scratch"
+    assert outdir.resolve_init_from("gpt2", str(out), restart=1, job="job-7")[0] == "resume"
 
 
 def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
@@ -332,13 +332,13 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
     mine = ["notes.txt", "ckpt_5.pt", "ckpt_sharded_keep", "data.bin", "previous_results"]
     for name in names + mine:
         (out / name).write_text(name)
-    run_dir.begin_run(str(out))  # run.json as a run writes it (its start time names the folder)
+    outdir.begin_run(str(out))  # run.json as a run writes it (its start time names the folder)
     os.symlink("ckpt_sharded_0000004_0", out / "ckpt_sharded")
-    dest = run_dir.move_previous_run(str(out))
+    dest = outdir.move_previous_run(str(out))
     assert sorted(os.listdir(dest)) == sorted([*names, "ckpt_sharded"])
     assert os.readlink(os.path.join(dest, "ckpt_sharded")) == "ckpt_sharded_0000004_0"  # still points at its folder
     assert sorted(os.listdir(out)) == sorted([*mine, "previous"])
-    assert run_dir.move_previous_run(str(out)) is None  # nothing of a run left
+    assert outdir.move_previous_run(str(out)) is None  # nothing of a run left
 
 
 # ----------------------------------------------------------------------------------------------- damaged files
@@ -370,7 +370,7 @@ def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warn
     assert r.returncode == 0 and "report: " in r.stdout, r.stderr[-2000:]
     assert (f"skipped 3 unreadable lines (lines {first}, {first + 1}, {first + 2}: JSON but not a record of train.py"
             in r.stderr), r.stderr
-    assert run_dir.run_id_of(str(out)) == load_checkpoint(str(out / "ckpt.pt"))["run_id"]
+    assert outdir.run_id_of(str(out)) == load_checkpoint(str(out / "ckpt.pt"))["run_id"]
     assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
     (out / "report.md").unlink()
     (out / "report.md").mkdir()  # a report that cannot be written
@@ -464,13 +464,14 @@ FAULT_PER_ATTEMPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import run_dir, train
-from errors import exit_on_user_error
+import train
+from nanogpt import outdir
+from nanogpt.errors import exit_on_user_error
 from signal_at_step import signal_during_step
 
 restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
 if restart == "0":
-    run_dir.move_previous_run = lambda *args: os._exit(1)
+    outdir.move_previous_run = lambda *args: os._exit(1)
 elif restart == "1" and os.environ["RANK"] == "1":
     signal_during_step(signal.SIGKILL, 3)
 exit_on_user_error(lambda: train.main(sys.argv[1:]))
@@ -502,7 +503,7 @@ def test_a_torchrun_restart_of_another_job_under_the_same_rendezvous_id_never_re
     assert "torchrun restart 1 of the run" not in b.stdout and f"resuming from {out}/ckpt.pt at iter 4" not in b.stdout
     assert "torchrun restart 2 of the run in" in b.stdout and f"resuming from {out}/ckpt.pt at iter 2" in b.stdout
     (previous,) = previous_runs(out)
-    assert (load_checkpoint(str(previous / "ckpt.pt"))["iter_num"], run_dir.run_id_of(str(previous))) == (4, a_run)
+    assert (load_checkpoint(str(previous / "ckpt.pt"))["iter_num"], outdir.run_id_of(str(previous))) == (4, a_run)
     b_ckpt = load_checkpoint(str(out / "ckpt.pt"))
     assert b_ckpt["iter_num"] == 6 and b_ckpt["run_id"] != a_run
     assert [(s["iter"], s["init_from"]) for s in starts_of(out)] == [(0, "scratch"), (2, "resume")]

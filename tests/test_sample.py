@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from errors import UserError
-from checkpoint import load_checkpoint, save_checkpoint
+from nanogpt import engine
+from nanogpt.errors import UserError
+from nanogpt.checkpoint import load_checkpoint, save_checkpoint
 from helpers import make_char_dataset, run_in_process, run_script, tiny_config
 from sample import SEPARATOR, SampleConfig, check_config, load_model, sample
 from train import train
@@ -311,14 +312,14 @@ def test_attention_auto_follows_the_dtype_of_the_heavy_work(char_run, monkeypatc
 def test_attention_auto_takes_sdpa_for_a_block_longer_than_math_wins_at(char_run, monkeypatch):
     """Math attention wins on a CPU under bf16 for windows up to 256 positions; past that SDPA's kernel does (and
     far more on a long float32 prefill), so auto looks at the model's block_size, known once it is read."""
-    import common
+    from nanogpt import device
     import sample as sample_module
 
     monkeypatch.setattr(sample_module, "cpu_has_native_bf16", lambda: True)
     cfg = sample_module.check_config(SampleConfig(out_dir=char_run[0], device="cpu"))
     model = sample_module.load_model(cfg)[0]
-    assert model.config.attention == "math" and model.config.block_size <= common.MATH_SAMPLING_MAX_BLOCK
-    monkeypatch.setattr(common, "MATH_SAMPLING_MAX_BLOCK", model.config.block_size - 1)
+    assert model.config.attention == "math" and model.config.block_size <= device.MATH_SAMPLING_MAX_BLOCK
+    monkeypatch.setattr(device, "MATH_SAMPLING_MAX_BLOCK", model.config.block_size - 1)
     assert sample_module.load_model(cfg)[0].config.attention == "sdpa"
 
 
@@ -338,15 +339,13 @@ def test_an_unknown_attention_is_one_line_before_any_weight_is_read(tmp_path):
 def test_batch_size_bounds_the_rows_per_batch_and_greedy_rows_equal_single_draws(char_run, monkeypatch):
     """--num_samples=5 --batch_size=2: batches of 2, 2 and 1 rows (the memory of 2 samples at a time); greedy, each
     row is the sample drawn alone (batch_size=1) and the 5 drawn as one batch, past block_size too."""
-    from model import GPT
-
     out_dir, _ = char_run
     cfg = check_config(SampleConfig(out_dir=out_dir, num_samples=5, max_new_tokens=40, temperature=0.0,
                                     device="cpu", dtype="float32", start="The king"))
     model, tokenizer = load_model(cfg)
     rows = []
-    generate = GPT.generate
-    monkeypatch.setattr(GPT, "generate", lambda self, x, *a, **kw: rows.append(x.size(0)) or generate(self, x, *a, **kw))
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda m, x, *a, **kw: rows.append(x.size(0)) or generate(m, x, *a, **kw))
     texts = {b: sample(model, tokenizer, "The king", dataclasses.replace(cfg, batch_size=b)).texts
              for b in (2, 1, None)}
     assert rows == [2, 2, 1] + [1] * 5 + [5]
@@ -382,7 +381,7 @@ def test_sampled_rows_of_a_batch_follow_the_models_distribution_each_on_its_own_
         model.lm_head.weight.mul_(20)  # a distribution far from uniform
     prompt = torch.tensor([[1, 2, 3, 4, 5, 0, 1, 2]])  # a full block: the second new token slides the window
     n = 20_000
-    out = model.generate(prompt.repeat(n, 1), 2, temperature=0.9, generator=torch.Generator().manual_seed(1))
+    out = engine.generate(model, prompt.repeat(n, 1), 2, temperature=0.9, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = torch.softmax(model.double()(prompt)[0][0, -1] / 0.9, dim=-1)
     seen = torch.bincount(out[:, 8], minlength=6).double() / n
@@ -404,7 +403,7 @@ FAULT_PROBE = """
 import dataclasses, os, resource, sys
 sys.path.insert(0, ".")
 import sample
-from checkpoint import save_checkpoint
+from nanogpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 out_dir, keep = sys.argv[1], sys.argv[2]
 if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-import parallel
-import run_checkpoints
-import sharded
+from nanogpt import parallel
+from nanogpt import checkpoint_manager
+from nanogpt import sharded
 import train as train_module
 from helpers import HANG_S, ROOT, tiny_config
 from model import GPT, GPTConfig
@@ -28,7 +28,7 @@ from train import train
 KILL_CHILD = """
 import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import sharded
+from nanogpt import sharded
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from helpers import tiny_config
 from train import train
@@ -68,7 +68,7 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert len([f for f in os.listdir(out) if f.startswith(sharded.SHARDED_NAME + "_")]) == 2  # the killed save's too
-    ckpt = run_checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()
+    ckpt = checkpoint_manager.find_checkpoint(str(out), prefer_sharded=True).read()
     assert ckpt["iter_num"] == 2
     model, _ = sharded.load_sharded_as_full(ckpt["sharded"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -81,7 +81,7 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
 def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_once_written(tmp_path):
     """async_save: training changes the weights (in place, as the optimizer does) while DCP writes; the folder holds
     the step's weights and optimizer state, and ckpt_sharded names it only after finish()."""
-    from distributed import checkpoint_group, cleanup_distributed, setup_distributed
+    from nanogpt.distributed import checkpoint_group, cleanup_distributed, setup_distributed
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     dist = setup_distributed("cpu", group_of_one=True)
@@ -153,8 +153,8 @@ def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_p
             train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, gradient_accumulation_steps=2,
                               init_from="resume"))
     assert "the best val loss's weights stay in ckpt_sharded_best" in capsys.readouterr().out
-    assert run_checkpoints.find_checkpoint(str(out)).iter_num == 5
-    assert run_checkpoints.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
+    assert checkpoint_manager.find_checkpoint(str(out)).iter_num == 5
+    assert checkpoint_manager.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
     assert max_diff(best_weights, params_of(str(out / "ckpt_sharded_best"))) == 0.0
     assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
         "ckpt_sharded", "ckpt_sharded_0000004_0", "ckpt_sharded_0000005_0", "ckpt_sharded_best"]

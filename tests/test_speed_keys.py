@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from errors import UserError
+from nanogpt.errors import UserError
 from helpers import make_char_dataset, tiny_config
 from train import train
 

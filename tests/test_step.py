@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dataio
-from distributed import Dist
+from nanogpt import dataio
+from nanogpt.distributed import Dist
 from helpers import steps_with_loss_scales
 from model import GPT, GPTConfig
-from optim import build_optimizer
-from step import NonFiniteGuard, OneStepLate, StepConfig, batch_generator, get_batch, train_step
+from nanogpt.optim import build_optimizer
+from nanogpt.step import NonFiniteGuard, OneStepLate, StepConfig, batch_generator, get_batch, train_step
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -117,7 +117,7 @@ def test_past_its_limit_the_guard_skips_every_later_step():
 def test_one_step_late_returns_each_steps_figures_with_its_tag_when_the_next_is_pushed(monkeypatch):
     """Each step's figures come back one push later, with its tag and its time: from the end of the step before (or
     the last restart) to its own end, on the CPU the host clock (here one the test sets: 5, 7 and 11 ms steps)."""
-    import measure
+    from nanogpt import measure
 
     now = {"t": 0.0}
     monkeypatch.setattr(measure.time, "perf_counter", lambda: now["t"])

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-import sharded
+from nanogpt import sharded
 from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_script, tiny_config
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc (Linux)")
@@ -26,7 +26,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import train
-from errors import exit_on_user_error
+from nanogpt.errors import exit_on_user_error
 from signal_at_step import signal_during_step
 
 def gloo_threads():

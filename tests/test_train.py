@@ -11,15 +11,15 @@ import re
 import pytest
 import torch
 
-import dataio
-from common import set_deterministic
-from checkpoint import load_checkpoint, model_from_checkpoint
+from nanogpt import dataio
+from nanogpt.device import set_deterministic
+from nanogpt.checkpoint import load_checkpoint, model_from_checkpoint
 from helpers import (HANG_S, config_args, hide_module, make_char_dataset, run_in_process, run_script,
                      tiny_config)
 from model import GPT, GPTConfig
 from train import TrainConfig, get_lr, train
-from step import batch_generator, get_batch
-from errors import UserError
+from nanogpt.step import batch_generator, get_batch
+from nanogpt.errors import UserError
 
 
 def params_of(path) -> dict[str, torch.Tensor]:
@@ -394,7 +394,7 @@ def test_a_step_that_fails_leaves_the_step_before_logged(data_dir, tmp_path, mon
     was not yet logged when it failed: its line is written before the error goes on, as a loop reading each step at
     once would have written it (log_interval=1: iters 1-3 logged, the 4th step fails)."""
     import train as train_module
-    from metrics import read_records
+    from nanogpt.metrics import read_records
 
     real_step, calls = train_module.train_step, []
 
@@ -415,9 +415,9 @@ def test_each_logged_step_time_is_that_steps_own_the_last_one_too(data_dir, tmp_
     """train.py logs each step's time as step.OneStepLate measures it, from the end of the step before to its own
     end: on a clock the test moves by 40 ms in each step and by 1 s in each eval, every logged step took 40 ms, the
     one after an eval (which is not part of it) and the last (read at the final eval) included."""
-    import measure
+    from nanogpt import measure
     import train as train_module
-    from metrics import read_records
+    from nanogpt.metrics import read_records
 
     now = {"t": 0.0}
     monkeypatch.setattr(measure.time, "perf_counter", lambda: now["t"])

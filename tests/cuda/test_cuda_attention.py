@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cuda_helpers import DTYPES, has_bf16, relative_error, requires_cuda
-from errors import UserError
-from engine import KVCache
+from nanogpt.errors import UserError
+from nanogpt.engine import KVCache
 from model import GPT, GPTConfig
 
 pytestmark = requires_cuda

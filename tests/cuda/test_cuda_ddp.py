@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
+from nanogpt.checkpoint import load_checkpoint
 from cuda_helpers import requires_cuda, requires_gpus, torchrun
 from helpers import config_args, tiny_config, wait_for_iter
 from model import GPT, GPTConfig
@@ -79,7 +79,7 @@ BUCKET_VIEW_PROBE = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, ".")
 from torch.nn.parallel import DistributedDataParallel as DDP
-from distributed import setup_distributed
+from nanogpt.distributed import setup_distributed
 from model import GPT, GPTConfig
 d = setup_distributed("cuda")
 torch.manual_seed(0)

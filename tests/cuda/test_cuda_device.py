@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import resolve_dtype, synchronize
+from nanogpt.device import resolve_dtype, synchronize
 from cuda_helpers import requires_cuda, requires_gpus
-from hardware import PEAK_FLOPS, device_peak_flops, gpu_peak_flops
+from nanogpt.mfu import PEAK_FLOPS, device_peak_flops, gpu_peak_flops
 from model import GPT, GPTConfig
 
 pytestmark = requires_cuda

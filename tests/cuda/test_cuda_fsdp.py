@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import parallel
-import sharded
-from checkpoint import load_checkpoint
+from nanogpt import parallel
+from nanogpt import sharded
+from nanogpt.checkpoint import load_checkpoint
 from cuda_helpers import MODEL_TOL, requires_cuda, requires_gpus, torchrun
 from helpers import config_args, tiny_config
 from train import train

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_helpers import DTYPES, MODEL_TOL, relative_error, requires_cuda
-from fused_loss import fused_linear_cross_entropy
+from nanogpt.fused_loss import fused_linear_cross_entropy
 from model import GPT, GPTConfig
 
 pytestmark = requires_cuda

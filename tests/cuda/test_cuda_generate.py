@@ -10,7 +10,8 @@ import torch
 
 from cuda_helpers import requires_cuda
 from helpers import ROOT
-from engine import KVCache
+from nanogpt.engine import KVCache
+from nanogpt import engine
 from model import GPT, GPTConfig
 
 sys.path.insert(0, f"{ROOT}/benchmarks")
@@ -36,7 +37,7 @@ def test_cached_and_uncached_greedy_past_block_size_agree_with_float64():
     model, reference = tiny()
     prompt = torch.randint(0, 101, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     for use_cache in (True, False):
-        out = model.generate(prompt, 30, temperature=0.0, use_cache=use_cache)  # block_size 16: slides
+        out = engine.generate(model, prompt, 30, temperature=0.0, use_cache=use_cache)  # block_size 16: slides
         assert out.shape == (3, 35) and out.device.type == "cuda"
         check(reference, out, 5, torch.float32)
 
@@ -53,7 +54,7 @@ def test_compiled_step_compiles_once_per_generation_for_a_deep_model_on_cuda():
 
     def counted(p: torch.Tensor, n: int) -> torch.Tensor:
         before = counters["stats"]["unique_graphs"]
-        out = model.generate(p, n, temperature=0.0, compile=True)
+        out = engine.generate(model, p, n, temperature=0.0, compile=True)
         compiles.append(counters["stats"]["unique_graphs"] - before)
         return out
 
@@ -74,7 +75,7 @@ def test_a_compiled_window_follows_the_weights_dtype_the_phase_gives_them():
     model, reference = tiny()
     prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     for window_dtype in (None, torch.bfloat16, None):
-        out = model.generate(prompt, 30, temperature=0.0, compile=True, window_dtype=window_dtype)
+        out = engine.generate(model, prompt, 30, temperature=0.0, compile=True, window_dtype=window_dtype)
         check(reference, out, 5, window_dtype or torch.float32)
 
 
@@ -82,7 +83,7 @@ def test_bf16_autocast_cache_is_bf16_and_tokens_stay_within_tolerance():
     model, reference = tiny()
     prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     with torch.autocast("cuda", torch.bfloat16):
-        out = model.generate(prompt, 10, temperature=0.0)
+        out = engine.generate(model, prompt, 10, temperature=0.0)
         cache = KVCache(model.config, 2, torch.bfloat16, "cuda")
         model(prompt, kv_cache=cache)
     assert cache.k[0].dtype == torch.bfloat16 and cache.pos == 5
@@ -95,7 +96,7 @@ def test_seeded_sampling_on_cuda_repeats_and_stays_on_the_real_vocabulary():
 
     def sample(seed: int) -> torch.Tensor:
         g = torch.Generator("cuda").manual_seed(seed)
-        return model.generate(prompt, 40, temperature=1.0, top_k=50, top_p=0.9, generator=g)
+        return engine.generate(model, prompt, 40, temperature=1.0, top_k=50, top_p=0.9, generator=g)
 
     a = sample(5)
     assert torch.equal(a, sample(5))

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from common import autocast_context, resolve_dtype, set_tf32
-from distributed import Dist
+from nanogpt.device import autocast_context, resolve_dtype, set_tf32
+from nanogpt.distributed import Dist
 from cuda_helpers import capability, has_bf16, relative_error, requires_bf16, requires_cuda
 from helpers import steps_with_loss_scales, tiny_config
 from model import GPT, GPTConfig

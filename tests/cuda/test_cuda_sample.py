@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
+from nanogpt.checkpoint import load_checkpoint
 from cuda_helpers import has_bf16, requires_cuda
 from helpers import run_script, tiny_config
-import engine
-from engine import KVCache
+from nanogpt import engine
+from nanogpt.engine import KVCache
 from sample import SampleConfig, load_model
 from train import train
 

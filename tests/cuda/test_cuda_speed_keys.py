@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from errors import UserError
+from nanogpt.errors import UserError
 from cuda_helpers import capability, requires_cuda
 from helpers import tiny_config
 from train import train

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import autocast_context
+from nanogpt.device import autocast_context
 from cuda_helpers import requires_cuda
-from distributed import DDP_SETTINGS, cleanup_distributed, setup_distributed
+from nanogpt.distributed import DDP_SETTINGS, cleanup_distributed, setup_distributed
 from model import GPT, GPTConfig
-from optim import build_optimizer
-from step import NonFiniteGuard, OneStepLate, StepConfig, train_step
+from nanogpt.optim import build_optimizer
+from nanogpt.step import NonFiniteGuard, OneStepLate, StepConfig, train_step
 
 pytestmark = requires_cuda
 
@@ -44,7 +44,7 @@ def test_training_steps_never_wait_for_the_host(case):
 
 
 def _steps_under_sync_errors(case: str, dist) -> None:
-    from distributed import Dist
+    from nanogpt.distributed import Dist
 
     dist = dist or Dist(device="cuda")
     dtype = "float16" if case == "float16" else "bfloat16"

@@ -12,14 +12,14 @@ import dataclasses
 import pytest
 import torch
 
-from common import autocast_context
-from distributed import Dist
-from checkpoint import load_checkpoint
+from nanogpt.device import autocast_context
+from nanogpt.distributed import Dist
+from nanogpt.checkpoint import load_checkpoint
 from cuda_helpers import MODEL_TOL, relative_error, requires_cuda
 from helpers import tiny_config
 from model import GPT, GPTConfig
 from train import TrainConfig, train
-from step import batch_generator, get_batch, to_device, train_step
+from nanogpt.step import batch_generator, get_batch, to_device, train_step
 
 pytestmark = requires_cuda
 

@@ -1,14 +1,16 @@
 """
-What the machine and the installed PyTorch can do: the GPUs' peak FLOP/s (for MFU), whether fused AdamW and a
-compiled forced SDPA kernel are available, and why PyTorch refused an SDPA kernel.
+What this machine and the installed PyTorch can do, and what they are: bf16 matmuls in the CPU, fused AdamW, a forced
+SDPA kernel (compiled, and why PyTorch refused one), and the description a run logs (versions, device, commit).
 
-Probes and tables only: model.py, common.py and the benchmarks import it; it must not import model.py (nor any
-script), so that it stays below everything that asks it.
+Probes only; imports errors.py alone.
 """
 from __future__ import annotations
 
 import inspect
+import os
+import platform
 import re
+import subprocess
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 
@@ -16,50 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from errors import UserError
-
-# Peak dense (not sparse) bf16 tensor-core FLOP/s by the name CUDA reports (torch.cuda.get_device_name), from
-# NVIDIA's datasheets. A name matches as a whole word of the device name, and the longest match wins, so
-# "H100 NVL" beats "H100", "GH200" is not "H200", "A10G" is not "A10" and "L40S" is not "L4".
-PEAK_FLOPS = {
-    "GB200": 2.5e15,
-    "B200": 2.25e15,
-    "H100": 989e12,  # SXM (and "H100 80GB HBM3")
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200": 989e12,  # SXM
-    "H200 NVL": 835e12,
-    "H800": 989e12,  # SXM
-    "H800 PCIe": 756e12,
-    "GH200": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A6000": 155e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,  # float16 (V100 has no bf16 tensor cores)
-    "T4": 65e12,  # float16
-}
-
-
-def gpu_peak_flops(device_name: str) -> float | None:
-    """The PEAK_FLOPS entry of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"); None if no entry matches."""
-    matches = [name for name in PEAK_FLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9])", device_name)]
-    return PEAK_FLOPS[max(matches, key=len)] if matches else None
-
-
-def device_peak_flops(device: str | torch.device) -> float | None:
-    """Peak bf16 FLOP/s of the device a run uses: a known GPU's from PEAK_FLOPS; None for unknown GPUs and other
-    devices (a CPU run's MFU never takes the peak of a GPU that happens to be visible)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return gpu_peak_flops(torch.cuda.get_device_name(device))
+from nanogpt.errors import UserError
 
 
 def fused_adamw_available(device_type: str) -> bool:
@@ -72,6 +31,12 @@ def fused_adamw_available(device_type: str) -> bool:
         major, minor = (int(x) for x in torch.__version__.split(".")[:2])
         return (major, minor) >= (2, 4)
     return False
+
+
+# sdpa_backend's kernels (model.py's SDPA_BACKENDS) by their SDPBackend names, and those PyTorch has for CUDA alone
+SDPA_KERNELS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                "math": "MATH"}
+CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
 
 
 def check_attention_kernel(model, ctx: AbstractContextManager | None = None, compile: bool = False) -> None:
@@ -92,11 +57,28 @@ def check_attention_kernel(model, ctx: AbstractContextManager | None = None, com
             f"outside the compiled graph): upgrade torch, or use sdpa_backend='auto' or compile=False"
         )
     weight = model.lm_head.weight
-    x = torch.zeros(1, min(2, cfg.block_size), cfg.n_embd, device=weight.device, dtype=weight.dtype)  # (1, T, C)
+    if cfg.sdpa_backend in CUDA_ONLY_BACKENDS and weight.device.type != "cuda":
+        raise UserError(f"sdpa_backend={cfg.sdpa_backend!r} cannot run on {weight.device.type}: PyTorch has no "
+                        f"{cfg.sdpa_backend} kernel there (use 'flash', 'math' or 'auto')")
+    attn = model.transformer.h[0].attn
+    T = min(2, cfg.block_size)
+    x = torch.zeros(1, T, cfg.n_embd, device=weight.device, dtype=weight.dtype)  # (1, T, C)
     # dropout draws random numbers: fork the RNG so that the run's own stream (bitwise resume) is untouched
     with torch.random.fork_rng(devices=[weight.device] if weight.device.type == "cuda" else []):
         with ctx if ctx is not None else nullcontext():
-            model.transformer.h[0].attn(x)
+            try:
+                attn(x)
+            except RuntimeError as e:
+                if not any(s in str(e) for s in ("No viable backend", "No available kernel")):  # CPU, CUDA wording
+                    raise
+                q = attn.c_attn(x)[..., : cfg.n_embd].view(1, T, cfg.n_head, -1).transpose(1, 2)  # (1, nh, T, hs)
+                dropout_p = attn.dropout if attn.training else 0.0
+                backend = getattr(SDPBackend, SDPA_KERNELS[cfg.sdpa_backend])
+                reasons = sdpa_kernel_refusal(backend, q, q, q, None, dropout_p, is_causal=T > 1)
+                raise UserError(
+                    f"sdpa_backend={cfg.sdpa_backend!r} cannot run on {weight.device.type} with dtype {q.dtype}, "
+                    f"head size {q.size(-1)}, no mask: {reasons} (choose another sdpa_backend, or 'auto')"
+                ) from None
 
 
 def sdpa_kernel_compiles() -> bool:
@@ -134,3 +116,49 @@ def sdpa_refusal_reasons(messages: list[str]) -> str:
     lines = [re.sub(r"\s*\(Triggered internally at [^)]*\)", "", m).strip().replace("\n", " ") for m in messages]
     reasons = [m for m in lines if m and not m.endswith("not used because:") and "runtime disabled" not in m]
     return "; ".join(reasons or [m for m in lines if m]) or "no reason given by PyTorch"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512-BF16 or AMX tiles); oneDNN emulates it otherwise."""
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_info(device: str) -> dict[str, str]:
+    """Versions and hardware for the log: enough to reproduce and compare runs."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "device": device,
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name(),
+        "threads": str(torch.get_num_threads()),
+        "git_commit": git_commit(),
+    }
+    return info
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

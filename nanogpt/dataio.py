@@ -35,13 +35,13 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from errors import UserError
+from nanogpt.errors import UserError
 
 DTYPE = np.uint16
 MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535
 GPT2_EOT = 50256
 CHECK_CHUNK = 2**24  # tokens per chunk when scanning a token file for its max id
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent  # the repository, whose data/ holds the datasets
 DATASET_FILES = ("train.bin and val.bin (uint16 token ids) and meta.json (see the README's \"Your own data\") or "
                  "nanoGPT's meta.pkl")
 GPT2_META = {"vocab_size": 50257, "tokenizer": "gpt2"}  # the meta.json of a folder of GPT-2 BPE tokens
@@ -174,7 +174,7 @@ def write_meta(data_dir: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
     return _write_json(Path(data_dir) / "meta.json", meta)
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = str(REPO)
 
 
 def dataset_dir(dataset: str, data_dir: str | None = None) -> str:

@@ -20,8 +20,9 @@ import math
 
 import torch
 
-from common import plural
-from errors import UserError
+from nanogpt.text import plural
+from nanogpt.errors import UserError
+from nanogpt.hardware import fused_adamw_available
 
 OPTIMIZERS = ("adamw", "muon")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -184,9 +185,10 @@ def build_optimizer(model, cfg, device_type: str, verbose: bool = True) -> Optim
     """The optimizer that cfg.optimizer names (train.check_config has checked it), over `model`'s parameters
     (cfg: train.TrainConfig)."""
     betas = (cfg.beta1, cfg.beta2)
+    fused = cfg.fused_adamw if cfg.fused_adamw is not None else fused_adamw_available(device_type)
     if cfg.optimizer == "adamw":
         adamw = model.configure_optimizers(
-            cfg.weight_decay, cfg.learning_rate, betas, device_type, fused=cfg.fused_adamw, verbose=verbose
+            cfg.weight_decay, cfg.learning_rate, betas, device_type, fused=fused, verbose=verbose
         )
         return Optimizers({"adamw": adamw}, {"adamw": 1.0})
     muon_type = muon_class()
@@ -197,7 +199,7 @@ def build_optimizer(model, cfg, device_type: str, verbose: bool = True) -> Optim
     muon = muon_type(hidden, ns_dtype=ns_dtype, lr=cfg.muon_learning_rate, weight_decay=cfg.muon_weight_decay,
                      momentum=cfg.muon_momentum, nesterov=True)
     adamw = model.configure_optimizers(  # quiet: its line would describe AdamW as if it were the optimizer
-        cfg.weight_decay, cfg.learning_rate, betas, device_type, fused=cfg.fused_adamw, verbose=False, params=rest,
+        cfg.weight_decay, cfg.learning_rate, betas, device_type, fused=fused, verbose=False, params=rest,
     )
     if verbose:
         impl = "fused" if adamw.defaults.get("fused") else ("foreach" if device_type == "cuda" else "for-loop")

@@ -7,16 +7,14 @@ a unit whose full parameters are all-gathered just before its forward (and backw
 are reduce-scattered. Checkpoints are written with `torch.distributed.checkpoint` (DCP, see checkpoint.py): each
 rank writes its own shards into a folder, so no rank ever holds the whole model; any number of ranks can load it.
 
-sample.py, export.py, hellaswag.py and init_from read a sharded folder as they read a ckpt.pt. To make a ckpt.pt of
-it anyway (model, optimizer and train state, written beside it), e.g. to resume on a machine without DCP:
-$ python parallel.py out/ckpt_sharded
+sample.py, export.py, hellaswag.py and init_from read a sharded folder as they read a ckpt.pt; convert_sharded.py
+writes one as a ckpt.pt.
 
-Imports sharded.py (for the conversion), distributed.py and the model; never train.py or another script.
+Imports distributed.py and the model.
 """
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from functools import partial
 
@@ -24,10 +22,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-import sharded
-from errors import UserError, exit_on_user_error
-from distributed import Dist, is_dtensor
-from configurator import exit_on_help
+from nanogpt.errors import UserError
+from nanogpt.distributed import Dist, is_dtensor
 from model import GPT
 
 PARALLELISMS = ("ddp", "fsdp")
@@ -195,15 +191,3 @@ def memory_text(mem: dict[str, int | bool], world_size: int) -> str:
     return (f"memory per rank: params {mem['params'] / gib:.3f} GiB + grads {mem['grads'] / gib:.3f} GiB{grads} + "
             f"optimizer {mem['optimizer'] / gib:.3f} GiB = {total / gib:.3f} GiB ({mem['numel']:,} elements on this "
             f"rank of {world_size}; {total} bytes)")
-
-
-def main(argv: list[str]) -> None:
-    exit_on_help(argv, __doc__)  # --help, -h: the usage, exit 0
-    if len(argv) not in (1, 2) or argv[0].startswith("-"):
-        raise UserError("usage: python parallel.py OUT_DIR/ckpt_sharded [OUT_FILE] (default OUT_DIR/ckpt.pt)")
-    path = sharded.convert_to_single_file(*argv)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    exit_on_user_error(lambda: main(sys.argv[1:]))

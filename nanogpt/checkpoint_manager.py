@@ -19,9 +19,9 @@ Its functions:
   find         find_checkpoint (-> Found: .read() is what a resume continues from), checkpoint_path
   resume       load_training_state (model, optimizer)
   weights      load_for_inference (sample.py, hellaswag.py), read_weights, weights_tokenizer
-What a resume takes of the run's settings is run_dir.py's; a checkpoint's tokenizer is dataio.py's.
+What a resume takes of the run's settings is outdir.py's; a checkpoint's tokenizer is dataio.py's.
 
-Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), run_dir.py, the model
+Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), outdir.py, the model
 and the device modules; never a script.
 """
 from __future__ import annotations
@@ -35,17 +35,25 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-import checkpoint
-import dataio
-import run_dir
-import sharded
-from checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint, model_from_checkpoint
-from common import autocast_context, resolve_dtype
-from errors import UserError
-from hardware import check_attention_kernel
-from distributed import Dist, is_dtensor
+from nanogpt import checkpoint
+from nanogpt import dataio
+from nanogpt.hf_gpt2 import pretrained_gpt2
+from nanogpt import outdir
+from nanogpt import sharded
+from nanogpt.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint, model_from_checkpoint
+from nanogpt.device import autocast_context, resolve_dtype
+from nanogpt.errors import UserError
+from nanogpt.hardware import check_attention_kernel
+from nanogpt.distributed import Dist, is_dtensor
 from model import GPT, GPTConfig
-from sharded import SHARDED_BEST_NAME, SHARDED_NAME, is_sharded, load_sharded, load_sharded_as_full, read_train_state
+from nanogpt.sharded import (
+    SHARDED_BEST_NAME,
+    SHARDED_NAME,
+    is_sharded,
+    load_sharded,
+    load_sharded_as_full,
+    read_train_state,
+)
 
 
 # ----------------------------------------------------------------------------------------------- saving
@@ -160,7 +168,7 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
                                "in out_dir, or leave it out for the newest"))
         return _found(path)
     found, foreign = [], []
-    run_id = run_dir.run_id_of(out_dir)
+    run_id = outdir.run_id_of(out_dir)
     for candidate in (SHARDED_NAME, CKPT_NAME) if prefer_sharded else (CKPT_NAME, SHARDED_NAME):
         path = os.path.join(out_dir, candidate)
         if os.path.exists(path):
@@ -170,7 +178,7 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
     if not found and foreign:
         raise UserError(
             f"{' and '.join(f.path for f in foreign)} {'is a checkpoint' if len(foreign) == 1 else 'are checkpoints'} "
-            f"of another run (id {foreign[0].state.get('run_id')}) than the one {os.path.join(out_dir, run_dir.RUN_FILE)} "
+            f"of another run (id {foreign[0].state.get('run_id')}) than the one {os.path.join(out_dir, outdir.RUN_FILE)} "
             f"names ({run_id}), and a resume continues only its own run: move it out of {out_dir} (to resume it, into "
             f"a folder of its own), or start a new run from its weights with --init_from=PATH")
     if not found:
@@ -266,7 +274,7 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
         source = f"the tokenizer of {path}"
         del weights
     else:
-        model = GPT.from_pretrained(init_from, overrides)
+        model = pretrained_gpt2(init_from, overrides)
         log(f"tokenizer: GPT-2 BPE (init_from={init_from})")
         tokenizer, source = dataio.gpt2_tokenizer(), "GPT-2 BPE"
     # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there,

@@ -18,9 +18,9 @@ from dataclasses import asdict
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from common import optional_import
-from errors import UserError
-from distributed import Dist
+from nanogpt.optional import optional_import
+from nanogpt.errors import UserError
+from nanogpt.distributed import Dist
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -57,7 +57,7 @@ def wandb_problem(cfg) -> str | None:
 
 class Logger:
     """Prints on rank 0; once the start is accepted (start()), appends JSON lines to out_dir/metrics.jsonl (a start
-    that saves; a resumed run appends to its run's file, a new run finds none: run_dir.py moved the previous run's
+    that saves; a resumed run appends to its run's file, a new run finds none: outdir.py moved the previous run's
     aside) and logs to wandb when asked. Before start() nothing is written: a refused start changes nothing."""
 
     def __init__(self, cfg, dist: Dist):

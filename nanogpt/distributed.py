@@ -21,8 +21,8 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import resolve_device
-from errors import UserError
+from nanogpt.device import resolve_device
+from nanogpt.errors import UserError
 
 
 

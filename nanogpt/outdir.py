@@ -9,7 +9,7 @@ and a new run never destroys an earlier one: its files are moved aside (renamed)
   torchrun restarts every worker with the same arguments, and init_from=scratch must not begin the run again. A
   restart of another job follows init_from (torchrun's TORCHELASTIC_RUN_ID is no job's own: "none" by default).
 - Every run gets an id, written in out_dir/run.json at its first start and recorded in each checkpoint and in
-  metrics.jsonl; finding a checkpoint to resume, sample or export skips one of another run (run_checkpoints.py).
+  metrics.jsonl; finding a checkpoint to resume, sample or export skips one of another run (checkpoint_manager.py).
 
 - A live run holds its out_dir (hold(): an OS lock on out_dir/run.lock, which ends with its process, a SIGKILL
   too): a second start there is refused in one line naming the holder (pid, host) before it reads or changes
@@ -20,7 +20,7 @@ Moving aside instead of refusing: a nanoGPT user reruns the same command and exp
 overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
 way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
 
-Imports common.py and errors.py only; train.py and run_checkpoints.py import it.
+Imports common.py and errors.py only; train.py and checkpoint_manager.py import it.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import fields, replace
 
-from common import resolve_device, resolve_dtype
-from errors import UserError
+from nanogpt.device import resolve_device, resolve_dtype
+from nanogpt.errors import UserError
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"  # held by the live run (hold); never moved aside

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-import dataio
-import float8
-import parallel
-from common import (
+from nanogpt import dataio
+from nanogpt import float8
+from nanogpt import parallel
+from nanogpt.device import (
     autocast_context,
     keep_freed_memory,
     resolve_attention,
@@ -29,11 +29,11 @@ from common import (
     set_deterministic,
     set_tf32,
 )
-from distributed import Dist
-from errors import UserError
-from measure import DeviceClock
-from model import GPT, GPTConfig
-from optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer, step_unless
+from nanogpt.distributed import Dist
+from nanogpt.errors import UserError
+from nanogpt.device import DeviceClock
+from model import GELU_CHOICES, GPT, SDPA_BACKENDS, GPTConfig
+from nanogpt.optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer, step_unless
 
 
 @dataclass
@@ -104,9 +104,18 @@ class StepConfig:
                 f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
                 f"{world_size} DDP processes: make it a multiple of {world_size}"
             )
-        for key in ("batch_size", "block_size", "gradient_accumulation_steps"):
+        for key in ("batch_size", "block_size", "gradient_accumulation_steps", "n_layer", "n_head", "n_embd",
+                    "vocab_padding_multiple"):
             if getattr(cfg, key) < 1:
                 problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
+        if cfg.n_head >= 1 and cfg.n_embd % cfg.n_head:
+            problems.append(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+        if not 0.0 <= cfg.dropout < 1.0:
+            problems.append(f"dropout={cfg.dropout} must be in [0, 1)")
+        if cfg.sdpa_backend not in SDPA_BACKENDS:
+            problems.append(f"sdpa_backend={cfg.sdpa_backend!r} is not one of {', '.join(SDPA_BACKENDS)}")
+        if cfg.gelu not in (None, *GELU_CHOICES):
+            problems.append(f"gelu={cfg.gelu!r} is not one of {', '.join(GELU_CHOICES)} (or None)")
         if cfg.compile_mode not in COMPILE_MODES:
             problems.append(f"compile_mode={cfg.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
         if cfg.optimizer not in OPTIMIZERS:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from errors import UserError
+from nanogpt.errors import UserError
 
 
 class KVCache:

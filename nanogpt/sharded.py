@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from checkpoint import CKPT_NAME, checkpoint_model_config, fsync_folder, save_checkpoint
-from errors import UserError
-from distributed import Dist
+from nanogpt.checkpoint import CKPT_NAME, checkpoint_model_config, fsync_folder, save_checkpoint
+from nanogpt.errors import UserError
+from nanogpt.distributed import Dist
 from model import GPT
 
 SHARDED_NAME, SHARDED_BEST_NAME = "ckpt_sharded", "ckpt_sharded_best"

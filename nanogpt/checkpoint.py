@@ -12,7 +12,7 @@ Its functions:
   read         load_checkpoint, checkpoint_model_config, model_from_checkpoint, load_model_state, clean_state_dict,
                restore_rng
 The sharded format (FSDP's folders) is sharded.py's; a run's checkpoints in either format (saving in the run's,
-finding the newest, reading to resume or for inference) are run_checkpoints.py's.
+finding the newest, reading to resume or for inference) are checkpoint_manager.py's.
 
 Imports the model, dataio.py and the device modules; never a script.
 """
@@ -29,9 +29,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-import dataio
-from errors import UserError
-from distributed import Dist
+from nanogpt import dataio
+from nanogpt.errors import UserError
+from nanogpt.distributed import Dist
 from model import GPT, GPTConfig
 
 CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
@@ -149,7 +149,7 @@ def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, cfg, di
                 meta: dict | None, run_id: str | None = None) -> dict:
     """A checkpoint's entries other than the model and optimizer tensors. `cfg` is the run's TrainConfig; `meta`
     the dataset's tokenizer description (dataio), so the checkpoint names the tokenizer it was trained with;
-    `run_id` the run's (run_dir.py), so that a checkpoint of another run is never taken for this one's."""
+    `run_id` the run's (outdir.py), so that a checkpoint of another run is never taken for this one's."""
     return {
         "run_id": run_id,
         "scaler": scaler.state_dict(),
@@ -241,7 +241,10 @@ def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPT
         args["gelu"] = "tanh" if "vocab_padding_multiple" in args else "erf"
     args.setdefault("vocab_padding_multiple", 1)
     args.update(overrides)
-    return GPTConfig(**args)
+    try:
+        return GPTConfig(**args)
+    except ValueError as e:  # model.py's own check of its config: a setting, or a damaged checkpoint's model_args
+        raise UserError(str(e)) from None
 
 
 def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:

@@ -29,6 +29,11 @@ MIN_CAPABILITY = (8, 9)
 MIN_FEATURES: dict[str, tuple[int, int] | None] = {"tensorwise": (1600, 1024), "rowwise": None}
 
 
+def torchao_installed() -> bool:
+    """Whether torchao, which fp8=True trains through, can be imported."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 def fp8_problems(enabled: bool, recipe: str, device: str, dtype: str, layers: str = "auto") -> list[str]:
     """What stops fp8 training here (train.py's and bench.py's config check): an unknown recipe or layer choice
     always; with enabled, a device without float8 matmuls, a dtype other than bf16, or no torchao."""

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-import dataio
-import plot
-from common import mfu_text
-from errors import UserError
-from metrics import RunMetrics, read_metrics
+from nanogpt import dataio, engine
+from nanogpt import plot
+from nanogpt.mfu import mfu_text
+from nanogpt.errors import UserError
+from nanogpt.metrics import RunMetrics, read_metrics
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
 
@@ -45,7 +45,7 @@ def sample_text(model, tokenizer: dataio.Tokenizer, device: str, ctx=contextlib.
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad(), ctx:
         x = torch.tensor([start], dtype=torch.long, device=device)
-        y = model.generate(x, n_tokens, temperature=0.8, top_k=200, generator=generator,
+        y = engine.generate(model, x, n_tokens, temperature=0.8, top_k=200, generator=generator,
                            vocab_size=tokenizer.vocab_size)
     model.train(was_training)
     return tokenizer.decode(y[0, len(start):].tolist())

@@ -1,0 +1,36 @@
+"""
+The loss picture of runs: train and val loss against steps and against wall time, one colour per run, drawn into a
+PNG. plot.py (the command) and the run report (report.py) draw through it.
+
+Imports metrics.py (the runs' records) and matplotlib, optional (optional.py).
+"""
+from __future__ import annotations
+
+import os
+
+from nanogpt.metrics import RunMetrics
+from nanogpt.optional import pyplot
+
+
+def draw(runs: list[tuple[str, RunMetrics]], out: str) -> str:
+    """Draw (name, metrics) runs into the PNG `out`; returns `out`."""
+    plt = pyplot("plot.py")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for i, (name, (steps, evals, _)) in enumerate(runs):
+        color = f"C{i}"
+        for ax, x in zip(axes, ("iter", "elapsed_s")):
+            ax.plot([r[x] for r in steps], [r["loss"] for r in steps], color=color, lw=0.8, alpha=0.5,
+                    label=f"{name} train")
+            ax.plot([r[x] for r in evals], [r["val_loss"] for r in evals], color=color, lw=2, marker="o", ms=4,
+                    label=f"{name} val")
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall time (s)")
+    axes[0].set_ylabel("loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
