@@ -7,18 +7,16 @@ $ python bench.py config/bench_cpu.py --dtype=float32 --attention=math
 $ python bench.py --profile=True        # then 5 steps under the profiler: a chrome trace, the top ops, GPU busy
 
 The studies in benchmarks/ (ablation.py, numerics.py, memory.py, gpu.py) run bench.py in fresh processes and read
-its --result_json. Config: step.py's StepConfig keys plus BenchConfig's, through the same configurator; on the
-CPU without a config file, config/bench_cpu.py is loaded first (a line says so).
+its --result_json. Config: nanogpt/config.py's StepConfig keys plus BenchConfig's, through the same configurator;
+on the CPU without a config file, config/bench_cpu.py is loaded first (a line says so).
 
 One run times step.train_step, the real training step, as train.py's loop runs it: after warm-up steps that absorb
 one-off costs (allocation, kernel choice, compile), each step's batches are drawn on the host and the step queued while
 the device still runs the one before; the step's figures are read one step late (step.OneStepLate), and nothing inside
-the timed steps waits for the device (the steps' times are CUDA events on a GPU, the optimizer's too). Every run draws the same batches and starts from the same
-weights whatever the vocabulary padding, so runs with different techniques train the same model on the same data
-and their losses compare. On a shared CPU each run says what share of the CPUs other processes took meanwhile.
-
-Imports the model, step.py (train_step, StepConfig, the setup) and measure.py's tools; the studies in
-benchmarks/ build on this script (through its command line and --result_json), never the reverse.
+the timed steps waits for the device (the steps' times are CUDA events on a GPU, the optimizer's too). Every run draws
+the same batches and starts from the same weights whatever the vocabulary padding, so runs with different techniques
+train the same model on the same data and their losses compare. On a shared CPU each run says what share of the CPUs
+other processes took meanwhile. The studies in benchmarks/ build on this script, never the reverse.
 """
 from __future__ import annotations
 
@@ -32,42 +30,21 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from nanogpt import dataio
-from nanogpt import float8
-from nanogpt.device import DeviceClock
-from nanogpt.measure import (
-    OptimizerTimer,
-    OtherLoad,
-    PeakMemory,
-    allocator_line,
-    detect_allocator,
-    gpu_busy_share,
-    machine_line,
-    matmul_floor,
-    step_profiler,
-    write_json,
-    write_profile,
-)
-from nanogpt.device import dtype_reason, resolve_attention, resolve_device, synchronize
-from nanogpt.mfu import mfu_text, run_peak_flops
-from nanogpt.text import plural
-from nanogpt.errors import UserError, exit_on_user_error
-from nanogpt.hardware import check_attention_kernel
-from nanogpt.distributed import Dist
 from configurator import configure
 from model import GPT
-from nanogpt.step import (
-    OneStepLate,
-    StepConfig,
-    batch_generator,
-    compile_model,
-    data_paths,
-    get_batch,
-    model_config,
-    optimizer_and_scaler,
-    setup_device,
-    train_step,
-)
+from nanogpt import dataio, float8
+from nanogpt.config import AtLeast0, AtLeast1, StepConfig, check
+from nanogpt.device import (DeviceClock, autocast_context, dtype_reason, resolve_attention, resolve_device,
+                            resolve_dtype, set_tf32, synchronize)
+from nanogpt.distributed import Dist
+from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.hardware import check_attention_kernel
+from nanogpt.measure import (OptimizerTimer, OtherLoad, PeakMemory, allocator_line, detect_allocator, gpu_busy_share,
+                             machine_line, matmul_floor_or_why, step_profiler, write_json, write_profile)
+from nanogpt.mfu import mfu_text, resolve_peak_flops
+from nanogpt.optim import build_optimizer
+from nanogpt.step import OneStepLate, batch_generator, get_batch, model_config, setup_process, train_step
+from nanogpt.text import plural
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CPU_CONFIG = os.path.join(ROOT, "config", "bench_cpu.py")
@@ -77,11 +54,11 @@ PROFILED_STEPS = 5  # --profile: steps under the profiler, after the timed ones
 @dataclass
 class BenchConfig(StepConfig):
     # a benchmark step is one optimizer step of batch_size x block_size tokens, as nanoGPT's bench.py
-    gradient_accumulation_steps: int = 1
-    vocab_size: int = 50257  # random tokens come from this vocabulary (real_data: the dataset's meta.json)
+    gradient_accumulation_steps: AtLeast1[int] = 1
+    vocab_size: AtLeast1[int] = 50257  # random tokens come from this vocabulary (real_data: the dataset's meta.json)
     real_data: bool = False  # batches of data/<dataset>/train.bin (step.get_batch) instead of random tokens
-    warmup_steps: int = 10  # untimed steps first
-    timed_steps: int = 20
+    warmup_steps: AtLeast0[int] = 10  # untimed steps first
+    timed_steps: AtLeast1[int] = 20
     profile: bool = False  # also 5 steps under torch.profiler after the timed ones: a chrome trace in results_dir, the
     # top ops, and how busy the GPU was (the share of the time it did not wait for the host)
     results_dir: str = "bench_results"  # trace.json, and the studies' JSON and PNG files
@@ -98,16 +75,10 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
               f"model; give a config file to choose another)")
         argv = [os.path.relpath(CPU_CONFIG), *argv]  # the overrides still win
         cfg = configure(BenchConfig(), argv)
-    problems = cfg.problems(world_size=1)
-    for key in ("timed_steps", "vocab_size"):
-        if getattr(cfg, key) < 1:
-            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
-    if cfg.warmup_steps < 0:
-        problems.append(f"warmup_steps={cfg.warmup_steps} must be >= 0")
+    problems = cfg.problems(world_size=1)  # StepConfig's: the declared values (BenchConfig's too), the machine
     if "RANK" in os.environ:
         problems.append("bench.py measures one process: run it with python, not torchrun")
-    if problems:
-        raise UserError("; ".join(problems))
+    check(problems)
     return cfg, argv
 
 
@@ -179,12 +150,15 @@ def held_out_loss(model: GPT, cfg: BenchConfig, ctx, device: str, data_path: str
 def setup_run(cfg: BenchConfig) -> dict:
     """Device, precision, data, model and optimizer for one run: everything the timed loop needs."""
     device = resolve_device(cfg.device)
-    dtype, ctx, _ = setup_device(cfg, device)
+    setup_process(cfg, device)  # the seed, deterministic algorithms, malloc
+    set_tf32(cfg.tf32 and device.startswith("cuda"))
+    dtype = resolve_dtype(cfg.dtype, device)
+    ctx = autocast_context(device, dtype)
     attention, attention_why = resolve_attention(cfg.attention, device, dtype)
     cfg = dataclasses.replace(cfg, attention=attention)
     data_path = None
     if cfg.real_data:
-        data_dir = data_paths(cfg)
+        data_dir = dataio.dataset_dir(cfg.dataset, cfg.data_dir)
         cfg = dataclasses.replace(cfg, vocab_size=dataio.load_meta(data_dir)["vocab_size"])
         data_path = os.path.join(data_dir, "train.bin")
         dataio.open_tokens(data_path, vocab_size=cfg.vocab_size)  # a missing file or a bad id fails here
@@ -193,10 +167,12 @@ def setup_run(cfg: BenchConfig) -> dict:
         print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
         float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
     check_attention_kernel(model, ctx, compile=cfg.compile)  # one line, not compile's trace
-    optimizer, scaler = optimizer_and_scaler(model, cfg, device, dtype, verbose=False)
+    optimizer = build_optimizer(model, cfg, device.split(":")[0], verbose=False)
+    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype == "float16")
     defaults = f"dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})"
     return dict(cfg=cfg, device=device, dtype=dtype, ctx=ctx, data_path=data_path, raw_model=model, defaults=defaults,
-                model=compile_model(model, cfg) if cfg.compile else model, optimizer=optimizer, scaler=scaler)
+                model=torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+                if cfg.compile else model, optimizer=optimizer, scaler=scaler)
 
 
 # ----------------------------------------------------------------------------------------------- the timed steps
@@ -258,10 +234,10 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     q1, median, q3 = (float(q) for q in np.percentile(ms, [25, 50, 75]))
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    peak_flops, peak_source = run_peak_flops(device, run["dtype"], cfg.peak_flops)
+    peak_flops, peak_source = resolve_peak_flops(device, run["dtype"], cfg.peak_flops)
     mfu = raw_model.estimate_mfu(cfg.gradient_accumulation_steps * cfg.batch_size, median / 1000, peak_flops,
                                  cfg.block_size)
-    floor_ms, n_matmuls, floor_why = step_floor(raw_model, step_batches(cfg, 0, run["data_path"]), run["ctx"], device)
+    floor_ms, n_matmuls, floor_why = matmul_floor_or_why(raw_model, step_batches(cfg, 0, run["data_path"]), run["ctx"], device)
     result = {
         "matmul_floor_ms": floor_ms, "matmuls": n_matmuls, "floor_multiple": median / floor_ms if floor_ms else None,
         "matmul_floor_missing": floor_why,
@@ -276,17 +252,6 @@ def run_bench(cfg: BenchConfig) -> dict:
         "threads": torch.get_num_threads(), "others_cpu": others.fraction,
     }
     return {"result": result, "profiler": prof, "cfg": cfg}
-
-
-def step_floor(raw_model, batches, ctx, device: str) -> tuple[float | None, int | None, str | None]:
-    """The step's matmul floor (ms, matmuls), or Nones and why where the GPU has no memory left for the eager step it
-    replays: CUDA graphs keep their memory pool for the process (compile_mode=reduce-overhead at 64 x 1024 held 68 of
-    an H100's 80 GB), and the timed steps' figures must not be lost to it."""
-    try:
-        return (*matmul_floor(raw_model, batches, ctx, device), None)
-    except torch.OutOfMemoryError:
-        raw_model.zero_grad(set_to_none=True)
-        return None, None, "the GPU had no memory left for the eager step it replays (CUDA graphs keep theirs)"
 
 
 def dtype_label(dtype: str) -> str:

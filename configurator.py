@@ -162,6 +162,7 @@ def help_text(usage: str | None, *configs: DataclassInstance, width: int = HELP_
                                     "to True.", width))
     for config in configs:
         hints = typing.get_type_hints(type(config))
+        ranges = declared_ranges(config)
         sections = []  # (title, [(key and default, type, comment) or (group header, None, None)])
         for cls, doc, groups in config_docs(type(config)):
             source = _source_file(cls)
@@ -170,8 +171,8 @@ def help_text(usage: str | None, *configs: DataclassInstance, width: int = HELP_
             for label, fields in groups:
                 if label:
                     rows.append((f"  {label}", None, ""))
-                rows += [(f"    --{name}={getattr(config, name)!r}", _type_name(hints[name]), comment)
-                         for name, comment in fields]
+                rows += [(f"    --{name}={getattr(config, name)!r}", _type_name(hints[name]),
+                          _with_range(comment, ranges.get(name))) for name, comment in fields]
             sections.append((f"{title}: {doc}" if doc else title, rows))
         keys = [row for _, rows in sections for row in rows if row[1] is not None]
         key_width = min(max((len(k) for k, _, _ in keys), default=0), 40)
@@ -187,10 +188,27 @@ def help_text(usage: str | None, *configs: DataclassInstance, width: int = HELP_
                 if len(line) > len(indent):  # a long default or type: the comment goes under it
                     lines.append(line.rstrip())
                     line = indent
-                wrapped = textwrap.wrap(comment, max(width - len(indent), 40), break_on_hyphens=False) or [""]
+                wrapped = [w.replace(NO_BREAK, " ") for w in
+                           textwrap.wrap(comment, max(width - len(indent), 40), break_on_hyphens=False)] or [""]
                 lines += [(line + wrapped[0]).rstrip(), *(indent + w for w in wrapped[1:])]
             blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def declared_ranges(config: DataclassInstance) -> dict[str, str]:
+    """key -> the range its type declares ("at least 1", "in [0, 1)"): the Annotated metadata with a `range_text`
+    (nanogpt/config.py's Range), which --help shows beside each key."""
+    hints = typing.get_type_hints(type(config), include_extras=True)
+    return {name: meta.range_text for name, hint in hints.items() for meta in getattr(hint, "__metadata__", ())
+            if isinstance(getattr(meta, "range_text", None), str)}
+
+
+def _with_range(comment: str, range_text: str | None) -> str:
+    """The comment, then the range in brackets, kept on one line when wrapped (no-break spaces, made plain after)."""
+    return f"{comment} [{range_text.replace(' ', NO_BREAK)}]".lstrip() if range_text else comment
+
+
+NO_BREAK = "\u00a0"
 
 
 def config_docs(cls: type) -> list[tuple[type, str, list[tuple[str | None, list[tuple[str, str]]]]]]:

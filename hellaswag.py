@@ -19,15 +19,16 @@ through nanogpt/checkpoint_manager.py.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 from nanogpt import checkpoint_manager
 from nanogpt.hellaswag import VAL_EXAMPLES, describe, encode, evaluate, load_examples
-from nanogpt.device import autocast_context, resolve_dtype
-from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.config import OneOf, Range, check, declared_problems
+from nanogpt.device import DTYPES, autocast_context, resolve_dtype
+from nanogpt.errors import exit_on_user_error
 from nanogpt.distributed import cleanup_distributed, setup_distributed
 from nanogpt.text import plural
 from configurator import configure
@@ -44,15 +45,14 @@ class HellaSwagConfig:
     ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded to data/hellaswag/
-    max_examples: int = 0  # score only the first this many examples (0: all)
+    max_examples: Annotated[int, Range(0, note="0: all")] = 0  # score only the first this many examples (0: all)
     device: str = "auto"  # "auto", "cpu", "cuda", ... (under torchrun: each rank's GPU)
-    dtype: str = "auto"  # "auto" (bf16 on a GPU that has it, float32 on the CPU), "float32", "bfloat16", "float16"
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto" (bf16 on a GPU that has it, float32 on the CPU), "float32", "bfloat16", "float16"
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = configure(HellaSwagConfig(), sys.argv[1:] if argv is None else argv)
-    if cfg.max_examples < 0:
-        raise UserError(f"max_examples={cfg.max_examples} must be >= 0 (0: all)")
+    check(declared_problems(cfg))
     dist = setup_distributed(cfg.device)
     finished = False
     try:

@@ -23,27 +23,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import torch
 
-from nanogpt import dataio, engine
-from nanogpt import checkpoint_manager
-from nanogpt.device import (
-    DTYPES,
-    autocast_context,
-    keep_freed_memory,
-    resolve_attention,
-    resolve_device,
-    resolve_dtype,
-    resolve_sampling_attention,
-    synchronize,
-)
+from configurator import configure
+from model import GPT, SDPA_BACKENDS, GPTConfig
+from nanogpt import checkpoint_manager, dataio, engine
+from nanogpt.config import ATTENTIONS, AtLeast1, OneOf, Range, Seed, check, declared_problems
+from nanogpt.device import (DTYPES, autocast_context, keep_freed_memory, resolve_device, resolve_dtype,
+                            resolve_sampling_attention, synchronize)
+from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import cpu_has_native_bf16
 from nanogpt.text import plural
-from nanogpt.errors import UserError, exit_on_user_error
-from configurator import configure
-from model import GPT, GPTConfig
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SEPARATOR = "---------------"
@@ -57,22 +50,22 @@ class SampleConfig:
     ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
-    num_samples: int = 10  # drawn together as one batch, each from its own random stream (from seed and its index)
-    batch_size: int | None = None  # at most this many samples per batch, to bound memory (None: all num_samples); it
+    num_samples: AtLeast1[int] = 10  # drawn together as one batch, each from its own random stream (from seed and its index)
+    batch_size: Annotated[int | None, Range(1, note="or None: all num_samples at once")] = None  # at most this many samples per batch, to bound memory (None: all num_samples); it
     # does not change the samples (in float32; lower precisions may round a batch's logits differently)
-    max_new_tokens: int = 500  # tokens generated per sample
-    temperature: float = 0.8  # 1.0: the model's distribution; lower: more conservative; 0: greedy
-    top_k: int | None = 200  # keep only the top_k most likely tokens (None: all)
-    top_p: float | None = None  # nucleus sampling: the smallest set of tokens with probability >= top_p
-    seed: int = 1337
+    max_new_tokens: AtLeast1[int] = 500  # tokens generated per sample
+    temperature: Annotated[float, Range(0, note="0 means greedy")] = 0.8  # 1.0: the model's distribution; lower: more conservative; 0: greedy
+    top_k: AtLeast1[int | None] = 200  # keep only the top_k most likely tokens (None: all)
+    top_p: Annotated[float | None, Range(0, 1, low_open=True)] = None  # nucleus sampling: the smallest set of tokens with probability >= top_p
+    seed: Seed[int] = 1337
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
-    window_dtype: str | None = None  # past block_size every token recomputes the whole window: its dtype
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
+    window_dtype: Annotated[str | None, OneOf("auto", *DTYPES)] = None  # past block_size every token recomputes the whole window: its dtype
     # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is faster than float32)
     compile: bool = False  # torch.compile the one-token decoding step (its compile takes a while: long runs only)
-    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
+    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
     # block_size) for windows up to 256 positions, where its plain bf16 matmuls beat the CPU flash kernel, else sdpa
-    sdpa_backend: str | None = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
+    sdpa_backend: Annotated[str | None, OneOf(*SDPA_BACKENDS)] = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of handing them back to the OS
     # (every window step past block_size allocates the same large buffers again: fresh pages fault in each time)
 
@@ -96,40 +89,29 @@ def log(msg: str) -> None:
 def check_config(cfg: SampleConfig) -> SampleConfig:
     """Every problem with the settings in one UserError, before anything slow (loading weights) happens. Returns
     the config with its device and dtype resolved ('auto' becomes what runs), which the functions below take."""
-    problems = []
+    problems = declared_problems(cfg)
     if cfg.init_from != "resume" and cfg.init_from not in GPT2_MODELS and not os.path.exists(cfg.init_from):
         problems.append(
             f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 "
             f"model, or a checkpoint file or sharded folder"
         )
-    if cfg.batch_size is not None and cfg.batch_size < 1:
-        problems.append(f"batch_size={cfg.batch_size} must be at least 1 (or None: all num_samples at once)")
-    for key in ("num_samples", "max_new_tokens"):
-        if getattr(cfg, key) < 1:
-            problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
-    if cfg.temperature < 0:
-        problems.append(f"temperature={cfg.temperature} must be >= 0 (0 means greedy)")
-    if cfg.top_k is not None and cfg.top_k < 1:
-        problems.append(f"top_k={cfg.top_k} must be at least 1 (or None)")
-    if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
-        problems.append(f"top_p={cfg.top_p} must be in (0, 1] (or None)")
     if cfg.attention == "math" and cfg.sdpa_backend is not None:
         problems.append(f"sdpa_backend={cfg.sdpa_backend!r} chooses a kernel of attention=sdpa, not of math: "
                         "use --attention=sdpa (or auto), or drop sdpa_backend")
-    try:
+    if any(p.startswith(("dtype=", "window_dtype=")) for p in problems):
+        check(problems)  # names this machine need not be asked about
+    try:  # what runs here: the device, and the dtypes on it ("auto" resolved)
         device = resolve_device(cfg.device)
         window = cfg.window_dtype
         if window is None and cfg.dtype == "auto" and device == "cpu" and cpu_has_native_bf16():
             window = "bfloat16"
         if window is not None:
             window = resolve_dtype(window, device, training=False)
-        dtype = resolve_dtype(cfg.dtype, device, training=False)
-        resolve_attention(cfg.attention, device, dtype)  # the name, now; "auto" once the model's shape is known
-        cfg = dataclasses.replace(cfg, device=device, dtype=dtype, window_dtype=window)
+        cfg = dataclasses.replace(cfg, device=device, dtype=resolve_dtype(cfg.dtype, device, training=False),
+                                  window_dtype=window)
     except UserError as e:
         problems.append(str(e))
-    if problems:
-        raise UserError("; ".join(problems))
+    check(problems)
     return cfg
 
 

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from nanogpt import float8  # noqa: E402
+from nanogpt.config import fp8_problems  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 
 WIDTHS = {768: "GPT-2 124M", 1024: "GPT-2 medium", 1280: "GPT-2 large", 1600: "GPT-2 XL"}
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     widths = [int(w) for w in args.widths.split(",") if w.strip()]
     if not torch.cuda.is_available():
         raise UserError("benchmarks/float8_layers.py times float8 matmuls on a CUDA GPU and none is available here")
-    problems = float8.fp8_problems(True, "tensorwise", "cuda", "bfloat16")
+    problems = fp8_problems("cuda", "bfloat16")
     if problems:
         raise UserError("; ".join(problems))
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; {args.tokens:,} tokens per matmul; "

@@ -14,7 +14,7 @@ Its functions:
 The sharded format (FSDP's folders) is sharded.py's; a run's checkpoints in either format (saving in the run's,
 finding the newest, reading to resume or for inference) are checkpoint_manager.py's.
 
-Imports the model, dataio.py and the device modules; never a script.
+Imports the model, dataio.py and distributed.py.
 """
 from __future__ import annotations
 
@@ -145,18 +145,19 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
 # ----------------------------------------------------------------------------------------------- the train state
 
 
-def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, cfg, dist: Dist, elapsed_s: float,
+def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, config: dict, dist: Dist, elapsed_s: float,
                 meta: dict | None, run_id: str | None = None) -> dict:
-    """A checkpoint's entries other than the model and optimizer tensors. `cfg` is the run's TrainConfig; `meta`
-    the dataset's tokenizer description (dataio), so the checkpoint names the tokenizer it was trained with;
-    `run_id` the run's (outdir.py), so that a checkpoint of another run is never taken for this one's."""
+    """A checkpoint's entries other than the model and optimizer tensors. `config` is the run's settings (its
+    TrainConfig as a dict); `meta` the dataset's tokenizer description (dataio), so the checkpoint names the tokenizer
+    it was trained with; `run_id` the run's (outdir.py), so that a checkpoint of another run is never taken for this
+    one's."""
     return {
         "run_id": run_id,
         "scaler": scaler.state_dict(),
         "iter_num": iter_num,
         "best_val_loss": best_val_loss,
         "model_args": asdict(model.config),
-        "config": asdict(cfg),
+        "config": config,
         "world_size": dist.world_size,
         "elapsed_s": elapsed_s,  # the run's wall time so far, so metrics.jsonl's time continues across resumes
         "meta": dataio.tokenizer_meta(meta) if meta is not None else None,

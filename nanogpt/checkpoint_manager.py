@@ -1,5 +1,5 @@
 """
-A run's checkpoints, in either format: saving in the run's (RunSaver: ckpt.pt, or FSDP's sharded folder, in the
+A run's checkpoints, in either format: saving in the run's (CheckpointWriter: ckpt.pt, or FSDP's sharded folder, in the
 background too), finding the newest of a run folder, and reading one to resume or for inference. train.py,
 sample.py, export.py and hellaswag.py find and read checkpoints through this module.
 
@@ -15,14 +15,14 @@ init_from=PATH) takes a file or a sharded folder alike, maps a file instead of r
 optimizer state.
 
 Its functions:
-  save         RunSaver
-  find         find_checkpoint (-> Found: .read() is what a resume continues from), checkpoint_path
+  save         CheckpointWriter
+  find         find_checkpoint (-> FoundCheckpoint: .read() is what a resume continues from), checkpoint_path
   resume       load_training_state (model, optimizer)
   weights      load_for_inference (sample.py, hellaswag.py), read_weights, weights_tokenizer
-What a resume takes of the run's settings is outdir.py's; a checkpoint's tokenizer is dataio.py's.
+What a resume takes of the run's settings is start.py's; a checkpoint's tokenizer is dataio.py's.
 
-Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), outdir.py, the model
-and the device modules; never a script.
+Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), outdir.py (the run's
+id), hf_gpt2.py, the model, and the device modules.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ from nanogpt.sharded import (
 # ----------------------------------------------------------------------------------------------- saving
 
 
-class RunSaver:
+class CheckpointWriter:
     """
     A training run's saves in its format, the one place that chooses between them: ckpt.pt (rank 0 writes model,
     optimizer and train state; save_run_checkpoint) or, under FSDP, ckpt_sharded (every rank its shards;
@@ -120,7 +120,7 @@ def _read_state(path: str) -> dict[str, Any]:
 
 
 @dataclass
-class Found:
+class FoundCheckpoint:
     path: str
     iter_num: int
     note: str  # what else was there, and why this one: "" when it was the only choice
@@ -149,7 +149,7 @@ def _listing(out_dir: str) -> str:
         f"{out_dir} is empty"
 
 
-def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool = False) -> Found:
+def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool = False) -> FoundCheckpoint:
     """
     The checkpoint of a run: out_dir/name if given, else the newest of the latest saves (ckpt.pt, ckpt_sharded) by
     the iteration each records. At the same iteration (a sharded folder converted to ckpt.pt, say) both hold the
@@ -199,9 +199,9 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
     return newest
 
 
-def _found(path: str) -> Found:
+def _found(path: str) -> FoundCheckpoint:
     state = _read_state(path)
-    return Found(path, int(state.get("iter_num", 0)), "", state)
+    return FoundCheckpoint(path, int(state.get("iter_num", 0)), "", state)
 
 
 # ----------------------------------------------------------------------------------------------- reading weights
@@ -250,7 +250,7 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
         with open(config) as f:
             vocab = int(json.load(f).get("vocab_size", 0))
         return vocab, GPT2_META if vocab == GPT2_META["vocab_size"] else None
-    return GPT2_META["vocab_size"], GPT2_META  # gpt2, gpt2-medium, ... (train.check_config refused anything else)
+    return GPT2_META["vocab_size"], GPT2_META  # gpt2, gpt2-medium, ... (the settings' check refused anything else)
 
 
 def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,

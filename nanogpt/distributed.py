@@ -3,7 +3,7 @@ Running on several processes, in one place: joining and leaving the process grou
 or one process), DDP's wrapper settings, the signals that stop a run (SIGTERM, Ctrl-C) agreed on by every rank, and
 the check that every rank sees out_dir.
 
-Imports common.py and errors.py only; never a script.
+Imports device.py and errors.py only.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -23,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanogpt.device import resolve_device
 from nanogpt.errors import UserError
+
+T = TypeVar("T")
 
 
 
@@ -37,6 +40,11 @@ class Dist:
     @property
     def master(self) -> bool:
         return self.rank == 0
+
+    def barrier(self) -> None:
+        """Every rank waits here for the others (nothing to wait for without a process group)."""
+        if self.enabled:
+            torch_dist.barrier()
 
 
 def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = False) -> Dist:
@@ -142,6 +150,25 @@ def cleanup_distributed(d: Dist, barrier: bool = False) -> None:
     _forget_device_mesh_groups()
     gc.collect()
     torch_dist.destroy_process_group()
+
+
+def run_in_group(dist: Dist, work: Callable[[], T]) -> T:
+    """work(), then the end of the process group in the order cleanup_distributed says: after the work's end, or a
+    stop that every rank agreed on (Stopped), every rank waits for the others (barrier); after any other error, none
+    waits (the others may never get there). What holds the group (a DDP wrapper, a sharded model) must be work()'s
+    locals, gone when it returns; a stop's exception is raised anew, since the one caught holds work()'s frames."""
+    stopped = None
+    try:
+        result = work()
+    except Stopped as e:
+        stopped = Stopped(e.message, e.code)
+    except BaseException:
+        cleanup_distributed(dist)
+        raise
+    cleanup_distributed(dist, barrier=True)  # every rank gets here, the last save done: the end, or the same stop
+    if stopped is not None:
+        raise stopped
+    return result
 
 
 def _forget_device_mesh_groups() -> None:

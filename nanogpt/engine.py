@@ -4,8 +4,8 @@ one cached position per token, and past block_size a sliding window recomputed w
 token's logits into a token (temperature, the top-k and top-p filters, a draw, or the most likely token at
 temperature 0). sample.py, report.py and the benchmarks decode through GPT.generate.
 
-The model is an argument, never imported: model.py imports this module (GPT.generate, the KVCache its attention
-fills). Imports errors.py only.
+The model is an argument, never imported: its attention fills the KVCache it is given (GPT.forward's kv_cache), and
+GPT.generate is the plain loop this engine is tested against. Imports errors.py only.
 """
 from __future__ import annotations
 

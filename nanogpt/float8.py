@@ -12,7 +12,7 @@ at least MIN_FEATURES[recipe] on both sides (benchmarks/float8_layers.py times e
 what it found on an H100, docs/gpu.md); fp8_layers="all" converts every block linear layer whose sizes are
 multiples of 16, which the float8 kernels need.
 
-Imports torch, and torchao where fp8 is on; nothing of the project's scripts.
+Imports torch, and torchao where fp8 is on; nothing of the project's. The checks of fp8=True are config.py's.
 """
 from __future__ import annotations
 
@@ -32,34 +32,6 @@ MIN_FEATURES: dict[str, tuple[int, int] | None] = {"tensorwise": (1600, 1024), "
 def torchao_installed() -> bool:
     """Whether torchao, which fp8=True trains through, can be imported."""
     return importlib.util.find_spec("torchao") is not None
-
-
-def fp8_problems(enabled: bool, recipe: str, device: str, dtype: str, layers: str = "auto") -> list[str]:
-    """What stops fp8 training here (train.py's and bench.py's config check): an unknown recipe or layer choice
-    always; with enabled, a device without float8 matmuls, a dtype other than bf16, or no torchao."""
-    problems = []
-    if recipe not in FP8_RECIPES:
-        problems.append(f"fp8_recipe={recipe!r} is not one of {', '.join(FP8_RECIPES)}")
-    if layers not in FP8_LAYERS:
-        problems.append(f"fp8_layers={layers!r} is not one of {', '.join(FP8_LAYERS)}")
-    if not enabled:
-        return problems
-    if device.split(":")[0] != "cuda":
-        problems.append(f"fp8=True needs an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                        f"or later (H100, H200, L4, RTX 40xx), and device={device!r} is not one: set fp8=False")
-    else:
-        capability = torch.cuda.get_device_capability(torch.device(device))
-        if capability < MIN_CAPABILITY:
-            problems.append(
-                f"fp8=True needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (H100, H200, L4, "
-                f"RTX 40xx), and {torch.cuda.get_device_name(torch.device(device))} has "
-                f"{capability[0]}.{capability[1]}: set fp8=False")
-    if dtype != "bfloat16":
-        problems.append(f"fp8=True runs everything else in bf16 autocast, but dtype={dtype!r}: set dtype=bfloat16 "
-                        f"(or auto)")
-    if importlib.util.find_spec("torchao") is None:
-        problems.append("fp8=True needs torchao, which is not installed: pip install torchao")
-    return problems
 
 
 def pays_in_float8(in_features: int, out_features: int, recipe: str) -> bool:

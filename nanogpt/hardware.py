@@ -136,7 +136,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_info(device: str) -> dict[str, str]:
+def system_info(device: str) -> dict[str, str]:
     """Versions and hardware for the log: enough to reproduce and compare runs."""
     info = {
         "python": platform.python_version(),

@@ -5,7 +5,7 @@ tokens; acc_norm: the lowest mean loss per token (it does not favour short endin
 set, downloaded once to data/hellaswag/, or any file in its format), their tokens, and the scoring, over DDP ranks
 too: train.py scores at evals with hellaswag=True, hellaswag.py scores a checkpoint.
 
-Imports dataio.py and distributed.py.
+Imports dataio.py, distributed.py and text.py.
 """
 from __future__ import annotations
 
@@ -161,3 +161,10 @@ def evaluate(model, encoded: list[Encoded], dist: Dist, ctx, examples_per_batch:
 def describe(result: dict[str, float]) -> str:
     acc, acc_norm, n = result["hellaswag_acc"], result["hellaswag_acc_norm"], result["hellaswag_n"]
     return f"HellaSwag acc {acc:.4f}, acc_norm {acc_norm:.4f} ({plural(n, 'example')})"
+
+
+def encoded_examples(path: str | None, meta: dict | None, block_size: int) -> list[Encoded]:
+    """The examples of `path` (None: the validation set) encoded once, for train.py's evals, with the dataset's
+    tokenizer (`meta`; None: GPT-2 BPE, for GPT-2's weights on data without a meta.json)."""
+    tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+    return encode(load_examples(path), tokenizer, block_size)

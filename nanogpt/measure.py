@@ -15,7 +15,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanogpt.hardware import run_info
+from nanogpt.hardware import system_info
 from nanogpt.device import DeviceClock, synchronize
 
 
@@ -44,7 +44,7 @@ def detect_allocator(maps: str | None = None, ld_preload: str | None = None) -> 
 
 def machine_info(device: str) -> dict[str, str]:
     """Versions, hardware, and how busy the machine is: other processes make CPU timings noisy."""
-    info = run_info(device)
+    info = system_info(device)
     if hasattr(os, "getloadavg"):
         info["load_1min"] = f"{os.getloadavg()[0]:.2f}/{os.cpu_count()}cpus"
     return info
@@ -371,3 +371,14 @@ def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
     # interrupt, a clock's ramp or the timer's own cost would weigh on it as much as its matmuls
     replays = max(1, math.ceil(0.01 / max(seconds(1), 1e-6)))
     return min(seconds(replays) for _ in range(repeats)) * 1000, len(calls)
+
+
+def matmul_floor_or_why(raw_model, batches, ctx, device: str) -> tuple[float | None, int | None, str | None]:
+    """The step's matmul floor (ms, matmuls), or Nones and why where the GPU has no memory left for the eager step it
+    replays: CUDA graphs keep their memory pool for the process (compile_mode=reduce-overhead at 64 x 1024 held 68 of
+    an H100's 80 GB), and the timed steps' figures must not be lost to it."""
+    try:
+        return (*matmul_floor(raw_model, batches, ctx, device), None)
+    except torch.OutOfMemoryError:
+        raw_model.zero_grad(set_to_none=True)
+        return None, None, "the GPU had no memory left for the eager step it replays (CUDA graphs keep theirs)"

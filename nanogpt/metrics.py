@@ -5,64 +5,31 @@ also prints on rank 0 and logs to wandb when asked) and read by plot.py and repo
 full disk during the append) or one that is no record (edited by hand) is skipped by the readers with one warning,
 and the next append starts a new line.
 
-Imports common.py, distributed.py and errors.py only; never a script.
+Imports distributed.py and errors.py only.
 """
 from __future__ import annotations
 
 import json
-import netrc
 import os
 import sys
 import time
-from dataclasses import asdict
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
-from nanogpt.optional import optional_import
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
 
 METRICS_NAME = "metrics.jsonl"
 
 
-def wandb_problem(cfg) -> str | None:
-    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
-    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
-    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
-    under way."""
-    if not cfg.wandb_log:
-        return None
-    try:
-        optional_import("wandb", "wandb_log=True")
-    except UserError as e:
-        return f"{e} (or --wandb_log=False)"
-    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
-        return None
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return None
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
-    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
-    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
-    where = "no netrc file"
-    if path is not None:
-        try:
-            if netrc.netrc(path).authenticators(host):
-                return None
-            where = f"no entry for {host} in {path}"
-        except (OSError, netrc.NetrcParseError) as e:
-            where = f"{path} is unreadable ({e})"
-    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
-            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")
-
-
 class Logger:
     """Prints on rank 0; once the start is accepted (start()), appends JSON lines to out_dir/metrics.jsonl (a start
     that saves; a resumed run appends to its run's file, a new run finds none: outdir.py moved the previous run's
-    aside) and logs to wandb when asked. Before start() nothing is written: a refused start changes nothing."""
+    aside) and logs to wandb when asked (`wandb`: wandb.init's project, name and config). Before start() nothing is
+    written: a refused start changes nothing."""
 
-    def __init__(self, cfg, dist: Dist):
+    def __init__(self, dist: Dist, out_dir: str, wandb: dict | None = None):
         self.master = dist.master
-        self.cfg = cfg
+        self.out_dir, self.wandb_init = out_dir, wandb
         self.path: str | None = None  # metrics.jsonl, once the start is accepted and saves
         self.t_start = time.time()
         self.wandb = None
@@ -95,17 +62,16 @@ class Logger:
         if not self.master:
             return
         if saves:
-            self.path = os.path.join(self.cfg.out_dir, METRICS_NAME)
+            self.path = os.path.join(self.out_dir, METRICS_NAME)
             _end_torn_line(self.path)
             self._append({"start": {"run_id": run_id, "iter": iter_num, "init_from": init_from,
                                     "changes": changes or [], "command": " ".join(["python", *sys.argv]),
                                     "time": round(time.time(), 3)},
                           "elapsed_s": round(self.elapsed(), 3)})
-        if self.cfg.wandb_log:
+        if self.wandb_init is not None:
             import wandb
 
-            self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name,
-                                    config=asdict(self.cfg))
+            self.wandb = wandb.init(**self.wandb_init)
 
     def _append(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -173,7 +139,7 @@ def _line_numbers(numbers: list[int]) -> str:
     return f"line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}{' ...' if len(numbers) > 5 else ''}"
 
 
-class RunMetrics(NamedTuple):
+class MetricsLog(NamedTuple):
     """A run's metrics.jsonl, read once: its logged training steps (iter, loss, elapsed_s, ...), its evals (iter,
     val_loss, elapsed_s, ...) and its starts (iter, init_from, command, changes)."""
     steps: list[dict]
@@ -181,13 +147,13 @@ class RunMetrics(NamedTuple):
     starts: list[dict]
 
 
-def read_metrics(out_dir: str) -> RunMetrics:
+def read_metrics(out_dir: str) -> MetricsLog:
     """The run's metrics.jsonl, read (and any unreadable line warned of) once."""
     path = os.path.join(out_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise UserError(f"no {path}: give the out_dir of a train.py run")
     records = read_records(path)
-    run = RunMetrics(steps=[r for r in records if "loss" in r], evals=[r for r in records if "val_loss" in r],
+    run = MetricsLog(steps=[r for r in records if "loss" in r], evals=[r for r in records if "val_loss" in r],
                      starts=[r["start"] for r in records if "start" in r])
     if not run.steps and not run.evals:
         raise UserError(f"{path} has no losses yet: plot after the first logged step")

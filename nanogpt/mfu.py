@@ -3,7 +3,7 @@ The peak FLOP/s that MFU (model FLOPs utilisation) divides by: a known GPU's fro
 measured (its best matmul in the run's dtype, kept per machine in ~/.cache/nanogpt/), or the --peak_flops given; and
 an MFU as printed.
 
-Imports hardware.py only.
+Imports device.py and hardware.py only.
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def mfu_text(mfu: float | None) -> str:
     return f"{mfu * 100:.2f}%"
 
 
-def run_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple[float | None, str]:
+def resolve_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple[float | None, str]:
     """The peak FLOP/s that MFU divides by, and where it comes from: `given` (--peak_flops) wins; a known GPU's from
     hardware.PEAK_FLOPS; a CPU's measured in the run's dtype (measured_cpu_peak_flops); else None."""
     if given is not None:

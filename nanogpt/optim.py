@@ -12,7 +12,7 @@ Both are held by one `Optimizers` object, which looks like a torch optimizer to 
 non-finite guard, accumulation, DDP and checkpoints treat it as one. Under DDP the gradients are all-reduced
 in backward, before the step, so every rank orthogonalises the same full gradient and the ranks stay equal.
 
-Imports common.py and errors.py only; the model's configure_optimizers builds the AdamW.
+Imports errors.py, hardware.py and text.py only; the model's configure_optimizers builds the AdamW.
 """
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def ns_dtype_for(setting: str, device_type: str) -> torch.dtype:
 
 
 def build_optimizer(model, cfg, device_type: str, verbose: bool = True) -> Optimizers:
-    """The optimizer that cfg.optimizer names (train.check_config has checked it), over `model`'s parameters
+    """The optimizer that cfg.optimizer names (its settings checked: config.py), over `model`'s parameters
     (cfg: train.TrainConfig)."""
     betas = (cfg.beta1, cfg.beta2)
     fused = cfg.fused_adamw if cfg.fused_adamw is not None else fused_adamw_available(device_type)

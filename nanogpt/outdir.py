@@ -20,7 +20,7 @@ Moving aside instead of refusing: a nanoGPT user reruns the same command and exp
 overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
 way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
 
-Imports common.py and errors.py only; train.py and checkpoint_manager.py import it.
+Imports errors.py only; start.py and checkpoint_manager.py import it.
 """
 from __future__ import annotations
 
@@ -35,9 +35,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import fields, replace
 
-from nanogpt.device import resolve_device, resolve_dtype
 from nanogpt.errors import UserError
 
 RUN_FILE = "run.json"
@@ -227,13 +225,6 @@ def disk_usage(folder: str) -> int:
     return total
 
 
-def size_text(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def _write_run(out_dir: str, run: dict) -> None:
     tmp = os.path.join(out_dir, f".{RUN_FILE}.tmp")
     with open(tmp, "w") as f:
@@ -258,61 +249,3 @@ def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None)
     if run != want:
         _write_run(out_dir, want)
     return want["run_id"]
-
-
-# ----------------------------------------------------------------------------------------------- what a resume takes
-
-
-def resume_changes(saved: dict, saved_gelu: str, cfg, world_size: int, saved_world_size: int,
-                   model_keys: tuple[str, ...]) -> list[str]:
-    """Settings of `cfg` (train.py's TrainConfig) that differ from the checkpoint's run (its config `saved`, and the
-    GELU its model was trained with). A different model shape (`model_keys`) or GELU cannot resume (UserError); anything else is
-    allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
-    load_training_state)."""
-    changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
-        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
-        for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
-        and getattr(cfg, k) != "auto" and saved[k] != "auto"
-    ]
-    model = [c for c in changed if c.split(":")[0] in model_keys]
-    if cfg.gelu is not None and cfg.gelu != saved_gelu:
-        model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
-    if model:
-        raise UserError(
-            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
-            f"out_dir to start a new run"
-        )
-    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
-    if saved_optimizer != cfg.optimizer:
-        raise UserError(
-            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
-            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
-        )
-    if world_size != saved_world_size:
-        changed.append(f"world_size: {saved_world_size} -> {world_size}")
-    return changed
-
-
-# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
-NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
-
-
-def settings_of_the_run(cfg, given: set[str], saved: dict):
-    """
-    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
-    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
-    settings, data, schedule), so the resume continues that run. `saved`: the config the checkpoint records.
-    Returns the config (train.py's TrainConfig) and the settings taken.
-    """
-    names = {f.name for f in fields(cfg)}
-    taken = {k: v for k, v in saved.items()
-             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    notes = []
-    if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
-        try:
-            resolve_dtype(taken["dtype"], resolve_device(cfg.device))
-        except UserError:
-            notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
-                         f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
-    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()] + notes

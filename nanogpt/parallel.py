@@ -26,27 +26,6 @@ from nanogpt.errors import UserError
 from nanogpt.distributed import Dist, is_dtensor
 from model import GPT
 
-PARALLELISMS = ("ddp", "fsdp")
-
-
-def config_problems(cfg) -> list[str]:
-    """What parallelism="fsdp" cannot do, for train.check_config's one error."""
-    problems = []
-    if cfg.parallelism not in PARALLELISMS:
-        problems.append(f"parallelism={cfg.parallelism!r} is not one of {', '.join(PARALLELISMS)}")
-    if cfg.parallelism != "fsdp":
-        return problems
-    if cfg.dtype == "float16":
-        problems.append("dtype='float16' is not supported with parallelism='fsdp' (no sharded grad scaler here): "
-                        "use bfloat16 or float32")
-    if cfg.hellaswag:  # its ranks score different numbers of batches, while FSDP's forwards are collective
-        problems.append("hellaswag=True is not supported with parallelism='fsdp' yet: score the checkpoint with "
-                        "python hellaswag.py instead")
-    if cfg.keep_last:
-        problems.append(f"keep_last={cfg.keep_last} is not supported with sharded checkpoints: set keep_last=0")
-    return problems
-
-
 # ----------------------------------------------------------------------------------------------- the model
 
 

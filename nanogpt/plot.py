@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 
-from nanogpt.metrics import RunMetrics
+from nanogpt.metrics import MetricsLog
 from nanogpt.optional import pyplot
 
 
-def draw(runs: list[tuple[str, RunMetrics]], out: str) -> str:
+def draw(runs: list[tuple[str, MetricsLog]], out: str) -> str:
     """Draw (name, metrics) runs into the PNG `out`; returns `out`."""
     plt = pyplot("plot.py")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)

@@ -3,8 +3,8 @@ The run report: at the end of a train.py run, out_dir/report.md says in one page
 command line, the machine, the settings that differ from the defaults, tokens/s and MFU, the loss picture (plot.py's
 PNG), the best val loss, HellaSwag when it was scored, and a short sample from the final weights.
 
-Reads the run's metrics.jsonl (what train.py logged, across resumes); draws the picture with plot.py (when
-matplotlib is installed); imports nothing from train.py.
+Reads the run's metrics.jsonl (what train.py logged, across resumes) through metrics.py; draws the picture with
+plot.py (when matplotlib is installed); the sample comes from engine.py's decoding.
 """
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ import statistics
 import sys
 import time
 from dataclasses import fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from nanogpt import dataio, engine
+from nanogpt.config import TrainConfig
 from nanogpt import plot
 from nanogpt.mfu import mfu_text
 from nanogpt.errors import UserError
-from nanogpt.metrics import RunMetrics, read_metrics
+from nanogpt.metrics import MetricsLog, read_metrics
 
 REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
 
@@ -53,7 +54,7 @@ def sample_text(model, tokenizer: dataio.Tokenizer, device: str, ctx=contextlib.
 
 def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str | None) -> str:
     """Write out_dir/report.md (and loss.png beside it); returns the report's path. `info`: the run's machine and
-    versions (common.run_info) and world size."""
+    versions (hardware.system_info) and world size."""
     run = read_metrics(out_dir)  # once: a damaged line is warned of once
     steps, evals, starts = run
     lines = [f"# Run report: {os.path.basename(os.path.normpath(out_dir))}", ""]
@@ -101,7 +102,7 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     return path
 
 
-def _loss_picture(out_dir: str, run: RunMetrics) -> str:
+def _loss_picture(out_dir: str, run: MetricsLog) -> str:
     try:
         plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, PLOT_NAME))
     except UserError as e:  # matplotlib is optional: the report goes without the picture
@@ -109,12 +110,12 @@ def _loss_picture(out_dir: str, run: RunMetrics) -> str:
     return f"![train and val loss against steps and wall time]({PLOT_NAME})"
 
 
-def write_run_report(cfg, defaults, model, meta: dict | None, info: dict[str, str], log,
-                     ctx=contextlib.nullcontext()) -> str:
-    """write_report with a short sample from the final weights, with the dataset's tokenizer (`meta`; None: GPT-2 BPE),
-    under the run's autocast context `ctx`; under FSDP no sample (a rank alone cannot run the sharded model: use
-    sample.py). `log` prints a note. Returns the report's path.
-    """
+def write_run_report(cfg: TrainConfig, model, meta: dict | None, info: dict[str, str], log: Callable[[str], None],
+                     ctx=contextlib.nullcontext()) -> str | None:
+    """out_dir/report.md at the end of a run (write_report), with a short sample from the final weights, with the
+    dataset's tokenizer (`meta`; None: GPT-2 BPE), under the run's autocast context `ctx`; under FSDP no sample (a rank
+    alone cannot run the sharded model: use sample.py). `log` prints its path or a note. A report that cannot be
+    written is a warning, never the run's failure: the run is done and saved. Returns the report's path, or None."""
     sample = None
     if cfg.parallelism != "fsdp":
         try:
@@ -122,4 +123,10 @@ def write_run_report(cfg, defaults, model, meta: dict | None, info: dict[str, st
             sample = sample_text(model, tokenizer, info["device"], ctx)
         except UserError as e:  # e.g. no GPT-2 BPE files offline: the report goes without a sample
             log(f"report: no sample ({e})")
-    return write_report(cfg.out_dir, cfg, defaults, info, sample)
+    try:
+        path = write_report(cfg.out_dir, cfg, TrainConfig(), info, sample)
+    except (UserError, OSError) as e:
+        print(f"warning: no report ({e}); the run and its checkpoint are whole", file=sys.stderr, flush=True)
+        return None
+    log(f"report: {path}")
+    return path

@@ -2,15 +2,14 @@
 FSDP's sharded checkpoints: a folder that torch.distributed.checkpoint (DCP) writes, each rank its shards, plus
 train_state.pt (everything but the tensors), written last as the folder's completion mark; the link
 out_dir/ckpt_sharded names the latest complete folder (ckpt_sharded_best the best val loss's). Any number of ranks
-reads any folder, and one process gathers it whole (sample.py) or writes it as one ckpt.pt (parallel.py's script).
+reads any folder, and one process gathers it whole (sample.py) or writes it as one ckpt.pt (convert_sharded.py).
 
 Its functions:
   write        save_sharded, start_sharded_save (-> ShardedSave: written in the background, linked by finish())
   read         is_sharded, read_train_state, load_sharded, load_sharded_as_full
   convert      convert_to_single_file
 
-Imports checkpoint.py (the train state is written as a checkpoint file), the model and the device modules; never a
-script.
+Imports checkpoint.py (the train state is written as a checkpoint file), distributed.py and the model.
 """
 from __future__ import annotations
 

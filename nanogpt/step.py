@@ -1,14 +1,13 @@
 """
-One training step and what it needs, for train.py's loop and bench.py's timing alike: the keys of a step
-(StepConfig: data, model, optimizer, device and precision), the model they make, the device and compile setup, the
-optimizer and grad scaler, the micro-batches of a step, and train_step itself.
+One training step and what it needs, for train.py's loop and bench.py's timing alike: the model a step's settings
+(config.StepConfig) make, the process's setup, the micro-batches of a step, train_step itself (queued without waiting
+for the device), the guard that skips a non-finite step on the device, and the figures read one step late.
 
-Imports the model, optim.py, parallel.py, float8.py, dataio.py and the device modules; never a script.
+Imports the model, config.py, dataio.py, device.py, distributed.py, optim.py and parallel.py.
 """
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,115 +15,21 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from nanogpt import dataio
-from nanogpt import float8
-from nanogpt import parallel
+from model import GPTConfig
+from nanogpt import dataio, parallel
+from nanogpt.config import StepConfig
 from nanogpt.device import (
-    autocast_context,
+    DeviceClock,
     keep_freed_memory,
     resolve_attention,
     resolve_device,
     resolve_dtype,
     resolve_fused_loss,
     set_deterministic,
-    set_tf32,
 )
 from nanogpt.distributed import Dist
 from nanogpt.errors import UserError
-from nanogpt.device import DeviceClock
-from model import GELU_CHOICES, GPT, SDPA_BACKENDS, GPTConfig
-from nanogpt.optim import NS_DTYPES, OPTIMIZERS, Optimizers, build_optimizer, step_unless
-
-
-@dataclass
-class StepConfig:
-    """
-    What one training step needs (the batch, the model, AdamW, device and precision): train.py's TrainConfig and
-    bench.py's BenchConfig extend it. The model keys default to GPTConfig's (model.py), the one source, except
-    bias, which a model trained from scratch leaves out.
-    """
-    # data
-    dataset: str = "openwebtext"
-    data_dir: str | None = None  # default: data/<dataset> beside this file
-    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
-    batch_size: int = 12  # micro-batch size per rank
-    block_size: int = GPTConfig.block_size
-
-    # model
-    n_layer: int = GPTConfig.n_layer
-    n_head: int = GPTConfig.n_head
-    n_embd: int = GPTConfig.n_embd
-    dropout: float = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
-    bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
-    attention: str = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (faster there), else sdpa
-    sdpa_backend: str = GPTConfig.sdpa_backend  # "auto", "flash", "efficient", "cudnn", "math"
-    vocab_padding_multiple: int = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
-    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
-    # the CPU, plain on a GPU
-    gelu: str | None = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, the faster CPU kernel); None: erf from
-    # scratch, else what the checkpoint or GPT-2 weights were trained with
-
-    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
-    optimizer: str = "adamw"
-    muon_learning_rate: float = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
-    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
-    muon_momentum: float = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
-    muon_ns_dtype: str = "auto"  # "bfloat16" (torch's), "float32"; auto: float32 on CPUs without bf16 kernels
-
-    # AdamW
-    learning_rate: float = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
-    weight_decay: float = 1e-1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # clip the gradient norm at this value; 0 disables clipping
-    fused_adamw: bool | None = None  # None: fused where the device has the kernel
-
-    # system
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast; float16 with a grad scaler)
-    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
-    compile: bool = True  # torch.compile the model
-    compile_mode: str = "default"  # torch.compile's mode: "default", "max-autotune-no-cudagraphs"; "max-autotune" and
-    # "reduce-overhead" add CUDA graphs (CUDA only)
-    fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
-    fp8_recipe: str = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
-    fp8_layers: str = "auto"  # "auto": only the layers large enough for float8 to pay (float8.py); "all": every one
-    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
-    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (faster steps)
-    peak_flops: float | None = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the CPU's measured
-    # matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
-    seed: int = 1337
-
-    def problems(self, world_size: int) -> list[str]:
-        """What is wrong with these keys for a run of world_size ranks, one phrase each (TrainConfig adds its own)."""
-        cfg = self
-        problems = []
-        if cfg.gradient_accumulation_steps % world_size:
-            problems.append(
-                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
-                f"{world_size} DDP processes: make it a multiple of {world_size}"
-            )
-        for key in ("batch_size", "block_size", "gradient_accumulation_steps", "n_layer", "n_head", "n_embd",
-                    "vocab_padding_multiple"):
-            if getattr(cfg, key) < 1:
-                problems.append(f"{key}={getattr(cfg, key)} must be at least 1")
-        if cfg.n_head >= 1 and cfg.n_embd % cfg.n_head:
-            problems.append(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-        if not 0.0 <= cfg.dropout < 1.0:
-            problems.append(f"dropout={cfg.dropout} must be in [0, 1)")
-        if cfg.sdpa_backend not in SDPA_BACKENDS:
-            problems.append(f"sdpa_backend={cfg.sdpa_backend!r} is not one of {', '.join(SDPA_BACKENDS)}")
-        if cfg.gelu not in (None, *GELU_CHOICES):
-            problems.append(f"gelu={cfg.gelu!r} is not one of {', '.join(GELU_CHOICES)} (or None)")
-        if cfg.compile_mode not in COMPILE_MODES:
-            problems.append(f"compile_mode={cfg.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
-        if cfg.optimizer not in OPTIMIZERS:
-            problems.append(f"optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if cfg.muon_ns_dtype not in ("auto", *NS_DTYPES):
-            problems.append(f"muon_ns_dtype={cfg.muon_ns_dtype!r} is not one of auto, {', '.join(NS_DTYPES)}")
-        if cfg.optimizer == "muon" and cfg.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
-            problems.append(f"learning_rate={cfg.learning_rate} must be > 0 with optimizer='muon'")
-        return problems
+from nanogpt.optim import step_unless
 
 
 # From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
@@ -154,53 +59,16 @@ def model_config(cfg: StepConfig, vocab_size: int) -> GPTConfig:
     return GPTConfig(**args, **model_settings(cfg), vocab_size=vocab_size, gelu=cfg.gelu or SCRATCH_GELU)
 
 
-def setup_device(cfg: StepConfig, device: str, rank: int = 0) -> tuple[str, AbstractContextManager, bool]:
-    """
-    The process-wide setup of training steps, for train.py and bench.py alike. Returns the dtype ('auto'
-    resolved), its autocast context, and whether glibc's malloc now keeps freed memory (CPU). Seeds torch with
-    seed + rank (dropout differs between DDP ranks; the data has its own generators), sets deterministic
-    algorithms and TF32 (CUDA).
-    """
-    dtype = resolve_dtype(cfg.dtype, device)
-    problems = float8.fp8_problems(cfg.fp8, cfg.fp8_recipe, device, dtype, cfg.fp8_layers)
-    if cfg.compile_mode in CUDA_GRAPH_MODES and device.split(":")[0] != "cuda":
-        problems.append(f"compile_mode={cfg.compile_mode!r} records CUDA graphs, which need a CUDA device, not "
-                        f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
-    if problems:
-        raise UserError("; ".join(problems))
+def setup_process(cfg: StepConfig, device: str, rank: int = 0) -> bool:
+    """What a process of training steps sets once, for train.py and bench.py alike: torch's seed (seed + rank:
+    dropout differs between DDP ranks; the batches have their own generators), deterministic algorithms, and on the
+    CPU glibc's malloc keeping freed memory. Returns whether malloc now keeps it."""
     torch.manual_seed(cfg.seed + rank)
     set_deterministic(cfg.deterministic)
-    device_type = device.split(":")[0]
-    if device_type == "cuda":
-        set_tf32(cfg.tf32)
-    kept = keep_freed_memory(cfg.keep_freed_memory, device)
-    return dtype, autocast_context(device, dtype), kept
-
-
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
-CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
-
-
-def compile_model(model: torch.nn.Module, cfg: StepConfig) -> torch.nn.Module:
-    """torch.compile with the configured mode ('default' passes none: torch's own default)."""
-    return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
-
-
-def optimizer_and_scaler(
-    model: GPT, cfg: StepConfig, device: str, dtype: str, verbose: bool
-) -> tuple[Optimizers, torch.amp.GradScaler]:
-    """The optimizer cfg.optimizer names (optim.build_optimizer: AdamW, or Muon + AdamW), and the grad scaler
-    (enabled for float16 only)."""
-    device_type = device.split(":")[0]
-    optimizer = build_optimizer(model, cfg, device_type, verbose=verbose)
-    return optimizer, torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
+    return keep_freed_memory(cfg.keep_freed_memory, device)
 
 
 # ----------------------------------------------------------------------------------------------- data
-
-
-def data_paths(cfg: StepConfig) -> str:
-    return dataio.dataset_dir(cfg.dataset, cfg.data_dir)
 
 
 STREAMS = {"train": 0, "eval_train": 1, "eval_val": 2}  # training batches, and the fixed batches of each eval
@@ -273,6 +141,11 @@ class StepResult:
 def figures(stats: list[float]) -> StepFigures:
     loss, norm, applied, skips = stats
     return StepFigures(loss, norm, applied > 0, int(skips))
+
+
+class NonFiniteError(UserError):
+    """More steps had a non-finite loss or gradient norm than max_nonfinite_skips allows: the run stops, the last
+    one not applied."""
 
 
 class NonFiniteGuard:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from nanogpt import dataio
-from train import TrainConfig
+from nanogpt.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

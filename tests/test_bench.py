@@ -15,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench
+from nanogpt import measure
 from nanogpt.measure import matmul_floor
 from nanogpt.mfu import PEAK_CACHE
 from nanogpt.errors import UserError
@@ -117,7 +118,7 @@ def test_figures_follow_the_step_times_and_the_counted_flops(tmp_path, monkeypat
     real_step = bench.train_step
     monkeypatch.setattr(bench.time, "perf_counter", clock)
     monkeypatch.setattr(bench, "train_step", lambda *a: (clock.advance(), real_step(*a))[1])
-    monkeypatch.setattr(bench, "matmul_floor", lambda *a, **k: (7.5, 21))  # the fake clock cannot time it
+    monkeypatch.setattr(measure, "matmul_floor", lambda *a, **k: (7.5, 21))  # the fake clock cannot time it
     r = bench.run_bench(cfg)["result"]
     assert r["ms"] == pytest.approx([30, 10, 50, 20, 40])
     assert (r["ms_min"], r["ms_q1"], r["ms_median"], r["ms_q3"], r["ms_max"]) == pytest.approx((10, 20, 30, 40, 50))
@@ -137,7 +138,7 @@ def test_the_warm_up_time_is_the_warm_up_steps_own(monkeypatch, capsys):
     real_step = bench.train_step
     monkeypatch.setattr(bench.time, "perf_counter", clock)
     monkeypatch.setattr(bench, "train_step", lambda *a: (clock.advance(), real_step(*a))[1])
-    monkeypatch.setattr(bench, "matmul_floor", lambda *a, **k: (7.5, 21))
+    monkeypatch.setattr(measure, "matmul_floor", lambda *a, **k: (7.5, 21))
     r = bench.run_bench(cfg)["result"]
     assert r["warmup_s"] == pytest.approx(0.94) and r["ms"] == pytest.approx([10, 10, 10])
     bench.print_result(r)
@@ -152,7 +153,7 @@ def test_the_optimizers_share_of_the_step_is_each_optimizers_own_time(monkeypatc
     real_step = bench.train_step
     monkeypatch.setattr(bench.time, "perf_counter", clock)
     monkeypatch.setattr(bench, "train_step", lambda *a: (clock.advance(), real_step(*a))[1])
-    monkeypatch.setattr(bench, "matmul_floor", lambda *a, **k: (7.5, 21))
+    monkeypatch.setattr(measure, "matmul_floor", lambda *a, **k: (7.5, 21))
     real_setup = bench.setup_run
 
     def setup_with_slow_optimizers(cfg):
@@ -188,7 +189,7 @@ def test_config_errors_are_listed_in_one_message():
     with pytest.raises(UserError) as e:
         bench.load_config(["--device=cpu", "--timed_steps=0", "--warmup_steps=-1", "--batch_size=0"])
     message = str(e.value)
-    assert "timed_steps=0 must be at least 1" in message and "warmup_steps=-1 must be >= 0" in message
+    assert "timed_steps=0 must be at least 1" in message and "warmup_steps=-1 must be at least 0" in message
     assert "batch_size=0 must be at least 1" in message
     with pytest.raises(UserError, match="unknown"):
         bench.load_config(["--device=cpu", "--max_iters=5"])  # a training run's key, not a benchmark's
@@ -232,7 +233,7 @@ def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
     from benchmarks import ablation, generation, gpu, memory, time_to_loss
     from benchmarks import study_config
     from configurator import configure
-    from train import TrainConfig
+    from nanogpt.config import TrainConfig
 
     commands = readme_commands(STUDIES)
     assert {script for _, script, _ in commands} == set(STUDIES)
@@ -332,7 +333,7 @@ def test_a_floor_that_runs_out_of_gpu_memory_loses_no_timed_figure(tmp_path, mon
     def out_of_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB.")
 
-    monkeypatch.setattr(bench, "matmul_floor", out_of_memory)
+    monkeypatch.setattr(measure, "matmul_floor", out_of_memory)
     bench.main([*TINY, "--peak_flops=1e12", f"--result_json={tmp_path / 'run.json'}"])
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "run.json").read_text())

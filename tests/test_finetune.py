@@ -21,7 +21,10 @@ from model import GPT
 from nanogpt.errors import UserError
 from nanogpt.hf_gpt2 import pretrained_gpt2
 from sample import SampleConfig, load_model
-from train import TrainConfig, init_model, train
+from nanogpt.config import TrainConfig
+from nanogpt import start
+from nanogpt.start import init_model
+from train import train
 
 
 
@@ -86,7 +89,7 @@ def test_gelu_follows_the_gpt2_weights_and_a_mismatch_is_refused(tmp_path, activ
     GPT2LMHeadModel(config).save_pretrained(folder)
     assert init_model(TrainConfig(init_from=folder, block_size=32), None, None).config.gelu == gelu  # by default
     assert init_model(TrainConfig(init_from=folder, block_size=32, gelu=gelu), None, None).config.gelu == gelu
-    with pytest.raises(train_module.UserError, match=rf"gelu='{other}' does not match the weights of "
+    with pytest.raises(UserError, match=rf"gelu='{other}' does not match the weights of "
                        rf".*tiny-gpt2', which were trained with gelu='{gelu}': remove the gelu setting"):
         init_model(TrainConfig(init_from=folder, block_size=32, gelu=other), None, None)
     scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)  # from scratch: nanoGPT's exact GELU
@@ -106,7 +109,7 @@ def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkey
         calls.append((name, overrides, vocab_padding_multiple))
         raise RuntimeError("stop here: no weights in a test")
 
-    monkeypatch.setattr(train_module, "pretrained_gpt2", fake_pretrained)
+    monkeypatch.setattr(start, "pretrained_gpt2", fake_pretrained)
     with pytest.raises(RuntimeError, match="stop here"):
         init_model(cfg, None, None)
     # attention="auto": the path for this machine's device and dtype (common.resolve_attention, tested there)

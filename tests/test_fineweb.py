@@ -264,7 +264,8 @@ def test_missing_shard_is_a_one_line_error(tmp_path, capsys):
 
 def test_fineweb_config_is_build_nanogpts_recipe():
     from configurator import configure
-    from train import TrainConfig, get_lr
+    from nanogpt.config import TrainConfig
+    from train import get_lr
 
     cfg = configure(TrainConfig(), [os.path.join(ROOT, "config", "train_gpt2_fineweb.py")])
     for world_size in (1, 2, 4, 8):

@@ -268,7 +268,7 @@ def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path, 
     torch.manual_seed(0)
     folder = tmp_path / "tiny-gpt2"
     vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]  # a char model in HF's format: the
-    # dataset's tokenizer (GPT-2's vocabulary on char data is refused: tests/test_run_checkpoints.py)
+    # dataset's tokenizer (GPT-2's vocabulary on char data is refused: tests/test_checkpoint_manager.py)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=vocab))
     hf.save_pretrained(folder)
     run = dict(init_from=str(folder), max_iters=2, eval_interval=2, dropout=0.0)

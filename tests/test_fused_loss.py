@@ -20,7 +20,8 @@ from nanogpt.distributed import Dist
 from helpers import HANG_S, config_args, make_char_dataset, run_script, tiny_config
 from nanogpt.fused_loss import fused_linear_cross_entropy
 from model import GPT, GPTConfig
-from train import TrainConfig, train
+from nanogpt.config import TrainConfig
+from train import train
 from nanogpt.step import train_step
 
 VOCAB = 101  # padded to 128: 27 rows that must get no probability and no gradient

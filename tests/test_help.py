@@ -128,7 +128,7 @@ def test_train_help_text_of_some_keys(capsys):
     assert keys["eval_only"] == ["False", "bool", "evaluate once and exit"]
     assert keys["fused_loss"] == ["None", "bool | None", "head + cross-entropy chunk by chunk, no (tokens x vocab) "
                                   "logits; None: fused on the CPU, plain on a GPU"]
-    assert keys["min_lr"] == ["6e-05", "float", "~ learning_rate / 10"]
+    assert keys["min_lr"] == ["6e-05", "float", "~ learning_rate / 10 [at least 0]"]  # the range its type declares
     assert keys["optimizer"][2] == '"adamw" for every parameter, or "muon" for the blocks\' weight matrices and ' \
                                    'AdamW for the rest'
     lines = out.splitlines()
@@ -136,7 +136,7 @@ def test_train_help_text_of_some_keys(capsys):
     assert lines[header + 1].startswith("    --max_nonfinite_skips=0 ")
     # the groups of StepConfig (the base class) come before TrainConfig's
     assert lines.index("  data") < lines.index("  I/O") < lines.index("  logging")
-    assert out.index("StepConfig (step.py)") < out.index("TrainConfig (train.py)")
+    assert out.index("StepConfig (config.py)") < out.index("TrainConfig (config.py)")
 
 
 def test_sample_help_continues_a_comment_inside_parentheses(capsys):
@@ -151,7 +151,7 @@ def test_a_subclass_default_is_listed_under_the_subclass_with_the_base_comment()
     bench_section = out[out.index("BenchConfig (bench.py)"):]
     keys = listed_keys(bench_section)
     assert keys["gradient_accumulation_steps"] == ["1", "int", "micro-steps per optimizer step, over all DDP ranks "
-                                                               "together"]
+                                                               "together [at least 1]"]
     assert "gradient_accumulation_steps" not in listed_keys(out[: out.index("BenchConfig (bench.py)")])
 
 

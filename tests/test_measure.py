@@ -1,4 +1,4 @@
-"""measure.py: what bench.py and the studies share."""
+"""nanogpt/measure.py: what bench.py measures with (the studies in benchmarks/ too)."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,7 +6,6 @@ import importlib.util
 import pytest
 import torch
 
-from bench import BenchConfig
 import benchmarks
 from nanogpt import measure
 
@@ -31,14 +30,6 @@ def test_other_load_is_the_share_of_the_cpus_that_other_processes_took(monkeypat
         pass
     assert load.fraction == pytest.approx(expected)
     assert (benchmarks.load_note(load.fraction) != "") == (expected >= 0.1)
-
-
-def test_a_study_takes_its_own_keys_and_passes_the_rest_to_bench():
-    from benchmarks.ablation import AblationConfig
-
-    own, rest = benchmarks.study_config(AblationConfig(), ["config/bench_cpu.py", "--studies=attention", "--batch_size=2"],
-                                     BenchConfig())
-    assert own.studies == "attention" and rest == ["config/bench_cpu.py", "--batch_size=2"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (pip install "

@@ -13,9 +13,9 @@ import pytest
 from nanogpt.checkpoint import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from nanogpt.metrics import read_metrics
-from test_run_checkpoints import metrics
-from test_train import no_wandb_login
-from train import TrainConfig, train
+from test_checkpoint_manager import metrics
+from nanogpt.config import TrainConfig
+from train import train
 
 
 def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tmp_path):
@@ -70,26 +70,3 @@ def test_the_runs_wall_time_continues_across_resumes(data_dir, tmp_path, monkeyp
     train(tiny_config(data_dir, out, max_iters=6, eval_interval=2, log_interval=1, init_from="resume"))
     times = [r["elapsed_s"] for r in map(json.loads, open(out / "metrics.jsonl"))]
     assert times == sorted(times) and metrics(out, "loss")[4]["elapsed_s"] > saved
-
-
-def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    from nanogpt.metrics import wandb_problem
-
-    home = tmp_path / "home"
-    no_wandb_login(monkeypatch, home)
-    cfg = TrainConfig(wandb_log=True)
-    assert "no netrc file" in wandb_problem(cfg)
-    assert wandb_problem(TrainConfig(wandb_log=False)) is None
-    (home / ".netrc").write_text("machine example.com\n  login user\n  password secret\n")  # another host's entry
-    assert f"no entry for api.wandb.ai in {home / '.netrc'}" in wandb_problem(cfg)
-    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")  # `wandb login`'s
-    assert wandb_problem(cfg) is None
-    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a self-hosted server: its own entry
-    assert f"no entry for wandb.example.com in {home / '.netrc'}" in wandb_problem(cfg)
-    for mode in ("offline", "disabled"):
-        monkeypatch.setenv("WANDB_MODE", mode)
-        assert wandb_problem(cfg) is None
-    monkeypatch.delenv("WANDB_MODE")
-    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
-    assert wandb_problem(cfg) is None

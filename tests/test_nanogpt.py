@@ -330,7 +330,7 @@ def test_nanogpt_readme_commands_are_valid_here():
     import sample as sample_module
     from configurator import configure
     from helpers import ROOT
-    from train import TrainConfig
+    from nanogpt.config import TrainConfig
 
     lines = NANOGPT_COMMANDS.strip().splitlines()
     assert len(lines) == 19

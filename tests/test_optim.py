@@ -12,7 +12,8 @@ from nanogpt.checkpoint import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from nanogpt.optim import build_optimizer
-from train import TrainConfig, train
+from nanogpt.config import TrainConfig
+from train import train
 from nanogpt.step import train_step
 
 

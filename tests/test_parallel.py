@@ -17,6 +17,7 @@ from nanogpt.errors import UserError
 from helpers import ROOT, tiny_config
 from model import GPT, GPTConfig
 from test_fsdp import max_diff
+from nanogpt.config import TrainConfig
 from train import train
 
 
@@ -56,7 +57,7 @@ def test_fsdp_and_activation_checkpointing_settings_are_checked(data_dir, tmp_pa
 def test_nanogpts_shakespeare_config_runs_under_fsdp(tmp_path):
     from configurator import configure
 
-    cfg = configure(train_module.TrainConfig(), [os.path.join(ROOT, "config", "train_shakespeare_char.py"),
+    cfg = configure(TrainConfig(), [os.path.join(ROOT, "config", "train_shakespeare_char.py"),
                                                  "--parallelism=fsdp"])
     assert cfg.always_save_checkpoint is False
     cfg.check(1)  # was refused: always_save_checkpoint=False with sharded checkpoints
@@ -89,7 +90,6 @@ def test_the_xl_fsdp_config_states_the_memory_line_of_8_ranks():
 
     from nanogpt.distributed import Dist
     from configurator import configure
-    from train import TrainConfig
 
     path = os.path.join(ROOT, "config", "train_gpt2_xl_fsdp.py")
     cfg = configure(TrainConfig(), [path])

@@ -238,7 +238,7 @@ def test_bad_numbers_are_listed_in_one_error():
         check_config(cfg)
     assert str(e.value) == (
         "num_samples=0 must be at least 1; max_new_tokens=-1 must be at least 1; "
-        "temperature=-1.0 must be >= 0 (0 means greedy); top_k=0 must be at least 1 (or None); "
+        "temperature=-1.0 must be at least 0 (0 means greedy); top_k=0 must be at least 1 (or None); "
         "top_p=1.5 must be in (0, 1] (or None)"
     )
 

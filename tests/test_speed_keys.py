@@ -16,10 +16,10 @@ def data_dir(tmp_path):
 
 
 def test_fp8_is_refused_on_a_cpu_in_one_line_before_the_model_is_built(data_dir, tmp_path, monkeypatch):
-    import train as train_module
+    from nanogpt import start
 
     built = []
-    monkeypatch.setattr(train_module, "init_model", lambda *a: built.append(a))
+    monkeypatch.setattr(start, "init_model", lambda *a: built.append(a))
     with pytest.raises(UserError) as e:
         train(tiny_config(data_dir, tmp_path / "out", fp8=True, dtype="bfloat16"))
     assert str(e.value).startswith("fp8=True needs an NVIDIA GPU of compute capability 8.9 or later (H100, H200, L4, "

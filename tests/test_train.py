@@ -17,7 +17,8 @@ from nanogpt.checkpoint import load_checkpoint, model_from_checkpoint
 from helpers import (HANG_S, config_args, hide_module, make_char_dataset, run_in_process, run_script,
                      tiny_config)
 from model import GPT, GPTConfig
-from train import TrainConfig, get_lr, train
+from nanogpt.config import TrainConfig
+from train import get_lr, train
 from nanogpt.step import batch_generator, get_batch
 from nanogpt.errors import UserError
 
@@ -204,11 +205,11 @@ def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
 
 def test_a_split_too_short_for_block_size_fails_before_the_model_is_compiled(tmp_path, monkeypatch, capsys):
     """The error came after ~30 s of compiling: now before the model is built (init_model would fail the test)."""
-    import train as train_module
+    from nanogpt import start
 
     d = tmp_path / "small"
     make_char_dataset(d, n_chars=5000)  # val.bin: the last 10%, 500 tokens
-    monkeypatch.setattr(train_module, "init_model", lambda *a: pytest.fail("the model was built before the check"))
+    monkeypatch.setattr(start, "init_model", lambda *a: pytest.fail("the model was built before the check"))
     r = run_in_process(["train.py", *config_args(tiny_config(d, tmp_path / "out", compile=True, block_size=600))],
                        capsys)
     assert r.returncode == 2
@@ -241,9 +242,9 @@ def test_bad_input_gets_a_one_line_error(data_dir, tmp_path, args, message, caps
 
 def wandb_run(data_dir, tmp_path, monkeypatch, capsys):
     """train.py --wandb_log=True, in this process, stopped with a test failure if it gets as far as the model."""
-    import train as train_module
+    from nanogpt import start
 
-    monkeypatch.setattr(train_module, "init_model", lambda *a: pytest.fail("the model was built before wandb's check"))
+    monkeypatch.setattr(start, "init_model", lambda *a: pytest.fail("the model was built before wandb's check"))
     return run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out")), "--wandb_log=True"],
                           capsys)
 

@@ -18,7 +18,8 @@ from nanogpt.checkpoint import load_checkpoint
 from cuda_helpers import MODEL_TOL, relative_error, requires_cuda
 from helpers import tiny_config
 from model import GPT, GPTConfig
-from train import TrainConfig, train
+from nanogpt.config import TrainConfig
+from train import train
 from nanogpt.step import batch_generator, get_batch, to_device, train_step
 
 pytestmark = requires_cuda

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanogpt import checkpoint
-from nanogpt import checkpoint_manager
+from nanogpt import checkpoint_manager, start
 import export
 import convert_sharded
 import train as train_module
@@ -179,7 +179,7 @@ def test_weights_of_another_tokenizer_are_refused_at_start(data_dir, other_char_
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)).save_pretrained(
         folder)
     loads = []
-    monkeypatch.setattr(train_module.GPT, "from_pretrained", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(start, "pretrained_gpt2", lambda *a, **k: loads.append(a))
     for init_from in ("gpt2", str(folder)):
         with pytest.raises(UserError) as e:
             train(tiny_config(data_dir, tmp_path / "ft", init_from=init_from))

@@ -1,0 +1,368 @@
+"""
+The settings, in one place: a training step's (StepConfig: data, model, optimizer, device and precision, which bench.py
+extends) and a run's (TrainConfig), each key with its type, default, meaning and, beside its type, the values it may
+hold (Range, OneOf); and every check of them, the keys together and on this machine, collected into one message
+before anything slow runs and before out_dir is touched (TrainConfig.check).
+
+The commands' own configs (sample.py's, bench.py's, ...) declare their ranges the same way and check them with
+declared_problems. configurator.py reads the types (Annotated's extras stripped) and --help shows the ranges.
+
+Imports the model (GPTConfig's defaults and choices), device.py, float8.py and optional.py.
+"""
+from __future__ import annotations
+
+import math
+import netrc
+import os
+import typing
+from dataclasses import dataclass, fields
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
+
+import torch
+
+from model import GELU_CHOICES, SDPA_BACKENDS, GPTConfig
+from nanogpt import float8
+from nanogpt.device import DTYPES, resolve_device, resolve_dtype
+from nanogpt.errors import UserError
+from nanogpt.optional import optional_import
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------------------------- declared values
+
+
+class Range:
+    """The numbers a key may hold: low <= value (low < value if low_open) and value <= high (value < high if
+    high_open); None, where the type allows it, always passes. `note`: what the message adds, e.g. what 0 means."""
+
+    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False,
+                 high_open: bool = False, note: str = ""):
+        self.low, self.high, self.low_open, self.high_open, self.note = low, high, low_open, high_open, note
+
+    def holds(self, value) -> bool:
+        if value is None or isinstance(value, bool):
+            return True
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        return ((self.low is None or (value > self.low if self.low_open else value >= self.low))
+                and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
+
+    def describe(self) -> str:
+        """'at least 1', '> 0', 'in [0, 1)': as --help and the messages say it."""
+        low, high = (f"{b:g}" if isinstance(b, float) else str(b) for b in (self.low, self.high))
+        if self.high is None:
+            return f"> {low}" if self.low_open else f"at least {low}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {high}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+    def problem(self, key: str, value) -> str | None:
+        return None if self.holds(value) else f"{key}={value!r} must be {self.describe()}"
+
+    @property
+    def range_text(self) -> str:
+        """What --help shows beside the key (configurator.py)."""
+        return self.describe()
+
+
+class OneOf:
+    """The strings a key may hold (None, where the type allows it, always passes)."""
+
+    def __init__(self, *choices: str, note: str = ""):
+        self.choices, self.note = choices, note
+
+    def describe(self) -> str:
+        return f"one of {', '.join(self.choices)}"
+
+    def problem(self, key: str, value) -> str | None:
+        return None if value is None or value in self.choices else f"{key}={value!r} is not {self.describe()}"
+
+
+# The ranges that most keys take, as types: `batch_size: AtLeast1[int] = 12`
+AtLeast1 = Annotated[T, Range(1)]
+AtLeast0 = Annotated[T, Range(0)]
+Positive = Annotated[T, Range(0, low_open=True)]
+Fraction = Annotated[T, Range(0, 1, high_open=True)]  # [0, 1): dropout, momenta
+Seed = Annotated[T, Range(0, 2**32 - 1)]  # numpy's SeedSequence takes no negative seed; + rank and step fit int64
+
+
+def declarations(config) -> dict[str, tuple[Any, bool]]:
+    """key -> (its declared values: a Range or OneOf, whether its type admits None), for the keys of a config
+    dataclass that declare them."""
+    hints = typing.get_type_hints(type(config), include_extras=True)
+    out = {}
+    for f in fields(config):
+        hint = hints.get(f.name)
+        for meta in getattr(hint, "__metadata__", ()):
+            if hasattr(meta, "problem"):
+                out[f.name] = meta, type(None) in typing.get_args(typing.get_args(hint)[0])
+    return out
+
+
+def declared_problems(config) -> list[str]:
+    """Every key of `config` whose value is outside what its type declares, one phrase each (with the declaration's
+    note, or "(or None)" where None is a value too)."""
+    problems = []
+    for key, (meta, optional) in declarations(config).items():
+        if problem := meta.problem(key, getattr(config, key)):
+            note = meta.note or ("or None" if optional else "")
+            problems.append(f"{problem} ({note})" if note else problem)
+    return problems
+
+
+def check(problems: list[str]) -> None:
+    """One UserError naming every problem, or nothing."""
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------- a step's settings
+
+ATTENTIONS = ("auto", "math", "sdpa")
+OPTIMIZERS = ("adamw", "muon")
+NS_DTYPES = ("bfloat16", "float32")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
+
+
+@dataclass
+class StepConfig:
+    """
+    What one training step needs (the batch, the model, the optimizer, device and precision): train.py's TrainConfig
+    and bench.py's BenchConfig extend it. The model keys default to GPTConfig's (model.py), the one source, except
+    bias, which a model trained from scratch leaves out.
+    """
+    # data
+    dataset: str = "openwebtext"
+    data_dir: str | None = None  # default: data/<dataset> in the repository
+    gradient_accumulation_steps: AtLeast1[int] = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
+    batch_size: AtLeast1[int] = 12  # micro-batch size per rank
+    block_size: AtLeast1[int] = GPTConfig.block_size
+
+    # model
+    n_layer: AtLeast1[int] = GPTConfig.n_layer
+    n_head: AtLeast1[int] = GPTConfig.n_head
+    n_embd: AtLeast1[int] = GPTConfig.n_embd  # a multiple of n_head
+    dropout: Fraction[float] = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
+    bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
+    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16
+    # (faster there), else sdpa
+    sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # "auto", "flash", "efficient",
+    # "cudnn", "math"
+    vocab_padding_multiple: AtLeast1[int] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
+    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
+    # the CPU, plain on a GPU
+    gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, the
+    # faster CPU kernel); None: erf from scratch, else what the checkpoint or GPT-2 weights were trained with
+
+    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
+    optimizer: Annotated[str, OneOf(*OPTIMIZERS)] = "adamw"
+    muon_learning_rate: Positive[float] = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
+    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
+    muon_momentum: Fraction[float] = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
+    muon_ns_dtype: Annotated[str, OneOf("auto", *NS_DTYPES)] = "auto"  # "bfloat16" (torch's), "float32"; auto:
+    # float32 on CPUs without bf16 kernels
+
+    # AdamW
+    learning_rate: AtLeast0[float] = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
+    weight_decay: AtLeast0[float] = 1e-1
+    beta1: Fraction[float] = 0.9
+    beta2: Fraction[float] = 0.95
+    grad_clip: AtLeast0[float] = 1.0  # clip the gradient norm at this value; 0 disables clipping
+    fused_adamw: bool | None = None  # None: fused where the device has the kernel
+
+    # system
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast;
+    # float16 with a grad scaler)
+    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
+    compile: bool = True  # torch.compile the model
+    compile_mode: Annotated[str, OneOf(*COMPILE_MODES)] = "default"  # torch.compile's mode: "default",
+    # "max-autotune-no-cudagraphs"; "max-autotune" and "reduce-overhead" add CUDA graphs (CUDA only)
+    fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
+    fp8_recipe: Annotated[str, OneOf(*float8.FP8_RECIPES)] = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
+    fp8_layers: Annotated[str, OneOf(*float8.FP8_LAYERS)] = "auto"  # "auto": only the layers large enough for float8
+    # to pay (float8.py); "all": every one
+    deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
+    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (faster steps)
+    peak_flops: Positive[float | None] = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the
+    # CPU's measured matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
+    seed: Seed[int] = 1337
+
+    def problems(self, world_size: int = 1) -> list[str]:
+        """What is wrong with these keys for a run of world_size ranks on this machine, one phrase each: the declared
+        values, then the keys together and what the device can run (TrainConfig adds its own)."""
+        problems = declared_problems(self)
+        if self.gradient_accumulation_steps % world_size:
+            problems.append(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not divisible by the "
+                f"{world_size} DDP processes: make it a multiple of {world_size}"
+            )
+        if self.n_head >= 1 and self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.optimizer == "muon" and self.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
+            problems.append(f"learning_rate={self.learning_rate} must be > 0 with optimizer='muon'")
+        return problems + self.machine_problems()
+
+    def machine_problems(self) -> list[str]:
+        """What this machine cannot run: the device, the dtype on it, CUDA graphs elsewhere than CUDA, float8."""
+        try:
+            device = resolve_device(self.device)
+        except UserError as e:
+            return [str(e)]
+        problems = []
+        dtype = None
+        if self.dtype in ("auto", *DTYPES):
+            try:
+                dtype = resolve_dtype(self.dtype, device)
+            except UserError as e:
+                problems.append(str(e))
+        if self.compile_mode in CUDA_GRAPH_MODES and device.split(":")[0] != "cuda":
+            problems.append(f"compile_mode={self.compile_mode!r} records CUDA graphs, which need a CUDA device, not "
+                            f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
+        if self.fp8:
+            problems += fp8_problems(device, dtype)
+        return problems
+
+
+def fp8_problems(device: str, dtype: str | None) -> list[str]:
+    """What stops fp8=True here: a device without float8 matmuls, a dtype other than bf16, or no torchao."""
+    low = float8.MIN_CAPABILITY
+    problems = []
+    if device.split(":")[0] != "cuda":
+        problems.append(f"fp8=True needs an NVIDIA GPU of compute capability {low[0]}.{low[1]} or later (H100, H200, "
+                        f"L4, RTX 40xx), and device={device!r} is not one: set fp8=False")
+    elif (capability := torch.cuda.get_device_capability(torch.device(device))) < low:
+        problems.append(f"fp8=True needs compute capability {low[0]}.{low[1]} or later (H100, H200, L4, RTX 40xx), and "
+                        f"{torch.cuda.get_device_name(torch.device(device))} has {capability[0]}.{capability[1]}: "
+                        f"set fp8=False")
+    if dtype is not None and dtype != "bfloat16":
+        problems.append(f"fp8=True runs everything else in bf16 autocast, but dtype={dtype!r}: set dtype=bfloat16 "
+                        f"(or auto)")
+    if not float8.torchao_installed():
+        problems.append("fp8=True needs torchao, which is not installed: pip install torchao")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------- a run's settings
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+PARALLELISMS = ("ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig(StepConfig):
+    # I/O
+    out_dir: str = "out"
+    eval_interval: AtLeast1[int] = 2000
+    log_interval: AtLeast1[int] = 1
+    eval_iters: AtLeast1[int] = 200
+    eval_only: bool = False  # evaluate once and exit
+    always_save_checkpoint: bool = True  # else save only when the val loss improves
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "auto" (resume if out_dir holds a
+    # checkpoint, else scratch), "gpt2", "gpt2-medium", ... a HF folder, or a checkpoint (this repo's or nanoGPT's
+    # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (outdir.py)
+    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
+    checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only):
+    # a hard kill (no SIGTERM) loses at most this many
+    checkpoint_minutes: AtLeast0[float] = 0.0  # also save once this many minutes passed since the last save (0: off)
+    async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save);
+    # the last save and a stop's are written before the run ends
+    report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
+
+    # logging
+    wandb_log: bool = False
+    wandb_project: str = "owt"
+    wandb_run_name: str = "gpt2"
+    hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
+    hellaswag_interval: AtLeast0[int] = 0  # ... only every this many steps, a multiple of eval_interval (0: at every
+    # eval)
+    hellaswag_path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded once
+
+    # learning rate schedule: linear warmup, then cosine decay to min_lr
+    max_iters: AtLeast0[int] = 600000  # optimizer steps
+    decay_lr: bool = True
+    warmup_iters: AtLeast0[int] = 2000
+    lr_decay_iters: AtLeast0[int | None] = None  # None: max_iters (~ Chinchilla: about max_iters)
+    min_lr: AtLeast0[float] = 6e-5  # ~ learning_rate / 10
+
+    # non-finite losses or gradient norms (float16 leaves them to its grad scaler)
+    max_nonfinite_skips: AtLeast0[int] = 0  # skip up to this many such steps per run; past that, stop with an error
+
+    # system
+    backend: Annotated[str, OneOf("auto", "nccl", "gloo")] = "auto"  # DDP: "nccl" on CUDA, "gloo" on the CPU
+    parallelism: Annotated[str, OneOf(*PARALLELISMS)] = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters,
+    # grads, AdamW state sharded (FSDP2)
+    activation_checkpointing: AtLeast0[bool | int] = False  # recompute blocks' activations in the backward: True, or
+    # N blocks
+
+    def problems(self, world_size: int = 1) -> list[str]:
+        problems = super().problems(world_size)
+        if self.async_save and self.parallelism != "fsdp":
+            problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={self.parallelism!r} "
+                            f"saves one file: set parallelism='fsdp' or async_save=False")
+        if self.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(self.init_from):
+            problems.append(
+                f"init_from={self.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder "
+                f"with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
+            )
+        if self.eval_interval >= 1 and self.hellaswag_interval % self.eval_interval:
+            problems.append(f"hellaswag_interval={self.hellaswag_interval} must be 0 or a multiple of eval_interval="
+                            f"{self.eval_interval} (HellaSwag runs at evals)")
+        if (wandb := wandb_problem(self)) is not None:
+            problems.append(wandb)
+        problems += self.fsdp_problems()
+        return problems
+
+    def fsdp_problems(self) -> list[str]:
+        """What parallelism="fsdp" cannot do."""
+        if self.parallelism != "fsdp":
+            return []
+        problems = []
+        if self.dtype == "float16":
+            problems.append("dtype='float16' is not supported with parallelism='fsdp' (no sharded grad scaler here): "
+                            "use bfloat16 or float32")
+        if self.hellaswag:  # its ranks score different numbers of batches, while FSDP's forwards are collective
+            problems.append("hellaswag=True is not supported with parallelism='fsdp' yet: score the checkpoint with "
+                            "python hellaswag.py instead")
+        if self.keep_last:
+            problems.append(f"keep_last={self.keep_last} is not supported with sharded checkpoints: set keep_last=0")
+        if self.optimizer == "muon":  # a rank holds shards, Muon needs whole matrices
+            problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
+        return problems
+
+    def check(self, world_size: int = 1) -> None:
+        """Raise one UserError that names every problem of this config for a run of world_size ranks."""
+        check(self.problems(world_size))
+
+
+def wandb_problem(cfg: TrainConfig) -> str | None:
+    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
+    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
+    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
+    under way."""
+    if not cfg.wandb_log:
+        return None
+    try:
+        optional_import("wandb", "wandb_log=True")
+    except UserError as e:
+        return f"{e} (or --wandb_log=False)"
+    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
+    where = "no netrc file"
+    if path is not None:
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return None
+            where = f"no entry for {host} in {path}"
+        except (OSError, netrc.NetrcParseError) as e:
+            where = f"{path} is unreadable ({e})"
+    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
+            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")

@@ -1,0 +1,268 @@
+"""
+How a run starts, in the order that keeps out_dir as it is until the start is accepted: decide() reads out_dir as it
+is (resume or not, from which checkpoint, with which settings: init_from="auto", a torchrun restart, the run's own
+settings for the keys not given); check_data() checks the dataset's files and token ids; read_resumed() reads the
+checkpoint a resume continues; load_model() builds the model init_from names (a fresh GPT, a checkpoint's, GPT-2's);
+and accept(), once every check has passed on every rank, moves the run in out_dir aside and writes run.json (a new
+run), or keeps its run's (a resume). train.py calls them in that order.
+
+A resume's rules live here too: which settings it takes from its run (settings_of_the_run), and which it cannot
+change (resume_changes: the model's shape, its GELU, the optimizer).
+
+Imports the model, config.py, checkpoint.py, checkpoint_manager.py, dataio.py, distributed.py, hf_gpt2.py, metrics.py,
+outdir.py, parallel.py and step.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from model import GPT
+from nanogpt import checkpoint, checkpoint_manager, dataio, outdir, parallel
+from nanogpt.checkpoint import checkpoint_model_config
+from nanogpt.checkpoint_manager import FoundCheckpoint
+from nanogpt.config import GPT2_NAMES, TrainConfig
+from nanogpt.device import resolve_device, resolve_dtype
+from nanogpt.distributed import Dist, torchrun_job
+from nanogpt.errors import UserError
+from nanogpt.hf_gpt2 import pretrained_gpt2
+from nanogpt.metrics import Logger
+from nanogpt.optim import Optimizers
+from nanogpt.step import MODEL_KEYS, model_config, model_settings
+from nanogpt.text import size_text
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, whatever the settings say
+
+
+# ----------------------------------------------------------------------------------------------- deciding
+
+
+@dataclass
+class StartPlan:
+    """What a start does, decided once from out_dir as it is, before anything is printed or changed there."""
+    cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
+    notes: list[str]  # why, and the settings taken: printed once the log is open
+    found: FoundCheckpoint | None  # the checkpoint a resume continues: one of the run in out_dir
+    job: str | None  # torchrun's job (distributed.torchrun_job), recorded in run.json
+
+
+def decide(cfg: TrainConfig, given: set[str] | None = None) -> StartPlan:
+    """Resume or not, and from which checkpoint, before anything is printed: a resume's checkpoint is found (one of
+    the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses.
+    A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
+    every key given)."""
+    if not cfg.eval_only:
+        outdir.read_run(cfg.out_dir)  # a damaged run.json: one line now, not once the start is accepted
+    job = torchrun_job()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    init_from, why = outdir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
+    cfg = replace(cfg, init_from=init_from)
+    notes = [why] if why else []
+    if init_from != "resume":
+        return StartPlan(cfg, notes, None, job)
+    found = checkpoint_manager.find_checkpoint(cfg.out_dir)
+    if given is not None:
+        cfg, taken = settings_of_the_run(cfg, given, found.read().get("config") or {})
+        if taken:
+            notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
+    if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
+        found = checkpoint_manager.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+    return StartPlan(cfg, notes, found, job)
+
+
+# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
+NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
+
+
+def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple[TrainConfig, list[str]]:
+    """
+    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
+    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
+    settings, data, schedule), so the resume continues that run. `saved`: the config the checkpoint records.
+    Returns the config and the settings taken.
+    """
+    names = {f.name for f in fields(cfg)}
+    taken = {k: v for k, v in saved.items()
+             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
+    notes = []
+    if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
+        try:
+            resolve_dtype(taken["dtype"], resolve_device(cfg.device))
+        except UserError:
+            notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
+                         f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
+    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()] + notes
+
+
+# ----------------------------------------------------------------------------------------------- the data
+
+
+def check_data(cfg: TrainConfig) -> tuple[str, dict | None, int | None]:
+    """The dataset's folder, its meta.json and the vocabulary its ids are checked against now: checked once up front,
+    so a missing file or an id beyond the vocabulary fails before any training, and before out_dir or its metrics
+    are touched. The ids are checked here against the dataset's own vocabulary (scratch); against other weights'
+    (GPT-2's, a checkpoint's) once those are read (None here)."""
+    data_dir = dataio.dataset_dir(cfg.dataset, cfg.data_dir)
+    meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
+    data_vocab = meta["vocab_size"] if cfg.init_from == "scratch" else None
+    for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
+        dataio.open_split(data_dir, split, data_vocab, meta).check_window(cfg.block_size)
+    return data_dir, meta, data_vocab
+
+
+# ----------------------------------------------------------------------------------------------- a resume
+
+
+@dataclass
+class Resumed:
+    """What a resume continues from: the checkpoint, its iteration and best val loss, what changed since."""
+    ckpt: dict | None = None
+    iter_num: int = 0
+    best_val_loss: float = float("inf")
+    changes: list[str] | None = None
+
+
+def read_resumed(plan: StartPlan, cfg: TrainConfig, dist: Dist, log: Logger) -> Resumed:
+    """The checkpoint a resume continues from (read, its changed settings printed), or nothing to resume."""
+    if plan.found is None:
+        return Resumed()
+    log.print(plan.found.describe("resuming from"))
+    ckpt = plan.found.read()
+    saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
+    changes = resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1))
+    for change in changes:
+        log.print(f"resuming with a changed setting (it applies from here on): {change}")
+    log.continue_from(ckpt.get("elapsed_s", 0.0))
+    return Resumed(ckpt, int(ckpt["iter_num"]), float(ckpt["best_val_loss"]), changes)
+
+
+def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: int,
+                   saved_world_size: int) -> list[str]:
+    """Settings of `cfg` that differ from the checkpoint's run (its config `saved`, and the GELU its model was
+    trained with). A different model shape (step.MODEL_KEYS) or GELU cannot resume (UserError); anything else is
+    allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
+    load_training_state)."""
+    changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
+        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
+        for k in (f.name for f in fields(cfg))
+        if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
+        and getattr(cfg, k) != "auto" and saved[k] != "auto"
+    ]
+    model = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
+    if cfg.gelu is not None and cfg.gelu != saved_gelu:
+        model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
+    if model:
+        raise UserError(
+            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
+            f"out_dir to start a new run"
+        )
+    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
+    if saved_optimizer != cfg.optimizer:
+        raise UserError(
+            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
+            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
+        )
+    if world_size != saved_world_size:
+        changed.append(f"world_size: {saved_world_size} -> {world_size}")
+    return changed
+
+
+# ----------------------------------------------------------------------------------------------- the model
+
+
+def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
+    """The model init_from names (init_model), on the CPU, once its tokenizer is the dataset's and its context holds
+    block_size."""
+    if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
+        source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
+        dataio.check_tokenizer(*checkpoint_manager.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
+    with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
+        model = init_model(cfg, meta, ckpt)
+    if cfg.block_size > model.config.block_size:
+        raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
+    return model
+
+
+def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
+    """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary (padded to a multiple of
+    vocab_padding_multiple), the checkpoint's, or GPT-2's weights (cropped to block_size)."""
+    settings = model_settings(cfg)
+    if cfg.init_from == "scratch":
+        if meta is None:
+            raise UserError(f"init_from=scratch needs the dataset's meta.json (vocab_size) in "
+                            f"{dataio.dataset_dir(cfg.dataset, cfg.data_dir)}")
+        return GPT(model_config(cfg, meta["vocab_size"]))
+    if cfg.init_from == "resume":
+        # every weight is the checkpoint's: here for ckpt.pt, a sharded checkpoint's once the model is sharded
+        model = GPT.uninitialized(checkpoint_model_config(ckpt["model_args"], **settings))
+        if "model" in ckpt:
+            checkpoint.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
+        return model
+    path = checkpoint_manager.checkpoint_path(cfg.init_from)
+    if path is not None:  # a checkpoint's weights (not its optimizer or iteration) start this run
+        weights = checkpoint_manager.read_weights(path)
+        return fit_pretrained(checkpoint.model_from_checkpoint(weights, **settings), cfg)
+    if cfg.init_from in GPT2_NAMES or os.path.isdir(cfg.init_from):
+        model = pretrained_gpt2(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
+        return fit_pretrained(model, cfg)
+    raise UserError(
+        f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
+        f"a folder with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
+    )
+
+
+def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
+    """Pretrained weights for a new run: their shape and GELU must be the configured ones where the config sets them,
+    and their context is cropped to block_size."""
+    defaults = TrainConfig()
+    wrong = [f"{k}={getattr(cfg, k)} (the weights have {getattr(model.config, k)})" for k in SHAPE_KEYS
+             if getattr(cfg, k) not in (getattr(defaults, k), getattr(model.config, k))]
+    if wrong:
+        raise UserError(f"init_from={cfg.init_from!r}: {', '.join(wrong)}: the model's shape is its weights'; remove "
+                        f"{'these settings' if len(wrong) > 1 else 'this setting'}")
+    if cfg.gelu is not None and cfg.gelu != model.config.gelu:
+        raise UserError(
+            f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
+            f"gelu={model.config.gelu!r}: remove the gelu setting"
+        )
+    if cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    return model
+
+
+def restore_training_state(model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler, resumed: Resumed,
+                           seed: int, dist: Dist) -> None:
+    """What a resume continues besides the weights: the optimizer's state (a sharded checkpoint's weights too: they
+    load into the sharded model), the grad scaler's and the dropout RNG."""
+    ckpt = resumed.ckpt
+    checkpoint_manager.load_training_state(model, optimizer, ckpt)
+    if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
+        scaler.load_state_dict(ckpt["scaler"])
+    checkpoint.restore_rng(ckpt, seed, dist, resumed.iter_num)
+
+
+def shape_of(model: GPT) -> dict[str, int]:
+    """The shape keys of the model that trains (the weights'): what its checkpoints and report record."""
+    return {k: getattr(model.config, k) for k in SHAPE_KEYS}
+
+
+# ----------------------------------------------------------------------------------------------- accepting
+
+
+def accept(out_dir: str, resuming: bool, resumed_run_id: str | None, job: str | None, dist: Dist,
+           log: Logger) -> str | None:
+    """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
+    new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone, and only
+    for a start that saves (one that evaluates only changes nothing there); returns the run's id (None on the other
+    ranks)."""
+    if not dist.master:
+        return None
+    if resuming:
+        return outdir.continue_run(out_dir, resumed_run_id, job)
+    if moved := outdir.move_previous_run(out_dir):
+        log.print(f"a new run in {out_dir}: the previous run's files ({size_text(outdir.disk_usage(moved))}) "
+                  f"moved to {moved} (it resumes from there with --out_dir={moved}; {outdir.PREVIOUS}/ keeps every run "
+                  f"moved aside, whole: remove those you no longer need)")
+    return outdir.begin_run(out_dir, job)
