@@ -7,7 +7,8 @@ defaults, and all problems are reported together in one ConfigError before anyth
 `--help` (or `-h`) anywhere prints the script's usage and every key with its type, default and the comment
 beside it in the dataclass's source, then exits 0 (help_text).
 
-Imports errors.py only; every script imports this module, so it imports none of them.
+Imports nanogpt/config.py (what a type admits: coerce, type_name) and errors.py; the commands import this module,
+and it imports none of them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from nanogpt.config import coerce, type_name
 from nanogpt.errors import UserError
 
 if TYPE_CHECKING:
@@ -79,7 +81,7 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
             continue
         if not sep:
             next_is_value = i < len(argv) and not argv[i].startswith("--") and not argv[i].endswith(".py")
-            if key in field_types and _coerce(True, field_types[key]) == (True, True) and not next_is_value:
+            if key in field_types and coerce(True, field_types[key]) == (True, True) and not next_is_value:
                 updates[key] = True  # a bare boolean flag (`--compile`), as with argparse's store_true
                 continue
             # `--key value` is the argparse habit; the value would otherwise be read as a config file path.
@@ -100,23 +102,6 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
     if problems:
         raise ConfigError("; ".join(problems))
     return dataclasses.replace(config, **updates), set(updates)
-
-
-def config_summary(config: DataclassInstance, width: int = 120) -> str:
-    """The keys whose values differ from the dataclass's defaults, for the run log: `key=value` (a Python literal, so
-    each is a valid --key=value override) in field order, wrapped between keys at `width` columns. The whole config
-    is in the checkpoint."""
-    defaults = type(config)()
-    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
-               if getattr(config, f.name) != getattr(defaults, f.name)]
-    if not changed:
-        return f"config: the defaults ({type(config).__name__})"
-    lines = ["config (differs from the defaults):"]
-    for piece in [item + "," for item in changed[:-1]] + changed[-1:]:
-        if len(lines[-1]) + 1 + len(piece) > width and lines[-1].strip():
-            lines.append(" ")  # the next line, indented by two
-        lines[-1] += " " + piece
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- --help
@@ -171,7 +156,7 @@ def help_text(usage: str | None, *configs: DataclassInstance, width: int = HELP_
             for label, fields in groups:
                 if label:
                     rows.append((f"  {label}", None, ""))
-                rows += [(f"    --{name}={getattr(config, name)!r}", _type_name(hints[name]),
+                rows += [(f"    --{name}={getattr(config, name)!r}", type_name(hints[name]),
                           _with_range(comment, ranges.get(name))) for name, comment in fields]
             sections.append((f"{title}: {doc}" if doc else title, rows))
         keys = [row for _, rows in sections for row in rows if row[1] is not None]
@@ -358,7 +343,7 @@ def _check(key: str, value: Any, field_types: dict[str, Any], problems: list[str
     if key not in field_types:
         problems.append(where + _unknown_key(key, field_types, in_file=bool(where)))
         return _INVALID
-    ok, converted = _coerce(value, field_types[key])
+    ok, converted = coerce(value, field_types[key])
     if not ok:
         problems.append(where + _wrong_type(key, value, field_types[key]))
         return _INVALID
@@ -375,9 +360,9 @@ def _check_override(key: str, raw: str, tp: Any, problems: list[str]) -> Any:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         value = raw
-    ok, converted = _coerce(value, tp)
+    ok, converted = coerce(value, tp)
     if not ok and value is not raw:
-        ok, converted = _coerce(raw, tp)
+        ok, converted = coerce(raw, tp)
     if not ok:
         problems.append(_wrong_type(key, value, tp))
         return _INVALID
@@ -388,80 +373,4 @@ def _wrong_type(key: str, value: Any, tp: Any) -> str:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {shown}"
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(accepted, value converted to `tp`).
-
-    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or
-    `compile=1` is always a mistake, so bools are never ints or floats and ints are never bools. An int is
-    a float (converted, so `learning_rate=1` stores 1.0).
-    """
-    if tp is Any:
-        return True, value
-    if tp is None or tp is type(None):
-        return value is None, value
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        accepted = [converted for ok, converted in (_coerce(value, arm) for arm in args) if ok]
-        # Prefer an arm that keeps the value as it is: `int | float` keeps 3 an int.
-        same = [c for c in accepted if type(c) is type(value)]
-        return bool(accepted), (same or accepted or [value])[0]
-    if origin is typing.Literal:
-        return any(value == a and type(value) is type(a) for a in args), value
-    if tp is bool:
-        return type(value) is bool, value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False, value
-        try:
-            return True, float(value)
-        except OverflowError:
-            return False, value
-    if origin in (tuple, list):
-        if not isinstance(value, origin):
-            return False, value
-        if not args:
-            return True, value
-        if origin is tuple and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                return False, value
-            item_types: tuple[Any, ...] = args
-        else:
-            item_types = (args[0],) * len(value)
-        items = [_coerce(v, t) for v, t in zip(value, item_types)]
-        return all(ok for ok, _ in items), origin(c for _, c in items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            return False, value
-        if not args:
-            return True, value
-        keys = [_coerce(k, args[0]) for k in value]
-        values = [_coerce(v, args[1]) for v in value.values()]
-        ok = all(k_ok for k_ok, _ in keys) and all(v_ok for v_ok, _ in values)
-        return ok, {k: v for (_, k), (_, v) in zip(keys, values)}
-    if origin is not None:
-        return isinstance(value, origin), value
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value  # an annotation we cannot check (a TypeVar...): trust the value
-
-
-def _type_name(tp: Any) -> str:
-    """`int | None`, `tuple[float, float]`: how the annotation is written, without the `typing.` noise."""
-    if tp is None or tp is type(None):
-        return "None"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        return " | ".join(_type_name(a) for a in args)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin is not None and args:
-        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', repr(origin))}[{inner}]"
-    if isinstance(tp, type):
-        return tp.__name__
-    return repr(tp)
+    return f"{key}: expected {type_name(tp)}, got {type(value).__name__} {shown}"

@@ -70,13 +70,17 @@ class GPTConfig:
             problems.append(f"sdpa_backend={self.sdpa_backend!r} is not one of {', '.join(SDPA_BACKENDS)}")
         if self.gelu not in GELU_CHOICES:
             problems.append(f"gelu={self.gelu!r} is not one of {', '.join(GELU_CHOICES)}")
-        for name in ("block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be at least 1")
-        if self.n_head >= 1 and self.n_embd % self.n_head:
+        sizes = ("block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd")
+        for name in sizes:
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r} must be an int, at least 1")
+        if not problems and self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if type(self.dropout) not in (int, float) or not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
+        for name in ("bias", "fused_loss"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False")
         if problems:
             raise ValueError("; ".join(problems))
 

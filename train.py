@@ -37,23 +37,22 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import config_summary, configure_keys
+from configurator import configure_keys
 from model import GPT
 from nanogpt import checkpoint, dataio, float8, hellaswag, outdir, parallel, report, start
 from nanogpt.checkpoint_manager import CheckpointWriter
 from nanogpt.config import TrainConfig
-from nanogpt.device import autocast_context, dtype_reason, resolve_attention, resolve_dtype, set_tf32
+from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
 from nanogpt.distributed import (DDP_SETTINGS, Dist, Stopped, StopRequest, check_shared_out_dir, checkpoint_group,
                                  run_in_group, setup_distributed)
-from nanogpt.errors import exit_on_user_error
+from nanogpt.errors import RunError, WriteError, exit_on_user_error
 from nanogpt.hardware import check_attention_kernel, system_info
 from nanogpt.metrics import Logger
-from nanogpt.mfu import mfu_text, resolve_peak_flops
+from nanogpt.mfu import mfu_text
 from nanogpt.optim import Optimizers, build_optimizer
 from nanogpt.start import StartPlan
-from nanogpt.step import (NonFiniteError, NonFiniteGuard, OneStepLate, StepInterrupted, batch_generator, get_batch, setup_process,
-                          to_device, train_batches, train_step)
-from nanogpt.text import plural
+from nanogpt.step import (NonFiniteError, NonFiniteGuard, OneStepLate, StepInterrupted, batch_generator, get_batch,
+                          setup_process, to_device, train_batches, train_step)
 
 # ----------------------------------------------------------------------------------------------- schedule, evaluation
 
@@ -110,21 +109,27 @@ def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
     sharded: FSDP's shards need the process group, which the end of the run destroys. `given`: the keys the user
     set (a resume takes its run's setting for every other key; None: every key given)."""
     cfg.check(int(os.environ.get("WORLD_SIZE", "1")))  # every setting, in one message, before out_dir is touched
-    # rank 0 holds out_dir for every rank of the job, from before the decision to the end (a start that saves nothing
-    # holds nothing); every rank decides before rank 0 moves any file
-    with outdir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
+    start.check_out_dir(cfg)  # what a resume reads there, and nothing of another kind where the run writes
+    # a signal before the start is accepted changes nothing (StopRequest); rank 0 holds out_dir for every rank of the
+    # job, from before the decision to the end (an evaluation that saves nothing holds nothing); every rank decides
+    # before rank 0 moves any file
+    with StopRequest() as stop, outdir.hold(cfg.out_dir, enabled=not cfg.eval_only and
+                                            int(os.environ.get("RANK", "0")) == 0):
         plan = start.decide(cfg, given)
         dist = setup_distributed(plan.cfg.device, plan.cfg.backend, group_of_one=plan.cfg.parallelism == "fsdp")
-        return run_in_group(dist, lambda: run(plan, dist))
+        return run_in_group(dist, lambda: run(plan, dist, stop))
 
 
-def run(plan: StartPlan, dist: Dist) -> dict:
-    """The run on this rank: its setup, then the iterations until max_iters or a stop."""
-    training = setup(plan, dist)
-    with StopRequest(dist) as stop, contextlib.ExitStack() as on_exit:
+def run(plan: StartPlan, dist: Dist, stop: StopRequest) -> dict:
+    """The run on this rank: its setup, then the iterations until max_iters, a stop, or a write that failed."""
+    with stop.joined(dist), contextlib.ExitStack() as on_exit:
+        training = setup(plan, dist, stop)
         loop = Loop(training, stop)
         on_exit.callback(loop.saves.finish)  # a save written in the background is linked before the run ends
-        loop.iterate()
+        try:
+            loop.iterate()
+        except WriteError as e:  # a full disk, a read-only folder: saved where the disk still allows, and one line
+            loop.stop_after_failed_write(e)
         return loop.end()
 
 
@@ -153,7 +158,7 @@ class Training:
     peak_flops: float | None
 
 
-def setup(plan: StartPlan, dist: Dist) -> Training:
+def setup(plan: StartPlan, dist: Dist, stop: StopRequest) -> Training:
     """
     The start, in the order that keeps out_dir untouched until every check has passed on every rank: the settings,
     the device and its precision, the data, the log, the model, its optimizer, compile and the DDP / FSDP wrap; only
@@ -175,15 +180,17 @@ def setup(plan: StartPlan, dist: Dist) -> Training:
     dist.barrier()  # every rank has decided from out_dir as it was
     log = Logger(dist, cfg.out_dir, wandb=dict(project=cfg.wandb_project, name=cfg.wandb_run_name,
                                                config=asdict(cfg)) if cfg.wandb_log else None)
-    peak_flops = log_header(log, plan, cfg, dist, dtype, attention, attention_why, accum_steps, tokens_per_iter)
+    peak_flops = start.log_header(log, plan, cfg, dist, dtype, attention, attention_why, accum_steps, tokens_per_iter)
     if kept_memory:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
     if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
         check_shared_out_dir(cfg.out_dir, dist)
     resumed = start.read_resumed(plan, cfg, dist, log)
-    if nothing_to_train := resumed.ckpt is not None and resumed.iter_num >= cfg.max_iters:
-        log.print(f"nothing to train: the checkpoint is at iter {resumed.iter_num} and max_iters={cfg.max_iters}; "
-                  f"evaluating it only (raise max_iters to train on)")
+    if nothing_to_train := resumed.iter_num >= cfg.max_iters:  # evaluated only, like eval_only: nothing saved
+        at, it, on = (f"the checkpoint is at iter {resumed.iter_num} and ", "it", " on") if resumed.ckpt else \
+            ("", "the model", "")
+        log.print(f"nothing to train: {at}max_iters={cfg.max_iters}; evaluating {it} only (raise max_iters to "
+                  f"train{on})")
     # the model: a fresh GPT (its vocabulary padded to a multiple of vocab_padding_multiple), a checkpoint's, GPT-2's
     raw_model = start.load_model(cfg, meta, resumed.ckpt)
     cfg = replace(cfg, **start.shape_of(raw_model))  # the shape that trains is the weights': checkpoints, the report
@@ -208,30 +215,14 @@ def setup(plan: StartPlan, dist: Dist) -> Training:
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
     dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
     eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing: change nothing in out_dir
-    run_id = None if eval_only else start.accept(cfg.out_dir, resumed.ckpt is not None,
-                                                 resumed.ckpt and resumed.ckpt.get("run_id"), plan.job, dist, log)
-    log.start(run_id, resumed.iter_num, cfg.init_from, resumed.changes, saves=not eval_only)
+    if eval_only:
+        log.start(None, resumed.iter_num, cfg.init_from, saves=False)  # its figures on screen (and wandb) only
+    else:
+        stop.arm()  # from here a signal stops the run with a checkpoint
+    run_id = None if eval_only else start.accept(plan, resumed, dist, log)
     return Training(cfg, dist, ctx, log, meta, splits, hellaswag_examples, raw_model, model, eval_model, optimizer,
                     scaler, resumed.iter_num, resumed.best_val_loss, resumed.ckpt and resumed.ckpt.get("best_file"),
                     eval_only, run_id, accum_steps, tokens_per_iter, peak_flops)
-
-
-def log_header(log: Logger, plan: StartPlan, cfg: TrainConfig, dist: Dist, dtype: str, attention: str,
-               attention_why: str, accum_steps: int, tokens_per_iter: int) -> float | None:
-    """The lines a run begins with: the settings given, why the start is what it is, the machine, what "auto" chose,
-    MFU's peak (returned) and the tokens of an iteration."""
-    log.print(config_summary(cfg))
-    for note in plan.notes:
-        log.print(note)
-    log.print(" ".join(f"{k}={v}" for k, v in {**system_info(dist.device), "dtype": dtype,
-                                               "world_size": dist.world_size}.items()))
-    log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, dist.device)}); attention={attention} "
-              f"({attention_why})")
-    peak_flops, peak_source = resolve_peak_flops(dist.device, dtype, cfg.peak_flops)
-    log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
-    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
-              f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
-    return peak_flops
 
 
 def place_model(model: GPT, cfg: TrainConfig, dist: Dist, dtype: str, ctx, log: Logger) -> GPT:
@@ -279,10 +270,10 @@ class StepReports:
             what = "loss" if not math.isfinite(f.loss) else "gradient norm"
             if f.nonfinite_skips > cfg.max_nonfinite_skips:
                 raise NonFiniteError(
-                    f"non-finite {what} at iter {it} (loss {f.loss}, grad norm {f.grad_norm}); the step was not "
+                    f"non-finite {what} at iter {it + 1} (loss {f.loss}, grad norm {f.grad_norm}); the step was not "
                     f"applied and the last checkpoint is intact: lower learning_rate, or set max_nonfinite_skips"
                 )
-            self.log.print(f"warning: non-finite {what} at iter {it}: step skipped ({f.nonfinite_skips} so far)")
+            self.log.print(f"warning: non-finite {what} at iter {it + 1}: step skipped ({f.nonfinite_skips} so far)")
         self.last_loss = f.loss
         if (it + 1) % cfg.log_interval:
             return
@@ -416,6 +407,18 @@ class Loop:
             raise
         self.reports.report(self.readout.push((self.iter_num, lr), result))  # the step before's: log it, or stop
         self.iter_num += 1
+
+    def stop_after_failed_write(self, error: WriteError) -> NoReturn:
+        """A write in out_dir failed mid-run: save the run where the disk still allows (the last good checkpoint
+        stays whatever happens), and stop with one line that says which."""
+        with contextlib.suppress(NonFiniteError):
+            self.reports.report(self.readout.flush())
+        try:
+            self.saves.save(self.iter_num, self.best_val_loss, improved=False, stopping=True)
+            saved = f"a checkpoint at iter {self.iter_num} was saved"
+        except WriteError:
+            saved = "the last checkpoint written is intact"
+        raise RunError(f"{error}. The run stopped at iter {self.iter_num}: {saved} (resume with --init_from=resume)")
 
     def stop_now(self) -> NoReturn:
         self.reports.report(self.readout.flush())  # a non-finite step before the stop stops the run, saving nothing

@@ -7,8 +7,9 @@ model_args, the run's config and id, the dataset's tokenizer, the RNG). nanoGPT'
 (model_args, model, optimizer, iter_num, best_val_loss; their compiled and DDP prefixes and pre-2.0 masks dropped).
 
 Its functions:
-  write        save_checkpoint (atomic), save_run_checkpoint (a run's ckpt.pt, its best and its last K), keep_as,
-               fsync_folder, train_state
+  write        save_checkpoint (atomic: outdir.atomic_write), save_run_checkpoint (a run's ckpt.pt, its best and its
+               last K), keep_as,
+               train_state
   read         load_checkpoint, checkpoint_model_config, model_from_checkpoint, load_model_state, clean_state_dict,
                restore_rng
 The sharded format (FSDP's folders) is sharded.py's; a run's checkpoints in either format (saving in the run's,
@@ -19,17 +20,19 @@ Imports the model, dataio.py and distributed.py.
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import os
 import pickle
 import re
 import shutil
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from nanogpt import dataio
+from nanogpt import dataio, outdir
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
 from model import GPT, GPTConfig
@@ -43,24 +46,24 @@ _KEEP_LAST = re.compile(r"ckpt_(\d{7,})\.pt")  # the names keep_last writes, and
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """
-    Write atomically: a temporary file in the same folder, flushed and fsynced, then renamed over `path`.
-    A crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
-    (a full disk, no permission) is a UserError, and the old checkpoint stays as it was.
+    Write atomically (outdir.atomic_write: a temporary file in the same folder, flushed and fsynced, then renamed over
+    `path`): a crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
+    (a full disk, no permission, a link in its place) is a WriteError, and the old checkpoint stays as it was.
     """
     folder, name = os.path.split(os.path.abspath(path))
     if os.path.isdir(folder):
-        for entry in os.listdir(folder):  # left by a process killed mid-write: only the names _replace writes
+        for entry in os.listdir(folder):  # left by a process killed mid-write: only the names atomic_write writes
             if entry.startswith(name + ".tmp.") and entry[len(name) + 5:].isdigit():
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(folder, entry))
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save(state, f)  # on a full disk torch raises RuntimeError("... unexpected pos ...") from the OSError
             f.flush()
             os.fsync(f.fileno())
 
-    _replace_atomically(path, write)
+    outdir.atomic_write(path, write, "checkpoint")
 
 
 def keep_as(path: str, other: str) -> None:
@@ -70,41 +73,12 @@ def keep_as(path: str, other: str) -> None:
     def link(tmp: str) -> None:
         try:
             os.link(path, tmp)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):  # links refused: copy
+                raise
             shutil.copyfile(path, tmp)
 
-    _replace_atomically(other, link)
-
-
-def _replace_atomically(path: str, write: Callable[[str], None]) -> None:
-    """Make a temporary file beside `path` with `write(tmp)`, then rename it over `path` (and make the rename
-    durable). An OSError (a full disk, no permission) is a UserError that says the old file is intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        kept = "the previous checkpoint is intact" if os.path.exists(path) else "no checkpoint was written"
-        raise UserError(
-            f"could not write checkpoint {path} ({e.strerror or e}); {kept}: free disk space or choose another out_dir"
-        ) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-    fsync_folder(folder)
-
-
-def fsync_folder(folder: str) -> None:
-    with contextlib.suppress(OSError):  # make a rename durable (not possible on every OS)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    outdir.atomic_write(other, link, "checkpoint")
 
 
 def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: str | None,
@@ -131,14 +105,14 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
     if improved and os.path.exists(best_path):
         save_checkpoint(best_path, state)
         keep_as(best_path, path)
-        os.remove(best_path)
+        outdir.remove_file(best_path, "checkpoint")
     else:
         save_checkpoint(path, state)
     if keep_last > 0:
         keep_as(path, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}.pt"))
         kept = sorted((int(m.group(1)), f) for f in os.listdir(out_dir) if (m := _KEEP_LAST.fullmatch(f)))
         for _, f in kept[:-keep_last]:
-            os.remove(os.path.join(out_dir, f))
+            outdir.remove_file(os.path.join(out_dir, f), "checkpoint")
     return best_file
 
 
@@ -201,15 +175,17 @@ def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """Load a checkpoint file without running code from it (weights_only); a missing or damaged file is a
-    UserError. mmap=True maps the file instead of reading it: tensors are read on first use (the optimizer state
-    of a file read for its weights never is), and processes that map the same file share its pages (DDP ranks on
-    one node)."""
+def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: bool = False,
+                    tensors: bool = True) -> dict[str, Any]:
+    """Load a checkpoint file without running code from it (weights_only); a missing or damaged file, or one whose
+    recorded fields are not what a run writes (check_train_state), is a UserError. mmap=True maps the file instead of
+    reading it: tensors are read on first use (the optimizer state of a file read for its weights never is), and
+    processes that map the same file share its pages (DDP ranks on one node). tensors=False: a sharded folder's
+    train_state.pt, which holds no model."""
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}: train first, or set --out_dir to the run's folder")
     if os.path.isdir(path):
-        raise UserError(f"{path} is a folder, not a checkpoint file (a sharded checkpoint is read with read_weights)")
+        raise UserError(f"{path} is a folder, not a checkpoint file: give the file, or the run's out_dir")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except torch.OutOfMemoryError:
@@ -227,9 +203,58 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: b
             f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {first_line[:200]}): "
             f"restore it from a backup or start again with --init_from=scratch"
         ) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+    if not isinstance(ckpt, dict) or tensors and ("model" not in ckpt or "model_args" not in ckpt):
         raise UserError(f"{path} is not a checkpoint of this project (no 'model' and 'model_args' entries)")
+    check_train_state(ckpt, path)
     return ckpt
+
+
+BEST_FILES = (None, CKPT_NAME, BEST_NAME, "ckpt_sharded", "ckpt_sharded_best")
+
+
+def check_train_state(ckpt: dict[str, Any], path: str) -> None:
+    """What a checkpoint records besides its tensors, of the types and ranges a run writes (nanoGPT's too): a field
+    edited by hand or damaged is a UserError naming it, never a traceback where it is used."""
+    def number(v, low=None) -> bool:
+        return type(v) in (int, float) and not math.isnan(v) and (low is None or v >= low)
+
+    checks = {
+        "iter_num": lambda v: type(v) is int and 0 <= v < 10**12,
+        # inf before the first eval; nanoGPT's is a 0-dim tensor
+        "best_val_loss": lambda v: type(v) in (int, float) or isinstance(v, torch.Tensor) and v.numel() == 1,
+        "model_args": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)
+        and all(type(v.get(k)) is int and v[k] >= 1 for k in ("n_layer", "n_head", "n_embd", "block_size",
+                                                                  "vocab_size")),
+        "model": lambda v: isinstance(v, dict),
+        "config": lambda v: v is None or isinstance(v, dict) and all(isinstance(k, str) for k in v),
+        "world_size": lambda v: type(v) is int and v >= 1,
+        "elapsed_s": lambda v: number(v, 0) and math.isfinite(v),
+        "run_id": lambda v: v is None or isinstance(v, str) and 0 < len(v) <= 64,
+        "best_file": lambda v: v in BEST_FILES,
+        "meta": lambda v: v is None or isinstance(v, dict),
+        "rng": lambda v: v is None or isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
+        and v["torch"].dtype == torch.uint8 and (v.get("cuda") is None or isinstance(v["cuda"], torch.Tensor)),
+        "scaler": lambda v: v is None or isinstance(v, dict),
+        "optimizer": lambda v: _torch_optimizer_state(v) or isinstance(v, dict) and bool(v)
+        and all(_torch_optimizer_state(s) for s in v.values()),  # AdamW's, or Muon + AdamW's by name
+        "optimizer_saved": lambda v: isinstance(v, bool),
+    }
+    wrong = [key for key, fits in checks.items() if key in ckpt and not fits(ckpt[key])]
+    if wrong:
+        shown = "; ".join(f"{k}={_short(ckpt[k])}" for k in wrong)
+        raise UserError(f"checkpoint {path} is damaged: {shown} is not what a run records: restore it from a backup, "
+                        f"or start again with --init_from=scratch")
+
+
+def _torch_optimizer_state(state) -> bool:
+    """A torch optimizer's state_dict: its per-parameter state and its groups."""
+    return isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"),
+                                                                                            list)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:
@@ -246,6 +271,8 @@ def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPT
         return GPTConfig(**args)
     except ValueError as e:  # model.py's own check of its config: a setting, or a damaged checkpoint's model_args
         raise UserError(str(e)) from None
+    except TypeError as e:  # a key GPTConfig does not have, or a value of another type (a checkpoint edited by hand)
+        raise UserError(f"a checkpoint's model_args do not make a model ({e}): restore it from a backup") from None
 
 
 def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:

@@ -142,7 +142,8 @@ class FoundCheckpoint:
 
 
 def _listing(out_dir: str) -> str:
-    entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    """What out_dir holds, for a message (run.lock, a live start's own lock, left out)."""
+    entries = sorted(set(os.listdir(out_dir)) - {outdir.LOCK_FILE}) if os.path.isdir(out_dir) else None
     if entries is None:
         return f"{out_dir} does not exist"
     return f"{out_dir} holds {', '.join(entries[:8])}{' ...' if len(entries) > 8 else ''}" if entries else \
@@ -314,7 +315,12 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
     elif any(is_dtensor(p) for p in model.parameters()):
         _load_full_optimizer_state(model, torch_optimizer, ckpt["optimizer"])
     else:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:  # its groups or tensors differ
+            raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer ({type(e).__name__}: "
+                            f"{str(e)[:120]}): restore the checkpoint from a backup, or start from its weights with "
+                            f"--init_from=PATH") from None
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
 

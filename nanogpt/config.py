@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import netrc
 import os
+import types
 import typing
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, TypeVar
@@ -44,8 +45,8 @@ class Range:
     def holds(self, value) -> bool:
         if value is None or isinstance(value, bool):
             return True
-        if isinstance(value, float) and math.isnan(value):
-            return False
+        if not isinstance(value, (int, float)) or isinstance(value, float) and not math.isfinite(value):
+            return False  # a number, finite: nan and inf are in no range (a checkpoint's config may hold anything)
         return ((self.low is None or (value > self.low if self.low_open else value >= self.low))
                 and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
 
@@ -118,6 +119,102 @@ def check(problems: list[str]) -> None:
         raise UserError("; ".join(problems))
 
 
+# ----------------------------------------------------------------------------------------------- declared types
+
+
+def coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(accepted, value converted to `tp`).
+
+    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or
+    `compile=1` is always a mistake, so bools are never ints or floats and ints are never bools. An int is
+    a float (converted, so `learning_rate=1` stores 1.0).
+    """
+    if tp is Any:
+        return True, value
+    if tp is None or tp is type(None):
+        return value is None, value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        accepted = [converted for ok, converted in (coerce(value, arm) for arm in args) if ok]
+        # Prefer an arm that keeps the value as it is: `int | float` keeps 3 an int.
+        same = [c for c in accepted if type(c) is type(value)]
+        return bool(accepted), (same or accepted or [value])[0]
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args), value
+    if tp is bool:
+        return type(value) is bool, value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        try:
+            return True, float(value)
+        except OverflowError:
+            return False, value
+    if origin in (tuple, list):
+        if not isinstance(value, origin):
+            return False, value
+        if not args:
+            return True, value
+        if origin is tuple and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                return False, value
+            item_types: tuple[Any, ...] = args
+        else:
+            item_types = (args[0],) * len(value)
+        items = [coerce(v, t) for v, t in zip(value, item_types)]
+        return all(ok for ok, _ in items), origin(c for _, c in items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False, value
+        if not args:
+            return True, value
+        keys = [coerce(k, args[0]) for k in value]
+        values = [coerce(v, args[1]) for v in value.values()]
+        ok = all(k_ok for k_ok, _ in keys) and all(v_ok for v_ok, _ in values)
+        return ok, {k: v for (_, k), (_, v) in zip(keys, values)}
+    if origin is not None:
+        return isinstance(value, origin), value
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value  # an annotation we cannot check (a TypeVar...): trust the value
+
+
+def type_name(tp: Any) -> str:
+    """`int | None`, `tuple[float, float]`: how the annotation is written, without the `typing.` noise."""
+    if tp is None or tp is type(None):
+        return "None"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None and args:
+        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', repr(origin))}[{inner}]"
+    if isinstance(tp, type):
+        return tp.__name__
+    return repr(tp)
+
+
+def config_summary(config, width: int = 120) -> str:
+    """The keys whose values differ from the dataclass's defaults, for the run log: `key=value` (a Python literal, so
+    each is a valid --key=value override) in field order, wrapped between keys at `width` columns. The whole config
+    is in the checkpoint."""
+    defaults = type(config)()
+    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)
+               if getattr(config, f.name) != getattr(defaults, f.name)]
+    if not changed:
+        return f"config: the defaults ({type(config).__name__})"
+    lines = ["config (differs from the defaults):"]
+    for piece in [item + "," for item in changed[:-1]] + changed[-1:]:
+        if len(lines[-1]) + 1 + len(piece) > width and lines[-1].strip():
+            lines.append(" ")  # the next line, indented by two
+        lines[-1] += " " + piece
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------- a step's settings
 
 ATTENTIONS = ("auto", "math", "sdpa")
@@ -160,7 +257,8 @@ class StepConfig:
     # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
     optimizer: Annotated[str, OneOf(*OPTIMIZERS)] = "adamw"
     muon_learning_rate: Positive[float] = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
-    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
+    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by
+    # 1 - lr * muon_weight_decay
     muon_momentum: Fraction[float] = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
     muon_ns_dtype: Annotated[str, OneOf("auto", *NS_DTYPES)] = "auto"  # "bfloat16" (torch's), "float32"; auto:
     # float32 on CPUs without bf16 kernels

@@ -551,7 +551,12 @@ def recorded_meta(ckpt: dict[str, Any]) -> tuple[dict | None, str]:
     """The tokenizer a checkpoint's model was trained with, and where that was found: the one it records, else its
     dataset's meta.json; (None, why) when neither is there (nanoGPT's GPT-2 BPE runs name none)."""
     if ckpt.get("meta"):
-        return ckpt["meta"], "recorded in the checkpoint"
+        meta = ckpt["meta"]
+        if not (isinstance(meta, dict) and meta.get("tokenizer") in ("char", "gpt2") and type(meta.get("vocab_size")) is int
+                and meta["vocab_size"] >= 1):
+            raise UserError(f"the checkpoint records a tokenizer that is not one ({str(meta)[:80]}): restore the "
+                            f"checkpoint from a backup")
+        return meta, "recorded in the checkpoint"
     run_config = ckpt.get("config") or {}
     if "dataset" not in run_config and not run_config.get("data_dir"):
         return None, "the checkpoint names no dataset"

@@ -7,6 +7,7 @@ Imports device.py and errors.py only.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import os
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from nanogpt import outdir
 from nanogpt.device import resolve_device
 from nanogpt.errors import UserError
 
@@ -160,6 +162,9 @@ def run_in_group(dist: Dist, work: Callable[[], T]) -> T:
     stopped = None
     try:
         result = work()
+    except Interrupted:
+        cleanup_distributed(dist)
+        raise
     except Stopped as e:
         stopped = Stopped(e.message, e.code)
     except BaseException:
@@ -208,16 +213,18 @@ def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
     token = [os.urandom(8).hex() if dist.master else None]
     torch_dist.broadcast_object_list(token, src=0)
     marker = os.path.join(out_dir, f".shared_check.{token[0]}")
-    if dist.master:
-        with open(marker, "w") as f:
-            f.write(token[0])
-    torch_dist.barrier()
-    seen = os.path.exists(marker)
-    node = f"{socket.gethostname()} (node rank {os.environ.get('GROUP_RANK', '?')})"
-    views: list = [None] * dist.world_size
-    torch_dist.all_gather_object(views, (node, dist.rank, seen))
-    if dist.master:
-        os.remove(marker)
+    try:
+        if dist.master:
+            outdir.write_text(marker, token[0], "the shared-folder check's marker")
+        torch_dist.barrier()
+        seen = os.path.exists(marker)
+        node = f"{socket.gethostname()} (node rank {os.environ.get('GROUP_RANK', '?')})"
+        views: list = [None] * dist.world_size
+        torch_dist.all_gather_object(views, (node, dist.rank, seen))
+    finally:  # however the check ends (a signal during the start too), the marker goes
+        if dist.master:
+            with contextlib.suppress(OSError):
+                os.remove(marker)
     blind = {}
     for node_name, rank, ok in views:
         if not ok:
@@ -232,21 +239,20 @@ def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
 
 class StopRequest:
     """
-    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) ask the run to stop after the current micro-step (an
-    unfinished optimizer step is dropped) or eval, with a checkpoint: torchrun SIGKILLs its workers
-    --shutdown-timeout seconds (30 by default) after forwarding a SIGTERM, so the stop must be quick. A second
-    Ctrl-C exits at once. Under DDP every rank stops at the same micro-step: the ranks agree (all-reduce of the
-    flag) before acting, so no rank waits forever in a collective.
+    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C), from the first moment of a run to its end. Before the start
+    is accepted (until arm()), a signal stops the start at once: Interrupted, nothing saved, out_dir as it was (the
+    hold's and the start's cleanup run as the exception unwinds). After it, a signal asks the run to stop after the
+    current micro-step (an unfinished optimizer step is dropped) or eval, with a checkpoint: torchrun SIGKILLs its
+    workers --shutdown-timeout seconds (30 by default) after forwarding a SIGTERM, so the stop must be quick. A second
+    Ctrl-C exits at once. Under DDP every rank stops at the same micro-step: the ranks agree (all-reduce of the flag,
+    over the group join() makes) before acting, so no rank waits forever in a collective.
     """
 
-    def __init__(self, dist: Dist):
-        self.dist = dist
+    def __init__(self):
+        self.dist = Dist()
         self.signal: int | None = None
-        # The ranks agree over a gloo group on CPU tensors: asking between micro-steps never waits for the GPU
-        # (an NCCL all-reduce and .item() would sync with the queued kernels at every micro-step).
+        self.armed = False
         self._group = None
-        if dist.enabled:
-            self._group = torch_dist.new_group(backend="gloo") if torch_dist.get_backend() != "gloo" else None
         self._first = 0.0
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -255,7 +261,29 @@ class StopRequest:
             except ValueError:  # not the main thread (e.g. train() called from a thread): no handlers
                 pass
 
+    @contextlib.contextmanager
+    def joined(self, dist: Dist):
+        """The ranks of `dist` agree on a stop inside the block, over a gloo group of their own on CPU tensors: asking
+        between micro-steps never waits for the GPU (an NCCL all-reduce and .item() would sync with the queued
+        kernels). The group is let go at the block's end, before the process group's end destroys it."""
+        self.dist = dist
+        if dist.enabled:
+            self._group = torch_dist.new_group(backend="gloo") if torch_dist.get_backend() != "gloo" else None
+        try:
+            yield self
+        finally:
+            self._group, self.dist = None, Dist()
+
+    def arm(self) -> None:
+        """The start is accepted: from here on a signal stops the run with a checkpoint, at the next micro-step."""
+        self.armed = True
+        if self.signal is not None and not self.armed:
+            raise self.interrupted()
+
     def _handle(self, signum, frame) -> None:
+        if not self.armed:  # during the start: nothing to save, nothing to wait for
+            self.signal = signum
+            raise self.interrupted()
         # A second Ctrl-C exits at once; one within a second of the first is the same Ctrl-C (torchrun forwards
         # the terminal's SIGINT to workers that already got it).
         now = time.monotonic()
@@ -263,6 +291,11 @@ class StopRequest:
             raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
         if self.signal is None:
             self.signal, self._first = signum, now
+
+    def interrupted(self) -> Interrupted:
+        name = signal.Signals(self.signal).name
+        return Interrupted(f"stopped by {name} during the start, before the first step: nothing was saved, and the "
+                           f"run folder is as it was", 128 + self.signal)
 
     def signalled(self) -> bool:
         """This rank's own flag (no collective)."""
@@ -293,7 +326,6 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        self._group = None  # destroyed with the default group at the run's end, which must hold the last reference
 
 
 class Stopped(SystemExit):
@@ -308,3 +340,8 @@ class Stopped(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class Interrupted(Stopped):
+    """A stop by a signal during the start, before anything was saved: exits 128 + the signal, as a stop does, and the
+    ranks do not wait for each other (some may never get the signal)."""

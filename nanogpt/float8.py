@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
 import torch.nn as nn
 
 FP8_RECIPES = ("tensorwise", "rowwise")

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import NamedTuple
 
+from nanogpt import outdir
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
 
@@ -74,21 +75,21 @@ class Logger:
             self.wandb = wandb.init(**self.wandb_init)
 
     def _append(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        outdir.append_line(self.path, json.dumps(record) + "\n")
 
 
 def _end_torn_line(path: str) -> None:
     """A file whose last line was cut short (no newline) gets one, so the next record starts a line of its own."""
     try:
-        with open(path, "rb+") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
     except FileNotFoundError:
-        pass
+        return
+    except OSError as e:
+        raise outdir.write_failed(path, e) from None
+    if torn:
+        outdir.append_line(path, "\n")
 
 
 _NUMBER = (int, float)

@@ -16,27 +16,35 @@ and a new run never destroys an earlier one: its files are moved aside (renamed)
   anything in the folder. Only rank 0 of a torchrun job holds it, for all its ranks; an evaluation-only start
   changes nothing there and holds nothing.
 
+- Every write in out_dir goes through this module (the lock, run.json, metrics.jsonl's lines, checkpoints, the report,
+  the move to previous/): each refuses a symbolic link or a foreign type where it would write (check_entries looks
+  over the folder before a start changes anything), and turns an OSError, or a library's error caused by one (torch's
+  writer on a full disk), into a WriteError: one line naming the path and the cause.
+
 Moving aside instead of refusing: a nanoGPT user reruns the same command and expects a fresh run (nanoGPT would
 overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
 way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
 
-Imports errors.py only; start.py and checkpoint_manager.py import it.
+Imports errors.py only; start.py, checkpoint.py, checkpoint_manager.py, metrics.py and report.py write through it.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Callable
 
-from nanogpt.errors import UserError
+from nanogpt.errors import UserError, WriteError
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"  # held by the live run (hold); never moved aside
@@ -58,35 +66,89 @@ def hold(out_dir: str, enabled: bool = True) -> Iterator[None]:
     is an OS lock (flock) on out_dir/run.lock, which the OS lets go when the process ends, however it ends: a
     SIGKILLed run leaves the folder free, with no stale lock to clear. It works wherever the file system locks files
     (node-local ones; NFS through its lock manager); one that does not gets a warning and no hold. Makes out_dir
-    where missing, and removes it again if it is still empty at the end (a refused start leaves no folder behind).
+    where missing, and removes what it made (out_dir and the parents it made) if still empty at the end: a refused
+    start leaves no folder behind. A folder it cannot write in, or a run.lock it did not create (a link, a folder,
+    another file), is a UserError, and nothing in out_dir changed.
     """
     if not enabled:
         yield
         return
-    made = not os.path.isdir(out_dir)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot make out_dir={out_dir!r} ({e.strerror}): choose a folder you can write to") from None
+    made = []
     fd = None
     try:
-        fd = _lock(out_dir)
+        with _signals_deferred():  # a SIGTERM here lands once the lock is whole: its cleanup then finds it
+            for _ in range(5):  # another start may remove the folder it made between our making it and our opening
+                made += make_folders(out_dir)
+                fd = _lock(out_dir)
+                if fd != _GONE:
+                    break
+            else:
+                raise UserError(f"out_dir={out_dir!r} was removed each time this start made it (another start's "
+                                f"cleanup?): start again, or give another --out_dir")
         yield
     finally:
-        if fd is not None:
+        if fd not in (None, _GONE):
             _unlock(out_dir, fd)
-        if made:
+        for folder in reversed(made):  # the deepest first: a parent empties once its child is gone
             with contextlib.suppress(OSError):
-                os.rmdir(out_dir)
+                os.rmdir(folder)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT held back inside the block and delivered at its end (where the OS can; else as they come)."""
+    try:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask (not POSIX)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def make_folders(folder: str) -> list[str]:
+    """Make `folder` and its missing parents; returns those made, the outermost first. A path that exists and is no
+    folder, or one that cannot be made, is a UserError."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path):
+        if os.path.lexists(path):
+            raise UserError(f"out_dir={folder!r}: {path} is {_kind(path)}, not a folder: give another --out_dir")
+        missing.append(path)
+        path = os.path.dirname(path)
+    made = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue  # made by another start meanwhile: not ours to remove
+        except OSError as e:
+            raise UserError(f"cannot make out_dir={folder!r} ({_cause(e)} at {path}): choose a folder you can write "
+                            f"to") from None
+        made.append(path)
+    return made
+
+
+_GONE = -1  # _lock's answer when out_dir vanished under it: make it again
 
 
 def _lock(out_dir: str) -> int | None:
-    """The descriptor of out_dir/run.lock, locked, with this process written in it; a UserError if another holds it;
-    None (with a warning) where the file system cannot lock."""
+    """The descriptor of out_dir/run.lock, locked, with this process written in it; a UserError if another holds it,
+    or run.lock is not a lock file of ours; None (with a warning) where the file system cannot lock; _GONE where
+    out_dir itself was removed meanwhile."""
     path = os.path.join(out_dir, LOCK_FILE)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            return _GONE
+        except OSError as e:
+            raise _lock_refused(path, e) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UserError(f"{path} is {_kind(path)}, not the lock file a run makes: remove it, or give another "
+                                f"--out_dir")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(os.pread(fd, 4096, 0))
@@ -95,6 +157,9 @@ def _lock(out_dir: str) -> int | None:
                 f"out_dir={out_dir!r} is in use by a live run ({holder}; it holds {path}): a second start there would "
                 f"move or overwrite its files. Wait for it to end (or stop it), or give another --out_dir"
             ) from None
+        except UserError:
+            os.close(fd)
+            raise
         except OSError as e:
             os.close(fd)
             print(f"warning: cannot lock {path} ({e.strerror}): this file system does not lock files, so a second "
@@ -103,9 +168,38 @@ def _lock(out_dir: str) -> int | None:
         if _same_file(path, fd):  # not a lock file that its holder removed as it let go, just after we opened it
             break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+    content = os.pread(fd, 4096, 0)
+    if content and not _is_lock_record(content):  # a file of someone else's: never written over
+        os.close(fd)
+        raise UserError(f"{path} is not a lock file of this project's (it holds {content[:40]!r}...): move it out of "
+                        f"{out_dir}, or give another --out_dir")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+    except OSError as e:
+        os.close(fd)
+        raise _lock_refused(path, e) from None
     return fd
+
+
+def _lock_refused(path: str, e: OSError) -> UserError:
+    if e.errno == errno.ELOOP:
+        why = "a symbolic link: a lock never writes through one"
+    elif e.errno == errno.EISDIR:
+        why = "a folder"
+    else:
+        why = _cause(e)
+    return UserError(f"cannot hold the run folder: {path} ({why}); a run writes in its out_dir: make it writable, "
+                     f"remove what is in the lock's place, or give another --out_dir")
+
+
+def _is_lock_record(content: bytes) -> bool:
+    """Whether `content` is what _lock writes (or the start of it: a kill between the truncate and the write)."""
+    try:
+        record = json.loads(content)
+    except ValueError:
+        return b'{"pid": '.startswith(content[:8])
+    return isinstance(record, dict) and set(record) == {"pid", "host", "since"}
 
 
 def _unlock(out_dir: str, fd: int) -> None:
@@ -124,12 +218,12 @@ def _same_file(path: str, fd: int) -> bool:
 
 
 def _holder(text: bytes) -> str:
-    """Who holds the lock, from what it wrote in run.lock."""
+    """Who holds the lock, from what it wrote in run.lock (any content: a process that is starting wrote none yet)."""
     try:
         holder = json.loads(text)
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
-        return f"pid {holder['pid']} on {holder['host']}, since {since}"
-    except (ValueError, KeyError, TypeError):
+        return f"pid {str(holder['pid'])[:20]} on {str(holder['host'])[:100]}, since {since}"
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, OSError):
         return "a process that is starting"
 
 
@@ -147,7 +241,9 @@ def read_run(out_dir: str) -> dict | None:
         return None
     except (OSError, ValueError) as e:
         raise _damaged(path, f"{type(e).__name__}: {e}") from None
-    if not (isinstance(run, dict) and isinstance(run.get("run_id"), str) and isinstance(run.get("started"), (int, float))):
+    started = run.get("started") if isinstance(run, dict) else None
+    if not (isinstance(run, dict) and isinstance(run.get("run_id"), str) and 0 < len(run["run_id"]) <= 64
+            and type(started) in (int, float) and 0 <= started < 1e11):  # a time.time(), before the year 5000
         raise _damaged(path, "not a JSON object with a run_id string and a started time")
     return run
 
@@ -188,13 +284,15 @@ def _stamp(out_dir: str, names: list[str]) -> str:
     run = read_run(out_dir)
     started = run.get("started") if run else None
     if started is None:  # a folder from before run.json: its newest file's time
-        started = max(os.path.getmtime(os.path.join(out_dir, n)) for n in names)
+        started = max(os.lstat(os.path.join(out_dir, n)).st_mtime for n in names)
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
 
 
-def move_previous_run(out_dir: str) -> str | None:
+def move_previous_run(out_dir: str) -> tuple[str, list[str], list[str]] | None:
     """Move the files of the run in out_dir (RUN_FILES, nothing else) into out_dir/previous/<its start time>/;
-    returns that folder, or None when there was nothing to move."""
+    returns that folder, the names moved and the folders made (for move_back), or None when there was nothing to
+    move. A failure (a read-only folder, a full disk) moves back what it moved and is a WriteError: the run stays where
+    it was."""
     if not os.path.isdir(out_dir):
         return None
     names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n))
@@ -203,13 +301,31 @@ def move_previous_run(out_dir: str) -> str | None:
     stamp = _stamp(out_dir, names)
     dest = os.path.join(out_dir, PREVIOUS, stamp)
     n = 1
-    while os.path.exists(dest):
+    while os.path.lexists(dest):
         n += 1
         dest = os.path.join(out_dir, PREVIOUS, f"{stamp}-{n}")
-    os.makedirs(dest)
-    for name in names:  # renames within one file system: links between them (ckpt_sharded) keep working
-        os.replace(os.path.join(out_dir, name), os.path.join(dest, name))
-    return dest
+    moved, made = [], [p for p in (os.path.dirname(dest), dest) if not os.path.isdir(p)]
+    try:
+        os.makedirs(dest)
+        for name in names:  # renames within one file system: links between them (ckpt_sharded) keep working
+            os.replace(os.path.join(out_dir, name), os.path.join(dest, name))
+            moved.append(name)
+    except OSError as e:
+        move_back(out_dir, dest, moved, made)
+        raise WriteError(f"could not move the previous run's files aside into {dest} ({_cause(e)}): they stay where "
+                         f"they were; make {out_dir} writable, or give another --out_dir") from None
+    return dest, names, made
+
+
+def move_back(out_dir: str, dest: str, names: list[str], made: list[str]) -> None:
+    """Undo move_previous_run: the names back into out_dir, and the folders it `made` (previous/ too, if it made it)
+    removed again."""
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.replace(os.path.join(dest, name), os.path.join(out_dir, name))
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def disk_usage(folder: str) -> int:
@@ -226,10 +342,7 @@ def disk_usage(folder: str) -> int:
 
 
 def _write_run(out_dir: str, run: dict) -> None:
-    tmp = os.path.join(out_dir, f".{RUN_FILE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(run, f)
-    os.replace(tmp, os.path.join(out_dir, RUN_FILE))
+    atomic_write(os.path.join(out_dir, RUN_FILE), lambda tmp: _write_text(tmp, json.dumps(run)), "the run's id")
 
 
 def begin_run(out_dir: str, job: str | None = None) -> str:
@@ -249,3 +362,158 @@ def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None)
     if run != want:
         _write_run(out_dir, want)
     return want["run_id"]
+
+
+# ----------------------------------------------------------------------------------------------- writing in out_dir
+
+# What a run writes in out_dir and reads back, and what each must be where it exists: a regular file, a folder, or one
+# of the run's own links (ckpt_sharded names a folder of its own saves).
+ENTRIES = {"run.lock": "file", RUN_FILE: "file", "metrics.jsonl": "file", "ckpt.pt": "file", "ckpt_best.pt": "file",
+           "report.md": "file", "loss.png": "file", PREVIOUS: "folder", "ckpt_sharded": "link",
+           "ckpt_sharded_best": "link"}
+
+
+def check_entries(out_dir: str) -> None:
+    """Before a start changes anything: every name the run writes in out_dir is absent or of its kind (ENTRIES). A
+    symbolic link where a file goes (a write would replace it, or write through it into a file the run did not
+    make), a folder where a file goes, or a file where previous/ goes is a UserError naming each."""
+    wrong = [f"{name} is {_kind(os.path.join(out_dir, name))}, where the run writes a {kind}"
+             for name, kind in ENTRIES.items() if not _is_kind(os.path.join(out_dir, name), kind)]
+    if wrong:
+        raise UserError(f"out_dir={out_dir!r} holds what a run cannot write over: {'; '.join(wrong)}: move "
+                        f"{'them' if len(wrong) > 1 else 'it'} out of {out_dir} (nothing there was changed), or give "
+                        f"another --out_dir")
+
+
+def _is_kind(path: str, kind: str) -> bool:
+    if not os.path.lexists(path):
+        return True
+    if kind == "link":  # the run's own: to one of its save folders beside it
+        return os.path.islink(path) and os.path.isdir(path)
+    if os.path.islink(path):
+        return False
+    return os.path.isdir(path) if kind == "folder" else stat.S_ISREG(os.lstat(path).st_mode)
+
+
+def _kind(path: str) -> str:
+    """What is at `path`, in words: 'a symbolic link to X', 'a folder', 'a file', 'a FIFO', ..."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return "missing"
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link (to {os.readlink(path)})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    if stat.S_ISREG(st.st_mode):
+        return "a file"
+    return "a special file (a FIFO, socket or device)"
+
+
+def _cause(e: BaseException) -> str:
+    """An OSError's cause in words ("No space left on device"), or a library's error caused by one (torch's writer
+    raises RuntimeError('unexpected pos ...') from the OSError of a full disk)."""
+    first = e
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    if e is None:  # a library's error that names its cause only in its text (DCP's CheckpointException)
+        return (str(first).strip().splitlines() or [type(first).__name__])[0][:200]
+    return e.strerror or str(e) or type(e).__name__
+
+
+def caused_by_os_error(e: BaseException) -> bool:
+    """Whether an OSError is what raised `e`, or what it was raised from (torch's writer, matplotlib's savefig)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def write_failed(path: str, e: BaseException, kept: str = "", what: str = "") -> WriteError:
+    """The one line of a failed write: what and where, the cause, what was kept, and what to do."""
+    kept = f"; {kept}" if kept else ""
+    what = f"{what} " if what else ""
+    return WriteError(f"could not write {what}{path} ({_cause(e)}){kept}: free disk space, make the folder writable, "
+                      f"or choose another out_dir")
+
+
+def check_target(path: str) -> None:
+    """A file is written at `path` (replaced whole, or appended to): refused where a symbolic link or anything but a
+    regular file stands there, since writing would go through the link into a file the run did not make, or
+    replace what is not the run's."""
+    if os.path.lexists(path) and (os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode)):
+        raise WriteError(f"could not write {path}: it is {_kind(path)}, not a file of the run's: move it away (a run "
+                         f"never writes through a link or over a foreign file)")
+
+
+def atomic_write(path: str, write: Callable[[str], None], what: str) -> None:
+    """
+    Write `path` whole or not at all: `write(tmp)` makes a temporary file beside it (flushed and fsynced by the
+    writer), which is renamed over `path`, and the rename made durable. A crash at any moment leaves either the old
+    file or the new one, never a torn one. Any failure (a full disk, no permission, a library's error raised from
+    one) is a WriteError naming `what` and `path`, and the old file stays as it was.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    check_target(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        write(tmp)
+        os.replace(tmp, path)
+    except Exception as e:
+        if not caused_by_os_error(e):
+            raise
+        kept = f"the previous {what} is intact" if os.path.exists(path) else f"no {what} was written"
+        raise write_failed(path, e, kept, what) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    fsync_folder(folder)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text(path: str, text: str, what: str) -> None:
+    """A text file written whole (atomic_write)."""
+    atomic_write(path, lambda tmp: _write_text(tmp, text), what)
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line to `path` (made where missing), never through a symbolic link; a failure is a WriteError and
+    whatever the line did not complete is ended by the next append's reader (a torn last line is skipped)."""
+    check_target(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, line.encode("utf-8"))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_failed(path, e, "the lines before it are intact") from None
+
+
+def remove_file(path: str, what: str) -> None:
+    """Remove a file the run wrote (a checkpoint keep_last no longer keeps); a failure is a WriteError."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise WriteError(f"could not remove {what} {path} ({_cause(e)}): make the folder writable") from None
+
+
+def fsync_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):  # make a rename durable (not possible on every OS)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

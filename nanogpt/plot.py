@@ -6,8 +6,8 @@ Imports metrics.py (the runs' records) and matplotlib, optional (optional.py).
 """
 from __future__ import annotations
 
-import os
 
+from nanogpt import outdir
 from nanogpt.metrics import MetricsLog
 from nanogpt.optional import pyplot
 
@@ -30,7 +30,8 @@ def draw(runs: list[tuple[str, MetricsLog]], out: str) -> str:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        outdir.atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"), "loss picture")
+    finally:
+        plt.close(fig)
     return out

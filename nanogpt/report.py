@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanogpt import dataio, engine
+from nanogpt import dataio, engine, outdir
 from nanogpt.config import TrainConfig
 from nanogpt import plot
 from nanogpt.mfu import mfu_text
@@ -97,8 +97,7 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     if sample is not None:
         lines += ["", "## A sample from the final weights", "", "```text", sample.strip("\n"), "```"]
     path = os.path.join(out_dir, REPORT_NAME)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    outdir.write_text(path, "\n".join(lines) + "\n", "report")
     return path
 
 

@@ -24,7 +24,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from nanogpt.checkpoint import CKPT_NAME, checkpoint_model_config, fsync_folder, save_checkpoint
+from nanogpt.checkpoint import CKPT_NAME, checkpoint_model_config, load_checkpoint, save_checkpoint
+from nanogpt import outdir
+from nanogpt.outdir import fsync_folder
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
 from model import GPT
@@ -48,7 +50,7 @@ def read_train_state(folder: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise UserError(f"{folder} is not a complete sharded checkpoint (no {STATE_FILE}): resume from another one "
                         f"or start again with --init_from=scratch")
-    return {**torch.load(path, map_location="cpu", weights_only=True), "sharded": folder}
+    return {**load_checkpoint(path, tensors=False), "sharded": folder}
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -87,8 +89,21 @@ def _link(out_dir: str, name: str, target: str) -> None:
     tmp = os.path.join(out_dir, f"{name}.tmp.{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
-    os.symlink(target, tmp)
-    os.replace(tmp, os.path.join(out_dir, name))
+    with _write_errors(os.path.join(out_dir, name)):
+        os.symlink(target, tmp)
+        os.replace(tmp, os.path.join(out_dir, name))
+
+
+@contextlib.contextmanager
+def _write_errors(path: str):
+    """A sharded save that fails (a full disk, a read-only folder: DCP raises its own errors from the OSError) is a
+    WriteError naming the folder; the link still names the last complete save."""
+    try:
+        yield
+    except Exception as e:
+        if not outdir.caused_by_os_error(e) and "OSError" not in str(e):  # DCP's CheckpointException lists them
+            raise
+        raise outdir.write_failed(path, e, "the previous sharded checkpoint is intact", "sharded checkpoint") from None
 
 
 def _target(out_dir: str, name: str) -> str | None:
@@ -103,15 +118,16 @@ class ShardedSave:
     links name the previous save, so a kill in between loses this save only; its folder is removed by the next one.
     """
 
-    def __init__(self, future, link: Callable[[], None], started: float):
-        self._future, self._link, self.started = future, link, started
+    def __init__(self, future, link: Callable[[], None], started: float, folder: str):
+        self._future, self._link, self.started, self.folder = future, link, started, folder
 
     def done(self) -> bool:
         return self._future.done()
 
     def finish(self) -> None:
         """Wait for this rank's shards (and, on rank 0, for every rank's: DCP's metadata is written last), link."""
-        self._future.result()  # the writer's error, if it failed
+        with _write_errors(self.folder):
+            self._future.result()  # the writer's error, if it failed
         self._link()
 
 
@@ -130,7 +146,8 @@ def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimize
     import torch.distributed.checkpoint as dcp
 
     folder, state_dicts, link = _begin_sharded(out_dir, model, optimizer, state, dist, improved, keep_best)
-    dcp.save(state_dicts, checkpoint_id=folder)  # collective
+    with _write_errors(folder):
+        dcp.save(state_dicts, checkpoint_id=folder)  # collective
     link()
     if dist.enabled:
         torch_dist.barrier()
@@ -150,7 +167,7 @@ def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Op
     started = time.time()
     folder, state_dicts, link = _begin_sharded(out_dir, model, optimizer, state, dist, improved, keep_best)
     future = dcp.async_save(state_dicts, checkpoint_id=folder, process_group=process_group)
-    return ShardedSave(future, link, started)
+    return ShardedSave(future, link, started, folder)
 
 
 def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,

@@ -14,7 +14,9 @@ outdir.py, parallel.py and step.py.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import typing
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -23,20 +25,32 @@ from model import GPT
 from nanogpt import checkpoint, checkpoint_manager, dataio, outdir, parallel
 from nanogpt.checkpoint import checkpoint_model_config
 from nanogpt.checkpoint_manager import FoundCheckpoint
-from nanogpt.config import GPT2_NAMES, TrainConfig
-from nanogpt.device import resolve_device, resolve_dtype
+from nanogpt.config import GPT2_NAMES, TrainConfig, coerce, config_summary, declared_problems, type_name
+from nanogpt.device import dtype_reason, resolve_device, resolve_dtype
+from nanogpt.hardware import system_info
+from nanogpt.mfu import resolve_peak_flops
 from nanogpt.distributed import Dist, torchrun_job
-from nanogpt.errors import UserError
+from nanogpt.errors import UserError, WriteError
 from nanogpt.hf_gpt2 import pretrained_gpt2
 from nanogpt.metrics import Logger
 from nanogpt.optim import Optimizers
 from nanogpt.step import MODEL_KEYS, model_config, model_settings
-from nanogpt.text import size_text
+from nanogpt.text import plural, size_text
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, whatever the settings say
 
 
 # ----------------------------------------------------------------------------------------------- deciding
+
+
+def check_out_dir(cfg: TrainConfig) -> None:
+    """Before anything changes there: a resume's folder exists, and where the run writes stands nothing of another
+    kind (a link, a folder where a file goes: outdir.check_entries)."""
+    if cfg.init_from == "resume" and not os.path.isdir(cfg.out_dir):
+        raise UserError(f"no checkpoint to resume in out_dir={cfg.out_dir!r}: the folder does not exist; give the "
+                        f"run's folder as --out_dir (or --init_from=scratch to start a run there)")
+    if not cfg.eval_only and os.path.isdir(cfg.out_dir):
+        outdir.check_entries(cfg.out_dir)
 
 
 @dataclass
@@ -72,8 +86,9 @@ def decide(cfg: TrainConfig, given: set[str] | None = None) -> StartPlan:
     return StartPlan(cfg, notes, found, job)
 
 
-# What a resume never takes from the checkpoint's run: where it runs, and what says to resume.
-NOT_RESUMED = ("init_from", "out_dir", "device", "backend")
+# What a resume never takes from the checkpoint's run, and never lists as a change: where it runs, what says to resume,
+# and whether it only evaluates.
+NOT_RESUMED = ("init_from", "out_dir", "device", "backend", "eval_only")
 
 
 def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple[TrainConfig, list[str]]:
@@ -83,9 +98,18 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple
     settings, data, schedule), so the resume continues that run. `saved`: the config the checkpoint records.
     Returns the config and the settings taken.
     """
-    names = {f.name for f in fields(cfg)}
+    hints = typing.get_type_hints(type(cfg))
     taken = {k: v for k, v in saved.items()
-             if k in names and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
+             if k in hints and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
+    wrong = [f"{k}={v!r:.60} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]]
+    if wrong:  # a checkpoint edited by hand, or of another program
+        raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(wrong)}: give these settings "
+                        f"on the command line, or restore the checkpoint from a backup")
+    taken = {k: coerce(v, hints[k])[1] for k, v in taken.items()}
+    out_of_range = [p for p in declared_problems(replace(cfg, **taken)) if p.split("=")[0] in taken]
+    if out_of_range:
+        raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(out_of_range)}: give these "
+                        f"settings on the command line, or restore the checkpoint from a backup")
     notes = []
     if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
         try:
@@ -97,6 +121,24 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple
 
 
 # ----------------------------------------------------------------------------------------------- the data
+
+
+def log_header(log: Logger, plan: StartPlan, cfg: TrainConfig, dist: Dist, dtype: str, attention: str,
+               attention_why: str, accum_steps: int, tokens_per_iter: int) -> float | None:
+    """The lines a run begins with: the settings given, why the start is what it is, the machine, what "auto" chose,
+    MFU's peak (returned) and the tokens of an iteration."""
+    log.print(config_summary(cfg))
+    for note in plan.notes:
+        log.print(note)
+    log.print(" ".join(f"{k}={v}" for k, v in {**system_info(dist.device), "dtype": dtype,
+                                               "world_size": dist.world_size}.items()))
+    log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, dist.device)}); attention={attention} "
+              f"({attention_why})")
+    peak_flops, peak_source = resolve_peak_flops(dist.device, dtype, cfg.peak_flops)
+    log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
+    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
+              f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
+    return peak_flops
 
 
 def check_data(cfg: TrainConfig) -> tuple[str, dict | None, int | None]:
@@ -128,10 +170,10 @@ def read_resumed(plan: StartPlan, cfg: TrainConfig, dist: Dist, log: Logger) -> 
     """The checkpoint a resume continues from (read, its changed settings printed), or nothing to resume."""
     if plan.found is None:
         return Resumed()
-    log.print(plan.found.describe("resuming from"))
     ckpt = plan.found.read()
     saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
-    changes = resume_changes(ckpt["config"], saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1))
+    changes = resume_changes(ckpt.get("config") or {}, saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1))
+    log.print(plan.found.describe("resuming from"))  # once it can: no start announces a resume it then refuses
     for change in changes:
         log.print(f"resuming with a changed setting (it applies from here on): {change}")
     log.continue_from(ckpt.get("elapsed_s", 0.0))
@@ -251,18 +293,35 @@ def shape_of(model: GPT) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------- accepting
 
 
-def accept(out_dir: str, resuming: bool, resumed_run_id: str | None, job: str | None, dist: Dist,
-           log: Logger) -> str | None:
+def accept(plan: StartPlan, resumed: Resumed, dist: Dist, log: Logger) -> str | None:
     """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
-    new run moves the one there aside whole and writes its run.json; a resume keeps its run's. Rank 0 alone, and only
-    for a start that saves (one that evaluates only changes nothing there); returns the run's id (None on the other
-    ranks)."""
+    new run moves the one there aside whole and writes its run.json; a resume keeps its run's; then the start's line
+    opens metrics.jsonl. Rank 0 alone writes, and only for a start that saves (one that evaluates only changes nothing
+    there); returns the run's id (None on the other ranks). A write that fails undoes what the start changed (the
+    previous run moved back, the new run.json removed) and is a WriteError: the folder is as it was."""
+    out_dir, ckpt = plan.cfg.out_dir, resumed.ckpt
     if not dist.master:
+        log.start(None, resumed.iter_num, plan.cfg.init_from, resumed.changes)
         return None
-    if resuming:
-        return outdir.continue_run(out_dir, resumed_run_id, job)
-    if moved := outdir.move_previous_run(out_dir):
-        log.print(f"a new run in {out_dir}: the previous run's files ({size_text(outdir.disk_usage(moved))}) "
-                  f"moved to {moved} (it resumes from there with --out_dir={moved}; {outdir.PREVIOUS}/ keeps every run "
-                  f"moved aside, whole: remove those you no longer need)")
-    return outdir.begin_run(out_dir, job)
+    if ckpt is not None:
+        run_id = outdir.continue_run(out_dir, ckpt.get("run_id"), plan.job)
+        log.start(run_id, resumed.iter_num, plan.cfg.init_from, resumed.changes)
+        return run_id
+    moved = outdir.move_previous_run(out_dir)
+    try:
+        run_id = outdir.begin_run(out_dir, plan.job)
+        log.start(run_id, resumed.iter_num, plan.cfg.init_from, resumed.changes)
+    except WriteError:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(out_dir, outdir.RUN_FILE))  # ours: begin_run wrote it (or nothing is there)
+        if moved:
+            outdir.move_back(out_dir, *moved)
+        raise
+    if moved:
+        dest, names, _ = moved
+        where = (f"it resumes from there with --out_dir={dest}" if outdir.has_checkpoint(dest)
+                 else "it saved no checkpoint")
+        log.print(f"a new run in {out_dir}: the previous run's files ({size_text(outdir.disk_usage(dest))}) moved to "
+                  f"{dest} ({where}; {outdir.PREVIOUS}/ keeps every run moved aside, whole: remove those you no longer "
+                  f"need)")
+    return run_id

@@ -28,7 +28,7 @@ from nanogpt.device import (
     set_deterministic,
 )
 from nanogpt.distributed import Dist
-from nanogpt.errors import UserError
+from nanogpt.errors import RunError
 from nanogpt.optim import step_unless
 
 
@@ -143,9 +143,9 @@ def figures(stats: list[float]) -> StepFigures:
     return StepFigures(loss, norm, applied > 0, int(skips))
 
 
-class NonFiniteError(UserError):
+class NonFiniteError(RunError):
     """More steps had a non-finite loss or gradient norm than max_nonfinite_skips allows: the run stops, the last
-    one not applied."""
+    one not applied (exit status 1, a failure of the run)."""
 
 
 class NonFiniteGuard:

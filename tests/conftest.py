@@ -9,6 +9,11 @@ sys.path.insert(0, ROOT)
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+# pytest-xdist's workers share the machine's cores: each gets its share of threads (and the processes it starts, through
+# the environment), or N workers x N threads oversubscribe the cores and a tiny model's step spins for nothing (the
+# suite ran 2x slower on 2 cores, some tests 8x).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # Each pytest-xdist worker compiles into its own inductor cache (with the processes it starts): processes that
 # shared one cache folder have hit sporadic inductor C++ compile errors.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(

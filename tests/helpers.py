@@ -194,3 +194,15 @@ def steps_with_loss_scales(model, opt, scaler, x, ctx, dist, loss_scales: list[f
         loss, norm, applied = f.loss, f.grad_norm, f.applied
         steps.append((loss, norm, applied, all(torch.equal(before[k], v) for k, v in model.state_dict().items())))
     return steps
+
+
+def json_values():
+    """A hypothesis strategy of any JSON value: null, booleans, numbers of any size (nan and inf too: Python's json
+    writes them), strings, and lists and objects of them, nested."""
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(min_value=-10**30, max_value=10**30)
+               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                                  max_size=4),
+                        max_leaves=12)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt import checkpoint
+from nanogpt import checkpoint, outdir
 from nanogpt.checkpoint import load_checkpoint, save_checkpoint, save_run_checkpoint
 from nanogpt.errors import UserError
 from helpers import tiny_config
@@ -23,18 +23,22 @@ from sample import SampleConfig, load_model
 from train import train
 
 
+ARGS = {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8, "vocab_size": 11}  # a model's, as a run records it
+
+
 def test_a_full_disk_is_a_clear_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 1})
+    save_checkpoint(path, {"model": {}, "model_args": ARGS, "iter_num": 1})
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(UserError) as info:
-        save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 2})
+        save_checkpoint(path, {"model": {}, "model_args": ARGS, "iter_num": 2})
     assert str(info.value) == (f"could not write checkpoint {path} (No space left on device); the previous "
-                               f"checkpoint is intact: free disk space or choose another out_dir")
+                               f"checkpoint is intact: free disk space, make the folder writable, or choose another "
+                               f"out_dir")
     monkeypatch.undo()
     assert load_checkpoint(path)["iter_num"] == 1 and os.listdir(tmp_path) == ["ckpt.pt"]
 
@@ -64,16 +68,16 @@ def _save_and_stop_at(path: str, point: str, ready_w: int) -> None:
     elif point == "synced, not renamed":
         os.replace = stop
     elif point == "renamed, folder not synced":
-        checkpoint.fsync_folder = stop
+        outdir.fsync_folder = stop
     save_checkpoint(path, {"model": {"w": torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + 2)},
-                           "model_args": {}, "iter_num": 2})
+                           "model_args": ARGS, "iter_num": 2})
 
 
 @pytest.mark.parametrize("point, survivor", [("half written", 1), ("written, not synced", 1),
                                              ("synced, not renamed", 1), ("renamed, folder not synced", 2)])
 def test_sigkill_during_a_checkpoint_write_leaves_a_whole_checkpoint(tmp_path, point, survivor):
     path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32) + 1}, "model_args": {},
+    save_checkpoint(path, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32) + 1}, "model_args": ARGS,
                            "iter_num": 1})
     r, w = os.pipe()
     pid = os.fork()
@@ -93,20 +97,20 @@ def test_sigkill_during_a_checkpoint_write_leaves_a_whole_checkpoint(tmp_path, p
     assert ckpt["iter_num"] == survivor
     assert torch.equal(ckpt["model"]["w"], torch.arange(2_000_000, dtype=torch.float32) + survivor)
     # temporary files of killed writers are cleaned at the next save
-    save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 3})
+    save_checkpoint(path, {"model": {}, "model_args": ARGS, "iter_num": 3})
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
 
 
 def test_a_crash_between_temporary_write_and_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1})
+    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_args": ARGS, "iter_num": 1})
 
     def die(*args):
         raise SystemExit("killed between write and rename")
 
     monkeypatch.setattr(os, "replace", die)
     with pytest.raises(SystemExit):
-        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_args": {}, "iter_num": 2})
+        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_args": ARGS, "iter_num": 2})
     monkeypatch.undo()
     ckpt = load_checkpoint(path)
     assert ckpt["iter_num"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
@@ -121,7 +125,7 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
         return load_checkpoint(str(out / name))["iter_num"] if (out / name).exists() else None
 
     def save(i, improved, best_file, config=cfg):
-        return save_run_checkpoint({"model": {}, "model_args": {}, "iter_num": i}, str(out), improved, best_file,
+        return save_run_checkpoint({"model": {}, "model_args": ARGS, "iter_num": i}, str(out), improved, best_file,
                                    config.always_save_checkpoint, config.keep_last)
 
     (out / "ckpt_best.pt").write_bytes(b"an earlier run's")  # not this run's: never claimed as its best
@@ -160,7 +164,7 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
 
 def test_keep_last_orders_the_snapshots_by_iteration_not_by_name(tmp_path):
     """ckpt_9999999.pt sorts after ckpt_10000000.pt by name: pruning must keep the newest iteration."""
-    state = {"model": {}, "model_args": {}, "iter_num": 0}
+    state = {"model": {}, "model_args": ARGS, "iter_num": 0}
     for it in (9_999_998, 9_999_999, 10_000_000):
         checkpoint.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_10000000.pt", "ckpt_9999999.pt"]
@@ -210,3 +214,54 @@ def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
     assert checkpoint_model_config(nanogpt).gelu == "erf"  # nanoGPT's nn.GELU()
     assert checkpoint_model_config({**ours, "gelu": "erf"}).gelu == "erf"  # recorded: used as it is
     assert checkpoint_model_config(ours, attention="math").attention == "math"  # overrides apply
+
+
+def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_used(data_dir, tmp_path, capsys):
+    """A checkpoint whose recorded fields (iteration, best val loss, settings, model_args, run id, tokenizer, RNG,
+    world size, wall time...) hold any JSON value, edited by hand or written by another program: what a resume reads
+    (its decision, its settings, the model, the optimizer's state, the RNG) and what sample.py reads either use it or
+    say in one line what is wrong; never another exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from helpers import json_values
+    from nanogpt import checkpoint_manager, dataio, start
+    from nanogpt.distributed import Dist
+    from nanogpt.metrics import Logger
+    from nanogpt.optim import build_optimizer
+
+    out = tmp_path / "out"
+    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
+    saved = torch.load(out / "ckpt.pt", weights_only=True)
+    fields = ["iter_num", "best_val_loss", "config", "model_args", "run_id", "meta", "rng", "world_size", "elapsed_s",
+              "best_file", "scaler", "optimizer"]
+    nested = st.sampled_from(["config", "model_args", "meta"]).flatmap(  # one entry of a recorded dict
+        lambda field: st.sampled_from(sorted(saved[field])).flatmap(
+            lambda key: json_values().map(lambda value: (field, {**saved[field], key: value}))))
+    edits = st.sampled_from(fields).flatmap(lambda field: json_values().map(lambda value: (field, value))) | nested
+
+    def reads() -> None:
+        cfg = tiny_config(data_dir, out, init_from="resume", max_iters=4)
+        plan = start.decide(cfg, given=set())
+        dist = Dist()
+        resumed = start.read_resumed(plan, plan.cfg, dist, Logger(dist, str(out)))
+        model = start.load_model(plan.cfg, dataio.find_meta(str(data_dir)), resumed.ckpt)
+        optimizer = build_optimizer(model, plan.cfg, "cpu", verbose=False)
+        start.restore_training_state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), resumed,
+                                     plan.cfg.seed, dist)
+        checkpoint_manager.load_for_inference("resume", str(out), None, "cpu", "float32", {}, log=lambda line: None)
+
+    reads()  # the checkpoint as written reads whole
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(edits)
+    def edited(edit):
+        field, value = edit
+        torch.save({**saved, field: value}, out / "ckpt.pt")
+        try:
+            reads()
+        except UserError as e:
+            assert "\n" not in str(e), str(e)
+        capsys.readouterr()
+
+    edited()

@@ -30,7 +30,8 @@ def test_ranges_and_choices_say_the_bad_value_and_what_it_may_be():
         free: int = -5  # declares nothing: never a problem
 
     assert declared_problems(Settings()) == []
-    assert declared_problems(Settings(steps=0, kind="z")) == ["steps=0 must be at least 1", "kind='z' is not one of x, y"]
+    assert declared_problems(Settings(steps=0, kind="z")) == ["steps=0 must be at least 1",
+                                                              "kind='z' is not one of x, y"]
 
 
 def test_every_problem_of_a_train_config_comes_in_one_message():
@@ -38,7 +39,8 @@ def test_every_problem_of_a_train_config_comes_in_one_message():
     with pytest.raises(UserError) as e:
         cfg.check()
     message = str(e.value)
-    for phrase in ("batch_size=0 must be at least 1", "dropout=1.5 must be in [0, 1)", "keep_last=-1 must be at least 0",
+    for phrase in ("batch_size=0 must be at least 1", "dropout=1.5 must be in [0, 1)",
+                   "keep_last=-1 must be at least 0",
                    "optimizer='sgd' is not one of adamw, muon", "n_embd=33 must be divisible by n_head=2"):
         assert phrase in message, (phrase, message)
     assert "\n" not in message
@@ -78,3 +80,104 @@ def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(t
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     assert wandb_problem(cfg) is None
+
+
+# ----------------------------------------------------------------------------------------------- every numeric key
+
+
+def numeric_keys(config_type) -> list[str]:
+    """The keys of a config whose type is a number (int, float, optionally None or a bool too)."""
+    import typing
+
+    hints = typing.get_type_hints(config_type)
+    numbers = {int, float}
+    return [name for name, tp in hints.items()
+            if tp in numbers or set(typing.get_args(tp)) - {type(None), bool} and
+            set(typing.get_args(tp)) - {type(None), bool} <= numbers]
+
+
+def test_every_numeric_setting_declares_its_range():
+    """Each number a user sets says beside its type what it may be (so that none is accepted out of range)."""
+    import bench
+    import hellaswag
+    import sample
+
+    for config_type in (TrainConfig, bench.BenchConfig, sample.SampleConfig, hellaswag.HellaSwagConfig):
+        declared = config.declarations(config_type())
+        assert [k for k in numeric_keys(config_type) if not isinstance(declared.get(k, (None,))[0], Range)] == [], \
+            config_type.__name__
+
+
+def out_of_range(meta: Range, integer: bool):
+    """A strategy of values outside `meta`: below its low end, above its high end, and (floats) nan and inf."""
+    import math
+
+    from hypothesis import strategies as st
+
+    options = []
+    if meta.low is not None:
+        if integer:
+            options.append(st.integers(max_value=math.ceil(meta.low) - (0 if meta.low_open else 1), min_value=-10**12))
+        else:
+            options.append(st.floats(max_value=meta.low, exclude_max=not meta.low_open, min_value=-1e300))
+    if meta.high is not None:
+        if integer:
+            options.append(st.integers(min_value=math.floor(meta.high) + (0 if meta.high_open else 1),
+                                       max_value=10**20))
+        else:
+            options.append(st.floats(min_value=meta.high, exclude_min=not meta.high_open, max_value=1e300))
+    if not integer:
+        options.append(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    return st.one_of(options)
+
+
+def test_an_out_of_range_value_of_any_numeric_setting_is_one_line_and_changes_nothing(data_dir, tmp_path, capsys):
+    """Bug: --max_nonfinite_skips=-1 stopped the first step over finite figures (after the start was accepted);
+    --keep_last=-1, --warmup_iters=-5 and --min_lr=-1 passed silently; --seed=-1 was a traceback from numpy after the
+    run in out_dir had been moved aside. Now any numeric key given a value outside its declared range (drawn by
+    hypothesis) is one line naming it, exit status 2, and out_dir byte for byte as it was."""
+    import typing
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from helpers import config_args, folder_state, run_in_process, tiny_config
+    from train import train
+
+    out = tmp_path / "out"
+    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
+    before = folder_state(out)
+    args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4))]
+    hints = typing.get_type_hints(TrainConfig)
+    ranges = {k: meta for k, (meta, _) in config.declarations(TrainConfig()).items() if isinstance(meta, Range)}
+    cases = st.sampled_from(sorted(ranges)).flatmap(
+        lambda k: st.tuples(st.just(k), out_of_range(ranges[k], int in (hints[k], *typing.get_args(hints[k]))
+                                                     and float not in (hints[k], *typing.get_args(hints[k])))))
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(cases)
+    def one_bad_key(case):
+        key, value = case
+        r = run_in_process([*args, f"--{key}={value!r}"], capsys)
+        assert r.returncode == 2, (key, value, r.stderr[-2000:])
+        (line,) = r.stderr.splitlines()
+        assert line.startswith("error: ") and f"{key}" in line, (key, value, line)
+        assert folder_state(out) == before, (key, value)
+
+    one_bad_key()
+    for key, value in (("max_nonfinite_skips", -1), ("keep_last", -1), ("warmup_iters", -5), ("min_lr", -1.0),
+                       ("seed", -1)):  # the reported ones, each certainly tried
+        r = run_in_process([*args, f"--{key}={value}"], capsys)
+        assert r.returncode == 2 and f"{key}={value} must be " in r.stderr, (key, r.stderr)
+
+
+@pytest.mark.parametrize("script", ["sample.py", "bench.py"])
+def test_a_negative_seed_is_one_line_in_every_command(script, tmp_path, capsys):
+    """Bug: --seed=-1 was a traceback from numpy's SeedSequence in sample.py and bench.py."""
+    from helpers import run_in_process
+
+    r = run_in_process([script, "--seed=-1", "--device=cpu", f"--out_dir={tmp_path}"] if script == "sample.py"
+                       else [script, "--seed=-1", "--device=cpu"], capsys)
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("error: ") and "seed=-1 must be in [0, 4294967295]" in line, line

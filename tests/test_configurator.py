@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import configurator
 from nanogpt.errors import UserError
-from configurator import ConfigError, config_summary, configure
+from configurator import ConfigError, configure
+from nanogpt.config import config_summary
 
 # A module-level name that config files also assign: a file must never reach it.
 batch_size = "test module global"

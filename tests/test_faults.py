@@ -122,7 +122,8 @@ def test_injected_nan_stops_with_the_iteration_and_leaves_parameters_untouched(d
         return logits, loss
 
     monkeypatch.setattr(GPT, "forward", poisoned)
-    with pytest.raises(NonFiniteError, match=rf"non-finite loss at iter {bad_iter} .*the step was not applied"):
+    # named as the log counts steps: the step of 0-based iteration 7 is logged as iter 8
+    with pytest.raises(NonFiniteError, match=rf"non-finite loss at iter {bad_iter + 1} .*the step was not applied"):
         train(tiny_config(data_dir, tmp_path / "nan", max_iters=20, lr_decay_iters=20, eval_interval=1000))
     untouched = calls["model"].state_dict()
     reference = clean["model"].state_dict()
@@ -146,7 +147,7 @@ def test_nonfinite_steps_can_be_skipped_up_to_a_limit(data_dir, tmp_path, monkey
     result = train(tiny_config(data_dir, tmp_path / "out", max_iters=8, max_nonfinite_skips=2))
     assert result["iter_num"] == 8 and np.isfinite(result["val_loss"])
     calls["n"] = 0
-    with pytest.raises(NonFiniteError, match="non-finite loss at iter 4"):
+    with pytest.raises(NonFiniteError, match="non-finite loss at iter 5"):  # the log's count: its 5th step
         train(tiny_config(data_dir, tmp_path / "out2", max_iters=8, max_nonfinite_skips=1))
 
 
@@ -391,8 +392,9 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
     """StopRequest's rule, on a clock the test sets: a SIGINT within 1 s of the first is the same Ctrl-C (torchrun
     forwards the terminal's to workers that already got it); a later one exits at once; SIGTERMs never do."""
     now = {"t": 100.0}
-    monkeypatch.setattr(train_module.time, "monotonic", lambda: now["t"])
-    with distributed.StopRequest(distributed.Dist()) as stop:
+    monkeypatch.setattr(distributed.time, "monotonic", lambda: now["t"])
+    with distributed.StopRequest() as stop:
+        stop.arm()  # the start accepted: signals ask for a stop with a checkpoint
         assert not stop.requested()
         stop._handle(signal.SIGINT, None)
         now["t"] += 0.1
@@ -401,7 +403,8 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
         now["t"] += 1.4
         with pytest.raises(KeyboardInterrupt, match="second Ctrl-C: exiting without a checkpoint"):
             stop._handle(signal.SIGINT, None)
-    with distributed.StopRequest(distributed.Dist()) as stop:
+    with distributed.StopRequest() as stop:
+        stop.arm()
         stop._handle(signal.SIGTERM, None)
         now["t"] += 5
         stop._handle(signal.SIGTERM, None)  # a scheduler repeating itself: never an exit without a checkpoint

@@ -326,7 +326,7 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tm
                     *config_args(cfg)], timeout=HANG_S)
     assert r.returncode != 0
     # the loss is averaged over ranks before the check, so both ranks see it and stop with the same error
-    assert r.stderr.count("error: non-finite loss at iter 3 ") == 2, r.stderr[-3000:]
+    assert r.stderr.count("error: non-finite loss at iter 4 ") == 2, r.stderr[-3000:]  # as the log counts: the 4th step
 
 
 def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_imported():

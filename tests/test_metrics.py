@@ -70,3 +70,34 @@ def test_the_runs_wall_time_continues_across_resumes(data_dir, tmp_path, monkeyp
     train(tiny_config(data_dir, out, max_iters=6, eval_interval=2, log_interval=1, init_from="resume"))
     times = [r["elapsed_s"] for r in map(json.loads, open(out / "metrics.jsonl"))]
     assert times == sorted(times) and metrics(out, "loss")[4]["elapsed_s"] > saved
+
+
+def test_metrics_lines_of_any_content_are_skipped_with_a_warning_or_read(tmp_path, capsys):
+    """A metrics.jsonl line edited by hand, of another program or damaged: any JSON value, or a record whose fields
+    hold any JSON value, is read as a record (plot and report draw it) or skipped with the one warning; never an
+    exception in the report, the picture or plot.py's reading."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from helpers import json_values
+    from nanogpt import report
+
+    record = {"iter": 5, "loss": 2.5, "elapsed_s": 1.0, "tok_s": 9.0, "mfu": None, "val_loss": 2.6,
+              "train_loss": 2.5, "start": {"iter": 0, "init_from": "scratch", "command": "python train.py"}}
+    lines = json_values() | st.sampled_from(sorted(record)).flatmap(
+        lambda key: json_values().map(lambda value: {**record, key: value}))
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(lines, min_size=1, max_size=3))
+    def reads(written):
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        good = {"iter": 1, "loss": 3.0, "elapsed_s": 0.5, "tok_s": 8.0, "mfu": None}
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good, *written]))
+        report.write_report(str(out), TrainConfig(out_dir=str(out)), TrainConfig(), {"device": "cpu"}, None)
+        assert (out / "report.md").exists()
+        capsys.readouterr()
+
+    reads()

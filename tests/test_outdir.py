@@ -5,6 +5,7 @@ and two agents on one machine (real torchrun, gloo, tiny models)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import shutil
@@ -334,7 +335,7 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
         (out / name).write_text(name)
     outdir.begin_run(str(out))  # run.json as a run writes it (its start time names the folder)
     os.symlink("ckpt_sharded_0000004_0", out / "ckpt_sharded")
-    dest = outdir.move_previous_run(str(out))
+    dest = outdir.move_previous_run(str(out))[0]
     assert sorted(os.listdir(dest)) == sorted([*names, "ckpt_sharded"])
     assert os.readlink(os.path.join(dest, "ckpt_sharded")) == "ckpt_sharded_0000004_0"  # still points at its folder
     assert sorted(os.listdir(out)) == sorted([*mine, "previous"])
@@ -344,7 +345,8 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
 # ----------------------------------------------------------------------------------------------- damaged files
 
 
-def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warns(data_dir, tmp_path, capsys):
+def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warns(data_dir, tmp_path, capsys,
+                                                                                 monkeypatch):
     """Bug: a run.json edited by hand ended a start in a traceback (TypeError moving the run aside, AttributeError
     finding its checkpoint) and one cut short was silently replaced; a metrics.jsonl line that is JSON but not a
     record made the finished run exit 1 in its report, and plot.py fail. Now: one line naming run.json and what to
@@ -372,10 +374,16 @@ def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warn
             in r.stderr), r.stderr
     assert outdir.run_id_of(str(out)) == load_checkpoint(str(out / "ckpt.pt"))["run_id"]
     assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
-    (out / "report.md").unlink()
-    (out / "report.md").mkdir()  # a report that cannot be written
+    write_text = outdir.write_text
+
+    def report_fails(path, text, what):  # the disk fills up as the run ends: the report cannot be written
+        if what == "report":
+            raise outdir.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), what=what)
+        write_text(path, text, what)
+
+    monkeypatch.setattr(outdir, "write_text", report_fails)
     r = run_in_process([*args, "--init_from=resume", "--max_iters=8", "--report=True"], capsys)
-    assert r.returncode == 0 and "warning: no report (" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 0 and "warning: no report (could not write report " in r.stderr, r.stderr[-2000:]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 8
 
 
@@ -573,3 +581,213 @@ def test_two_agents_train_fsdp_at_a_world_of_4_that_resumes_at_worlds_of_2_and_1
     ref = single["model"].state_dict()
     got = model.state_dict()
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5  # gradient sums in another order
+
+
+# ----------------------------------------------------------------------------------------------- a start under fault
+
+
+def test_a_start_that_trains_no_step_moves_nothing(data_dir, tmp_path, capsys):
+    """Bug: --max_iters=0 (also with --init_from=DIR) in a folder that held a run moved the run to previous/ and wrote
+    a new run.json, saving nothing: a requeued init_from=auto job then started again at iter 0. A start that trains no
+    step is an evaluation: the folder is as it was."""
+    out, other = tmp_path / "job", tmp_path / "other"
+    train(tiny_config(data_dir, other, max_iters=2, eval_interval=2))
+    job = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=2, eval_interval=2, init_from="auto"))]
+    assert run_in_process(job, capsys).returncode == 0
+    before = folder_state(out)
+    for args in (["--init_from=scratch", "--max_iters=0"], [f"--init_from={other}", "--max_iters=0"]):
+        r = run_in_process([*job, *args], capsys)
+        assert r.returncode == 0 and "nothing to train: max_iters=0; evaluating the model only" in r.stdout, args
+        assert "moved to" not in r.stdout and folder_state(out) == before, args
+    r = run_in_process([*job, "--max_iters=4"], capsys)  # the requeue continues the run
+    assert r.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter 2" in r.stdout
+
+
+def test_the_lock_that_cannot_be_made_is_one_line_and_changes_nothing(data_dir, tmp_path, monkeypatch, capsys):
+    """Bug: a read-only out_dir (or file system), for a new run or --init_from=resume, ended in a PermissionError or
+    OSError 30 traceback at the lock. Now one line naming run.lock and the cause, exit 2, the folder as it was."""
+    from faulty_disk import FaultyDisk
+
+    out = tmp_path / "out"
+    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
+    before = folder_state(out)
+    for again in ([], ["--init_from=resume", "--max_iters=4"]):
+        for err in (errno.EROFS, errno.EACCES):
+            with monkeypatch.context() as m:
+                FaultyDisk(out, m, fail_at=0, err=err)  # the first write: run.lock
+                r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=2)), *again], capsys)
+            assert r.returncode == 2, r.stderr[-2000:]
+            (line,) = r.stderr.splitlines()
+            assert line.startswith(f"error: cannot hold the run folder: {out / 'run.lock'} ({os.strerror(err)})"), line
+            assert folder_state(out) == before
+
+
+def test_a_folder_removed_while_the_lock_opens_is_made_again(data_dir, tmp_path, monkeypatch):
+    """Bug: two starts racing in a new folder: one removes the folder it made (refused, or done) while the other opens
+    its lock there: FileNotFoundError. Now the folder is made again and the start goes on."""
+    out = tmp_path / "a" / "b"
+    real_open, removed = os.open, []
+
+    def racing_open(path, flags, *args, **kwargs):
+        if str(path).endswith(outdir.LOCK_FILE) and not removed:  # the other start's cleanup, just before our open
+            removed.append(path)
+            os.rmdir(out)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", racing_open)
+    with outdir.hold(str(out)):
+        assert removed and (out / outdir.LOCK_FILE).is_file()
+    assert not (tmp_path / "a").exists()  # made by the start, removed at its end
+
+
+def test_a_refused_start_leaves_no_folder_it_made(data_dir, tmp_path, capsys):
+    """Bug: a start refused in out_dir=a/b/c removed c but left a/ and a/b/. Now every folder it made goes."""
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "a" / "b" / "c", n_embd=33))],
+                       capsys)
+    assert r.returncode == 2 and "n_embd=33 must be divisible by n_head=2" in r.stderr
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "a" / "b" / "c",
+                                                             init_from=str(tmp_path / "missing.pt")))], capsys)
+    assert r.returncode == 2 and sorted(os.listdir(tmp_path)) == ["tinychar"]
+    cfg = dataclasses.replace(tiny_config(data_dir, tmp_path / "x" / "y", init_from="auto"),
+                              data_dir=str(tmp_path / "no_data"))
+    with pytest.raises(checkpoint.UserError, match="no_data"):  # refused inside the hold: no dataset there
+        train(cfg)
+    assert sorted(os.listdir(tmp_path)) == ["tinychar"]
+
+
+def test_sigterm_during_the_start_is_one_line_and_leaves_the_folder_as_it_was(data_dir, tmp_path, monkeypatch, capsys):
+    """Bug: a SIGTERM during the start (the model loading, before the first step) exited 143 with no message and left
+    a new folder holding only run.lock. Now: one line, exit 143, and the folder as it was: a new one gone, a used one
+    byte for byte."""
+    from nanogpt import start
+
+    load_model = start.load_model
+
+    def signalled(*args, **kwargs):  # the scheduler's SIGTERM arrives while the model loads
+        os.kill(os.getpid(), signal.SIGTERM)
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(start, "load_model", signalled)
+    used = tmp_path / "used"
+    for out in (tmp_path / "new", used):
+        if out == used:
+            with monkeypatch.context() as m:
+                m.setattr(start, "load_model", load_model)
+                train(tiny_config(data_dir, used, max_iters=2, eval_interval=2))
+        before = folder_state(out) if out.exists() else None
+        r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=4))], capsys)
+        assert r.returncode == 143, r.stderr[-2000:]
+        assert r.stderr.splitlines()[-1] == ("stopped by SIGTERM during the start, before the first step: nothing was "
+                                             "saved, and the run folder is as it was")
+        assert (folder_state(out) if out.exists() else None) == before
+
+
+def test_the_starts_lines_say_what_is_true(data_dir, tmp_path, capsys):
+    """Bugs: a missing out_dir with --init_from=resume was said to "hold run.lock" (the start's own); a resume with a
+    changed shape announced "resuming from ..." then refused; a run moved aside with no checkpoint was said to resume
+    from there; an eval-only resume listed eval_only: False -> True as a changed setting; a folder given as a
+    checkpoint file named an internal function (read_weights)."""
+    missing = tmp_path / "missing"
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, missing, init_from="resume"))], capsys)
+    assert r.returncode == 2 and "the folder does not exist" in r.stderr and "run.lock" not in r.stderr, r.stderr
+    assert not missing.exists()
+    out = tmp_path / "out"
+    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, n_embd=64, init_from="resume"))], capsys)
+    assert r.returncode == 2 and "cannot resume: the checkpoint's model differs" in r.stderr
+    assert "resuming from" not in r.stdout, r.stdout
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, init_from="resume", max_iters=4,
+                                                             eval_only=True))], capsys)
+    assert r.returncode == 0 and "eval_only: False -> True" not in r.stdout, r.stdout
+    no_ckpt = tmp_path / "no_ckpt"  # a run killed before its first save: its run.json and log only
+    no_ckpt.mkdir()
+    outdir.begin_run(str(no_ckpt))
+    (no_ckpt / "metrics.jsonl").write_text('{"iter": 0, "train_loss": 3.4, "val_loss": 3.4, "elapsed_s": 1.0}\n')
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, no_ckpt, max_iters=1))], capsys)
+    assert r.returncode == 0 and "it saved no checkpoint" in r.stdout and "resumes from there" not in r.stdout
+    with pytest.raises(checkpoint.UserError) as e:
+        checkpoint.load_checkpoint(str(out))
+    assert "read_weights" not in str(e.value) and "is a folder, not a checkpoint file" in str(e.value)
+
+
+def test_the_lock_looks_again_when_its_holder_removed_the_file_between_open_and_lock(tmp_path, monkeypatch):
+    """A holder lets go by removing run.lock, then unlocking: a start that opened the old file just before holds a
+    lock on a file no one else can see, and a third start would make a new run.lock and hold that too. The lock
+    looks again after flock: it holds the file that stands at run.lock, and no other start can."""
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / outdir.LOCK_FILE).write_text("")
+    real_flock, removed = fcntl.flock, []
+
+    def holder_lets_go(fd, op):  # between our open and our flock, the holder removes the file it locked
+        if not removed:
+            removed.append(True)
+            os.remove(out / outdir.LOCK_FILE)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", holder_lets_go)
+    with outdir.hold(str(out)):
+        assert removed and (out / outdir.LOCK_FILE).exists()
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        with pytest.raises(checkpoint.UserError, match="is in use by a live run"):
+            with outdir.hold(str(out)):
+                pass
+
+
+def test_a_resume_records_the_resuming_jobs_id_so_its_own_restarts_resume(tmp_path):
+    """A run begun by torchrun job A and resumed by job B: run.json then names B, so B's restarts resume the run and
+    A's (a stale straggler) do not."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"x")
+    run_id = outdir.begin_run(str(out), job="job-A")
+    assert outdir.continue_run(str(out), run_id, job="job-B") == run_id
+    assert outdir.read_run(str(out))["torchrun_job"] == "job-B"
+    assert outdir.resolve_init_from("scratch", str(out), restart=1, job="job-B")[0] == "resume"
+    assert outdir.resolve_init_from("scratch", str(out), restart=1, job="job-A")[0] == "scratch"
+
+
+def test_a_restart_without_a_job_id_never_resumes_a_run_without_one(tmp_path):
+    """Where torchrun's workers share no store (no job id: None), a restart cannot tell its run from another's, and
+    follows init_from: a run.json that records no job (None) is no match for None."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"x")
+    outdir.begin_run(str(out), job=None)
+    assert outdir.resolve_init_from("scratch", str(out), restart=1, job=None)[0] == "scratch"
+
+
+def test_run_json_of_any_content_is_read_as_one_line_or_used(tmp_path):
+    """run.json edited by hand, damaged or of another program: whatever JSON it holds (any type, size, nesting, in any
+    field), what reads it (a start's decision, a torchrun restart, the move aside, finding a checkpoint) either uses
+    it or says in one line that it is damaged; never another exception."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from helpers import json_values
+
+    good = {"run_id": "abc123", "started": 1.7e9, "torchrun_job": "job"}
+    docs = json_values() | st.fixed_dictionaries({}).flatmap(lambda _: st.sampled_from(sorted(good)).flatmap(
+        lambda key: json_values().map(lambda value: {**good, key: value})))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(docs)
+    def reads(doc):
+        out = tmp_path / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        (out / "run.json").write_text(json.dumps(doc))
+        (out / "ckpt.pt").write_bytes(b"not read here")
+        for read in (lambda: outdir.read_run(str(out)), lambda: outdir.run_id_of(str(out)),
+                     lambda: outdir.resolve_init_from("auto", str(out), restart=1, job="job"),
+                     lambda: outdir.move_previous_run(str(out)), lambda: checkpoint_manager.find_checkpoint(str(out))):
+            try:
+                read()
+            except checkpoint.UserError as e:
+                assert "\n" not in str(e)
+
+    reads()

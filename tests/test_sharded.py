@@ -166,3 +166,57 @@ def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_p
     # sample.py reads the best copy by name
     load_model(SampleConfig(out_dir=str(out), ckpt="ckpt_sharded_best", device="cpu", dtype="float32"))
     assert f"checkpoint: {out / 'ckpt_sharded_best'} at iter 6" in capsys.readouterr().err
+
+
+LINK_BEFORE_RETURN = """
+import os, sys, time
+sys.path[:0] = [{root!r}]
+import torch
+import torch.distributed as td
+import torch.distributed.checkpoint as dcp
+from model import GPT, GPTConfig
+from nanogpt import parallel, sharded
+from nanogpt.distributed import cleanup_distributed, setup_distributed
+
+out = {out!r}
+flag = os.path.join(out, ".rank1_past_its_shards")
+dist = setup_distributed("cpu")
+torch.manual_seed(0)
+model = parallel.shard_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11)), dist,
+                             "float32", compile=False)
+optimizer = torch.optim.AdamW(model.parameters())
+if dist.rank == 1:  # rank 1 says when its shards are written and it waits for rank 0 (or has gone on without it)
+    save, barrier, written = dcp.save, td.barrier, []
+    dcp.save = lambda *a, **k: (save(*a, **k), written.append(1))[0]
+    def waiting(*a, **k):
+        if written:
+            open(flag, "w").close()
+        return barrier(*a, **k)
+    td.barrier = waiting
+else:  # rank 0 links only once rank 1 is past its shards: a rank 1 that returned before the link reads no link
+    def before_link(stage):
+        for _ in range(60000 if stage == "before_link" else 0):
+            if os.path.exists(flag):
+                break
+            time.sleep(0.001)
+    sharded._fault_point = before_link
+os.makedirs(out, exist_ok=True)
+folder = sharded.save_sharded(out, model, optimizer, {{"iter_num": 1, "model_args": {{}}, "config": {{}}}}, dist)
+if dist.rank == 1:
+    link = os.path.join(out, sharded.SHARDED_NAME)
+    print("linked:", os.path.islink(link) and os.readlink(link) == os.path.basename(folder), flush=True)
+    open(flag, "w").close()
+cleanup_distributed(dist, barrier=True)
+"""
+
+
+def test_every_rank_returns_from_a_sharded_save_once_the_link_names_it(tmp_path):
+    """Rank 0 links ckpt_sharded to the new folder once every shard is written; the other ranks wait for that
+    (a barrier) before they return, so none goes on (a stop's exit, a resume of the folder) while the link still
+    names the save before."""
+    script = tmp_path / "link_before_return.py"
+    script.write_text(LINK_BEFORE_RETURN.format(root=ROOT, out=str(tmp_path / "run")))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "linked: True" in r.stdout, r.stdout + r.stderr[-3000:]

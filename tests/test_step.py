@@ -114,6 +114,20 @@ def test_past_its_limit_the_guard_skips_every_later_step():
         assert guard.skips.item() == 1  # only the NaN step is counted
 
 
+def test_a_float16_overflow_the_scaler_skips_is_no_non_finite_step():
+    """Under float16's grad scaler a finite loss whose gradients overflow (an inf norm) is the scaler's to skip, with
+    a lower scale next time, and is not counted against max_nonfinite_skips: with a limit of 0 the run goes on. A
+    non-finite loss is counted, scaler or not; without a scaler an inf norm is counted too."""
+    one, inf, nan = torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(float("nan"))
+    guard = NonFiniteGuard("cpu", limit=0)
+    assert guard.skip(one, inf, scaler_enabled=True).item() == 1.0  # not applied (the scaler skips it)...
+    assert guard.skips.item() == 0  # ...and not counted
+    assert guard.skip(one, one, scaler_enabled=True).item() == 0.0  # the next finite step trains: no stop
+    assert guard.skip(nan, inf, scaler_enabled=True).item() == 1.0 and guard.skips.item() == 1
+    plain = NonFiniteGuard("cpu")
+    assert plain.skip(one, inf, scaler_enabled=False).item() == 1.0 and plain.skips.item() == 1
+
+
 def test_one_step_late_returns_each_steps_figures_with_its_tag_when_the_next_is_pushed(monkeypatch):
     """Each step's figures come back one push later, with its tag and its time: from the end of the step before (or
     the last restart) to its own end, on the CPU the host clock (here one the test sets: 5, 7 and 11 ms steps)."""
