@@ -38,7 +38,7 @@ from nanogpt.device import (DeviceClock, autocast_context, dtype_reason, resolve
                             resolve_dtype, set_tf32, synchronize)
 from nanogpt.distributed import Dist
 from nanogpt.errors import UserError, exit_on_user_error
-from nanogpt.hardware import check_attention_kernel
+from nanogpt.hardware import check_attention_kernel, use_flash_impl
 from nanogpt.measure import (OptimizerTimer, OtherLoad, PeakMemory, allocator_line, detect_allocator, gpu_busy_share,
                              machine_line, matmul_floor_or_why, step_profiler, write_json, write_profile)
 from nanogpt.mfu import mfu_text, resolve_peak_flops
@@ -152,6 +152,7 @@ def setup_run(cfg: BenchConfig) -> dict:
     device = resolve_device(cfg.device)
     setup_process(cfg, device)  # the seed, deterministic algorithms, malloc
     set_tf32(cfg.tf32 and device.startswith("cuda"))
+    use_flash_impl(cfg.flash_impl)
     dtype = resolve_dtype(cfg.dtype, device)
     ctx = autocast_context(device, dtype)
     attention, attention_why = resolve_attention(cfg.attention, device, dtype)

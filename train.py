@@ -46,7 +46,7 @@ from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, s
 from nanogpt.distributed import (DDP_SETTINGS, Dist, Stopped, StopRequest, check_shared_out_dir, checkpoint_group,
                                  run_in_group, setup_distributed)
 from nanogpt.errors import RunError, WriteError, exit_on_user_error
-from nanogpt.hardware import check_attention_kernel, system_info
+from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
 from nanogpt.mfu import mfu_text
 from nanogpt.optim import Optimizers, build_optimizer
@@ -170,6 +170,7 @@ def setup(plan: StartPlan, dist: Dist, stop: StopRequest) -> Training:
     kept_memory = setup_process(cfg, dist.device, dist.rank)  # seed + rank, deterministic algorithms, malloc
     device_type = dist.device.split(":")[0]
     set_tf32(cfg.tf32 and device_type == "cuda")  # TF32 matmuls on Ampere+ GPUs: 10-bit inputs, float32 sums
+    use_flash_impl(cfg.flash_impl)  # behind SDPA's flash kernel: PyTorch's FlashAttention-2, or FlashAttention-4
     dtype = resolve_dtype(cfg.dtype, dist.device)  # "auto": bf16 where the device has it fast
     ctx = autocast_context(dist.device, dtype)  # matmuls in bf16/fp16 under torch.autocast, reductions float32
     attention, attention_why = resolve_attention(cfg.attention, dist.device, dtype)

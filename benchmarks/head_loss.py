@@ -1,8 +1,9 @@
 """
 The language-model head's loss alone, forward + backward, in each implementation at hand: the plain loss (the
 head's logits, then cross-entropy: model.cross_entropy_sum, compiled as train.py compiles the model), this project's
-fused loss (fused_loss.py, chunk by chunk), and, where installed, liger-kernel's and cut-cross-entropy's fused
-linear + cross-entropy. GPT-2's head (n_embd 768, vocabulary 50257 padded to 50304) on the tokens of a 12 x 1024
+fused loss (fused_loss.py, chunk by chunk), the loss that writes its gradient over the logits in the forward (llm.c's
+fused classifier: no second pass over them in the backward), and, where installed, quack-kernels' cross-entropy over
+the plain logits, liger-kernel's and cut-cross-entropy's fused linear + cross-entropy. GPT-2's head (n_embd 768, vocabulary 50257 padded to 50304) on the tokens of a 12 x 1024
 and a 64 x 1024 micro-batch, bf16 autocast, float32 master weights as in training.
 
     python benchmarks/head_loss.py                         # on the GPU: both token counts
@@ -63,8 +64,52 @@ def cut_cross_entropy(x, w, t):
                                     reduction="sum", filter_eps=None)
 
 
-IMPLEMENTATIONS = {"plain (compiled)": plain, "fused_loss.py": ours, "liger-kernel": liger,
-                   "cut-cross-entropy": cut_cross_entropy}
+class GradientInForward(torch.autograd.Function):
+    """llm.c's fused classifier in PyTorch: the forward computes the loss and, in the logits' own buffer, their
+    gradient (softmax - one-hot; 0 for an ignored target and the padded columns), so the backward does not read the
+    (tokens x vocab) logits a second time: it multiplies the kept gradient out into x's and w's."""
+
+    @staticmethod
+    def forward(ctx, x, w, t):
+        logits = F.linear(x, w)  # (N, Vp), in autocast's dtype
+        logits[:, VOCAB:] = float("-inf")  # the padded rows are no tokens
+        lse = torch.logsumexp(logits.float(), dim=-1)  # (N,)
+        keep = t != -1
+        picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1).float()  # (N,)
+        loss = ((lse - picked) * keep).sum()
+        grad = logits.float().sub_(lse[:, None]).exp_()  # softmax, (N, Vp) float32 ...
+        grad[torch.arange(t.numel(), device=t.device), t.clamp(min=0)] -= 1.0
+        grad *= keep[:, None]
+        logits.copy_(grad)  # ... written over the logits: the one (N, Vp) buffer kept for the backward
+        ctx.save_for_backward(x, w, logits)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, w, dlogits = ctx.saved_tensors
+        dlogits = dlogits * grad_loss.to(dlogits.dtype)
+        return (dlogits @ w.to(dlogits.dtype)).to(x.dtype), (dlogits.t() @ x.to(dlogits.dtype)).to(w.dtype), None
+
+
+def gradient_in_forward(x, w, t):
+    return GradientInForward.apply(x, w, t)
+
+
+def quack(x, w, t):
+    """quack-kernels' cross-entropy (CuTe DSL, memory-bound at speed of light on an H100) over the plain head's logits,
+    its backward written over them (inplace_backward)."""
+    if not x.is_cuda:
+        raise UserError("quack-kernels: its kernels run on NVIDIA GPUs only")
+    optional_import("quack", "the quack-kernels row")
+    from quack.cross_entropy import cross_entropy
+
+    logits = F.linear(x, w)
+    logits[:, VOCAB:] = float("-inf")
+    return cross_entropy(logits, t, ignore_index=-1, reduction="sum", inplace_backward=True)
+
+
+IMPLEMENTATIONS = {"plain (compiled)": plain, "fused_loss.py": ours, "gradient in forward": gradient_in_forward,
+                   "quack-kernels": quack, "liger-kernel": liger, "cut-cross-entropy": cut_cross_entropy}
 
 
 def inputs(tokens: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ from model import GELU_CHOICES, SDPA_BACKENDS, GPTConfig
 from nanogpt import float8
 from nanogpt.device import DTYPES, resolve_device, resolve_dtype
 from nanogpt.errors import UserError
+from nanogpt.hardware import FLASH_IMPLS, flash_impl_problem
 from nanogpt.optional import optional_import
 
 T = TypeVar("T")
@@ -249,6 +250,8 @@ class StepConfig:
     sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # "auto", "flash", "efficient",
     # "cudnn", "math"
     vocab_padding_multiple: AtLeast1[int] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
+    flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # SDPA's flash kernel: "default" (PyTorch's,
+    # FlashAttention-2) or "fa4" (FlashAttention-4 through PyTorch's hook: H100/H200/B200, pip install flash-attn-4)
     fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
     # the CPU, plain on a GPU
     gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, the
@@ -322,6 +325,8 @@ class StepConfig:
                             f"{device!r}: use 'default' or 'max-autotune-no-cudagraphs'")
         if self.fp8:
             problems += fp8_problems(device, dtype)
+        if self.flash_impl in FLASH_IMPLS and (why := flash_impl_problem(self.flash_impl, device)) is not None:
+            problems.append(why)
         return problems
 
 

@@ -6,6 +6,7 @@ Probes only; imports errors.py alone.
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import platform
@@ -79,6 +80,43 @@ def check_attention_kernel(model, ctx: AbstractContextManager | None = None, com
                     f"sdpa_backend={cfg.sdpa_backend!r} cannot run on {weight.device.type} with dtype {q.dtype}, "
                     f"head size {q.size(-1)}, no mask: {reasons} (choose another sdpa_backend, or 'auto')"
                 ) from None
+
+
+# flash_impl: the implementation behind SDPA's flash kernel. "default": PyTorch's own (FlashAttention-2); "fa4":
+# FlashAttention-4 (CuTe DSL, written for Hopper and Blackwell) through PyTorch's hook for newer flash kernels.
+FLASH_IMPLS = ("default", "fa4")
+FA4_MODULE = "flash_attn.cute.interface"  # what the flash-attn-4 package provides, and torch's hook imports
+
+
+def flash_impl_problem(impl: str, device: str) -> str | None:
+    """Why flash_impl=`impl` cannot run on `device`, in one line; None where it can."""
+    if impl == "default":
+        return None
+    if not hasattr(torch.nn.attention, "activate_flash_attention_impl"):
+        return (f"flash_impl={impl!r} needs PyTorch's hook for newer flash kernels "
+                f"(torch.nn.attention.activate_flash_attention_impl), which torch {torch.__version__} lacks: upgrade "
+                f"torch, or set flash_impl='default'")
+    if not device.startswith("cuda"):
+        return (f"flash_impl={impl!r} runs FlashAttention-4 on NVIDIA GPUs of compute capability 9.0 or 10.0 (H100, "
+                f"H200, B200), and device={device!r} is not one: set flash_impl='default'")
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if major not in (9, 10):
+        return (f"flash_impl={impl!r}: FlashAttention-4 runs on compute capability 9.0 or 10.0 (H100, H200, B200), and "
+                f"this GPU has {major}.{minor}: set flash_impl='default'")
+    try:
+        found = importlib.util.find_spec(FA4_MODULE) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return (f"flash_impl={impl!r} needs the flash-attn-4 package ({FA4_MODULE}), which is not installed: pip "
+                f"install flash-attn-4 (with nvidia-cutlass-dsl and quack-kernels), or set flash_impl='default'")
+    return None
+
+
+def use_flash_impl(impl: str) -> None:
+    """Put `impl` behind SDPA's flash kernel, for the whole process (flash_impl_problem has said it can run)."""
+    if impl == "fa4":
+        torch.nn.attention.activate_flash_attention_impl("FA4")
 
 
 def sdpa_kernel_compiles() -> bool:

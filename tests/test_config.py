@@ -61,6 +61,15 @@ def test_fp8_problems_name_each_cause(monkeypatch):
     assert StepConfig(device="cpu", fp8=True, dtype="float32").problems() == problems
 
 
+def test_flash_impl_fa4_is_refused_in_one_line_where_it_cannot_run():
+    """FlashAttention-4 (flash_impl='fa4') needs an H100/H200/B200-class GPU and the flash-attn-4 package: on this
+    CPU, one phrase of the settings' one message, before anything runs."""
+    (problem,) = TrainConfig(device="cpu", flash_impl="fa4").problems()
+    assert problem.startswith("flash_impl='fa4' runs FlashAttention-4 on NVIDIA GPUs of compute capability 9.0")
+    assert TrainConfig(device="cpu", flash_impl="fa3").problems() == [
+        "flash_impl='fa3' is not one of default, fa4"]
+
+
 def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     home = tmp_path / "home"

@@ -14,9 +14,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import head_loss as bench_loss  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["plain (compiled)", "fused_loss.py"])
+@pytest.mark.parametrize("name", ["plain (compiled)", "fused_loss.py", "gradient in forward"])
 def test_a_row_measures_the_loss_and_its_errors_against_float32(name):
-    fn = bench_loss.plain if name == "plain (compiled)" else bench_loss.ours  # eager here: the same function
+    fn = bench_loss.plain if name == "plain (compiled)" else bench_loss.IMPLEMENTATIONS[name]  # eager here
     row = bench_loss.measure(name, fn, tokens=64, device="cpu", repeats=1)
     assert row["status"] == "ok" and row["ms"] > 0 and row["waits_for_host"] is None  # no CUDA to wait for
     # bf16 autocast against float32: rounding-sized errors, and no gradient for the padding rows
@@ -46,3 +46,19 @@ def test_bad_arguments_are_refused_in_one_line():
         bench_loss.parse_args(["--tokens=12k"])
     with pytest.raises(UserError, match="--only: unknown 'lig'"):
         bench_loss.parse_args(["--only=lig"])
+
+
+def test_the_gradient_written_in_the_forward_is_the_plain_losss_in_float32():
+    """llm.c's way (the gradient computed with the loss, over the logits' buffer): in float32, without autocast, the
+    loss and both gradients are the plain loss's to float32's rounding, the ignored targets and padded rows included."""
+    x, w, t = bench_loss.inputs(300, "cpu", seed=3)
+    ours = bench_loss.loss_and_grads(bench_loss.gradient_in_forward, x, w, t, autocast=False)
+    plain = bench_loss.loss_and_grads(bench_loss.plain, x, w, t, autocast=False)
+    for a, b in zip(ours, plain):
+        assert bench_loss.relative_error(a, b) < 1e-6
+    assert ours[2][bench_loss.VOCAB:].abs().max() == 0
+
+
+def test_quack_needs_a_gpu_and_says_so():
+    row = bench_loss.measure("quack-kernels", bench_loss.quack, tokens=8, device="cpu", repeats=1)
+    assert row["status"] == "n/a" and row["reason"] == "quack-kernels: its kernels run on NVIDIA GPUs only"

@@ -151,3 +151,24 @@ def test_kv_cache_logits_match_the_full_forward_in_float64(backend: str, dtype: 
             pytest.skip(f"refused by PyTorch: {str(e)[:200]}")
     logits = torch.cat(steps, dim=1)  # (B, 64, padded V)
     assert relative_error(logits, ref_logits) < REL[dtype]
+
+
+def test_flash_attention_4_through_torchs_hook_matches_math_attention() -> None:
+    """flash_impl='fa4': SDPA's flash kernel becomes FlashAttention-4 (torch.nn.attention.activate_flash_attention_impl)
+    where the GPU and the flash-attn-4 package allow it; its output and gradients match float64 math as flash's do.
+    Run in a process of its own: the activation holds for the process."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from nanogpt.hardware import flash_impl_problem
+
+    if (why := flash_impl_problem("fa4", "cuda")) is not None:
+        pytest.skip(why)
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import attention; "
+            "rows = attention.main(['--shapes=4x1024', '--kernels=fa4,flash', '--repeats=3']); "
+            "print('ERRORS', [max(r['errors'].values()) for r in rows])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fa4, flash = eval(r.stdout.split("ERRORS")[1])
+    assert fa4 < 2 * max(flash, REL["bfloat16"] / 10), (fa4, flash)
