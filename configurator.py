@@ -7,7 +7,7 @@ defaults, and all problems are reported together in one ConfigError before anyth
 `--help` (or `-h`) anywhere prints the script's usage and every key with its type, default and the comment
 beside it in the dataclass's source, then exits 0 (help_text).
 
-Imports nanogpt/config.py (what a type admits: coerce, type_name) and errors.py; the commands import this module,
+Imports nanogpt/config.py (what a type admits: coerce, type_name, declared_problems) and errors.py; the commands import this module,
 and it imports none of them.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nanogpt.config import coerce, type_name
+from nanogpt.config import coerce, declared_problems, type_name
 from nanogpt.errors import UserError
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
         checked = _check_override(key, raw, field_types[key], problems)
         if checked is not _INVALID:
             updates[key] = checked
-    if problems:
+    if problems:  # with them, each value read well but outside its declared range: one round of fixes, not two
+        problems += declared_problems(dataclasses.replace(config, **updates))  # the defaults are in range
         raise ConfigError("; ".join(problems))
     return dataclasses.replace(config, **updates), set(updates)
 

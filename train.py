@@ -1,7 +1,7 @@
 """
 Train a GPT: from scratch, from a checkpoint (resume), or from GPT-2 weights (fine-tuning).
 
-One process (a GPU, or the CPU):
+One process (device="auto": a GPU if there is one, else the CPU; the first config here says device="cpu"):
 $ python train.py config/train_shakespeare_char_cpu.py
 $ python train.py config/train_gpt2.py --batch_size=8 --compile=False
 

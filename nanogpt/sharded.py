@@ -228,6 +228,8 @@ def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> 
 def convert_to_single_file(folder: str, path: str | None = None) -> str:
     """Write a sharded checkpoint as one ckpt.pt (default: beside the folder) in the format train.py writes
     without FSDP: the model, the optimizer state (torch's format), and the train state. Returns the file."""
+    if not os.path.exists(folder):
+        raise UserError(f"{folder} does not exist: give an FSDP run's out_dir/{SHARDED_NAME}")
     if not is_sharded(folder):
         raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED_NAME}")
     path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT_NAME)

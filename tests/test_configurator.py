@@ -235,6 +235,17 @@ def test_all_problems_are_listed_in_one_message(tmp_path: Path) -> None:
     assert defaults == TrainConfig()
 
 
+def test_a_value_outside_its_range_is_listed_with_the_unknown_keys_and_wrong_types() -> None:
+    """One round of fixes: a key given well but out of its declared range comes in the same message as the keys
+    that could not be read; a key not given is not judged, and nothing is applied."""
+    from nanogpt.config import TrainConfig as RealConfig
+
+    with pytest.raises(ConfigError) as info:
+        configure(RealConfig(), ["--lerning_rate=1e-3", "--max_iters=abc", "--dropout=1.5", "--batch_size=4"])
+    assert str(info.value) == ("unknown config key 'lerning_rate' (did you mean 'learning_rate'?); "
+                               "max_iters: expected int, got str 'abc'; dropout=1.5 must be in [0, 1)")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

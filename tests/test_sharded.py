@@ -7,6 +7,7 @@ ranks: tests/test_fsdp.py."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,3 +221,14 @@ def test_every_rank_returns_from_a_sharded_save_once_the_link_names_it(tmp_path)
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "linked: True" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_convert_names_a_missing_folder_and_a_folder_that_is_no_sharded_checkpoint(tmp_path):
+    from nanogpt.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'nowhere'} does not exist: give an FSDP run's "
+                                                  f"out_dir/{sharded.SHARDED_NAME}")):
+        sharded.convert_to_single_file(str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path} is not a sharded checkpoint folder")):
+        sharded.convert_to_single_file(str(tmp_path))
+    assert os.listdir(tmp_path) == []  # nothing written
