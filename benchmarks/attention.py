@@ -8,8 +8,9 @@ Attention alone, every kernel at hand, forward and backward: causal self-attenti
 Kernels: SDPA's flash, cuDNN, memory-efficient and math backends (sdpa_kernel forces each), SDPA as `auto` leaves it
 (and which kernel that is: torch._fused_sdp_choice), flex_attention compiled with a causal block mask, and
 FlashAttention-4 through PyTorch's hook for newer flash kernels (torch.nn.attention.activate_flash_attention_impl
-("FA4"), fed by the flash-attn-4 package: Hopper and Blackwell). A kernel that cannot run here (a missing package, a
-GPU it does not support, the CPU) is a row with its one-line reason.
+("FA4") for its own row alone, PyTorch's kernel again after it; fed by the flash-attn-4 package: Hopper and
+Blackwell). A kernel that cannot run here (a missing package, a GPU it does not support, the CPU) is a row with its
+one-line reason.
 
 Per kernel and shape: ms of the forward and of forward + backward (median of --repeats after warm-up; CUDA events on a
 GPU), TFLOP/s of each (causal attention's 2 matmuls of 2*B*H*T*T*D FLOPs, halved by the mask; the backward counted as
@@ -24,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from benchmarks import markdown_table  # noqa: E402
 from nanogpt.device import DTYPES, DeviceClock, resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
-from nanogpt.hardware import flash_impl_problem  # noqa: E402
+from nanogpt.hardware import flash_impl, flash_impl_problem  # noqa: E402
 from nanogpt.measure import write_json  # noqa: E402
 from nanogpt.mfu import device_peak_flops  # noqa: E402
 
@@ -67,15 +68,13 @@ def attention_fn(kernel: str, device: str):
                 masks[T] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=q.device)
             return compiled(q, k, v, block_mask=masks[T])
         return flex
-    if kernel == "fa4":
+    if kernel == "fa4":  # SDPA's flash kernel, FlashAttention-4's while measure's row puts it there (flash_impl)
         if (why := flash_impl_problem("fa4", device)) is not None:
             raise UserError(why)
-        torch.nn.attention.activate_flash_attention_impl("FA4")
-        sdpa_flash = attention_fn("flash", device)
-
-        def fa4(q, k, v):  # SDPA's flash kernel, now FlashAttention-4's
-            return sdpa_flash(q, k, v)
-        return fa4
+        if not hasattr(torch.nn.attention, "restore_flash_attention_impl"):
+            raise UserError(f"fa4: torch {torch.__version__} cannot take FlashAttention-4 back after its row (no "
+                            f"torch.nn.attention.restore_flash_attention_impl), so the rows after it would measure it")
+        return attention_fn("flash", device)
     raise UserError(f"unknown kernel {kernel!r} (of: {', '.join(KERNELS)})")
 
 
@@ -141,18 +140,21 @@ def measure(kernel: str, shape: tuple[int, int, int, int], dtype: torch.dtype, d
     B, H, T, D = shape
     row = {"kernel": kernel, "shape": f"{B}x{H}x{T}x{D}"}
     q, k, v = inputs(B, H, T, D, dtype, device)
-    try:
-        fn = attention_fn(kernel, device)
-        y, grads = run_once(fn, q, k, v, backward=True)  # also the warm-up: compile, kernels' autotuning
-    except UserError as e:
-        return {**row, "status": "n/a", "reason": str(e)}
-    except RuntimeError as e:  # the forced kernel refuses this case: PyTorch's reasons
-        return {**row, "status": "n/a", "reason": str(e).strip().splitlines()[0][:200]}
+    with ExitStack() as row_scope:  # what the row changes in the process, undone when it ends, failed or not
+        try:
+            fn = attention_fn(kernel, device)
+            if kernel == "fa4":  # FlashAttention-4 holds for the whole process: taken back after this row, so that
+                row_scope.enter_context(flash_impl("fa4"))  # the flash and auto rows after it measure PyTorch's own
+            y, grads = run_once(fn, q, k, v, backward=True)  # also the warm-up: compile, kernels' autotuning
+        except UserError as e:
+            return {**row, "status": "n/a", "reason": str(e)}
+        except RuntimeError as e:  # the forced kernel refuses this case: PyTorch's reasons
+            return {**row, "status": "n/a", "reason": str(e).strip().splitlines()[0][:200]}
+        forward_ms = timed(fn, q, k, v, False, repeats, device)
+        total_ms = timed(fn, q, k, v, True, repeats, device)
     y_ref, grads_ref = reference(q, k, v)
     errors = {"out": relative_error(y, y_ref), **{f"d{n}": relative_error(g, r) for n, g, r in
                                                   zip("qkv", grads, grads_ref)}}
-    forward_ms = timed(fn, q, k, v, False, repeats, device)
-    total_ms = timed(fn, q, k, v, True, repeats, device)
     fwd = flops(B, H, T, D)
     row.update(status="ok", forward_ms=forward_ms, total_ms=total_ms, errors=errors,
                forward_tflops=fwd / forward_ms / 1e9, backward_tflops=2.5 * fwd / max(total_ms - forward_ms, 1e-9) / 1e9,

@@ -50,7 +50,7 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model, common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model.py and nanogpt/
 
 from nanogpt import engine  # noqa: E402
 from nanogpt.checkpoint import save_checkpoint  # noqa: E402

@@ -3,8 +3,9 @@ The language-model head's loss alone, forward + backward, in each implementation
 head's logits, then cross-entropy: model.cross_entropy_sum, compiled as train.py compiles the model), this project's
 fused loss (fused_loss.py, chunk by chunk), the loss that writes its gradient over the logits in the forward (llm.c's
 fused classifier: no second pass over them in the backward), and, where installed, quack-kernels' cross-entropy over
-the plain logits, liger-kernel's and cut-cross-entropy's fused linear + cross-entropy. GPT-2's head (n_embd 768, vocabulary 50257 padded to 50304) on the tokens of a 12 x 1024
-and a 64 x 1024 micro-batch, bf16 autocast, float32 master weights as in training.
+the plain logits, liger-kernel's and cut-cross-entropy's fused linear + cross-entropy. GPT-2's head (n_embd 768,
+vocabulary 50257 padded to 50304) on the tokens of a 12 x 1024 and a 64 x 1024 micro-batch, bf16 autocast, float32
+master weights as in training.
 
     python benchmarks/head_loss.py                         # on the GPU: both token counts
     python benchmarks/head_loss.py --tokens=12288 --repeats=5 --device=cpu
@@ -65,22 +66,28 @@ def cut_cross_entropy(x, w, t):
 
 
 class GradientInForward(torch.autograd.Function):
-    """llm.c's fused classifier in PyTorch: the forward computes the loss and, in the logits' own buffer, their
-    gradient (softmax - one-hot; 0 for an ignored target and the padded columns), so the backward does not read the
-    (tokens x vocab) logits a second time: it multiplies the kept gradient out into x's and w's."""
+    """llm.c's fused classifier in PyTorch: the forward computes the loss and the logits' gradient (softmax - one-hot;
+    0 for an ignored target and the padded columns) in one float32 (tokens x vocab) buffer, in place, then writes the
+    gradient over the logits, in their own dtype: the backward does not read the logits a second time, it multiplies
+    the kept gradient out into x's and w's. Of (tokens x vocab) tensors, the forward holds the logits and that copy."""
 
     @staticmethod
     def forward(ctx, x, w, t):
         logits = F.linear(x, w)  # (N, Vp), in autocast's dtype
         logits[:, VOCAB:] = float("-inf")  # the padded rows are no tokens
-        lse = torch.logsumexp(logits.float(), dim=-1)  # (N,)
-        keep = t != -1
-        picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1).float()  # (N,)
+        keep, target = t != -1, t.clamp(min=0)
+        z = logits.float()  # (N, Vp) float32: the one copy; every step below is in place (a no-op copy in float32)
+        picked = z.gather(1, target[:, None]).squeeze(1)  # (N,), before z is overwritten
+        # softmax by hand, not torch.logsumexp and then exp: logsumexp allocates an (N, Vp) temporary of its own
+        m = z.amax(dim=-1, keepdim=True)  # (N, 1)
+        z.sub_(m).exp_()
+        s = z.sum(dim=-1, keepdim=True)  # (N, 1)
+        z.div_(s)  # softmax
+        lse = (m + s.log()).squeeze(1)  # (N,)
         loss = ((lse - picked) * keep).sum()
-        grad = logits.float().sub_(lse[:, None]).exp_()  # softmax, (N, Vp) float32 ...
-        grad[torch.arange(t.numel(), device=t.device), t.clamp(min=0)] -= 1.0
-        grad *= keep[:, None]
-        logits.copy_(grad)  # ... written over the logits: the one (N, Vp) buffer kept for the backward
+        z[torch.arange(t.numel(), device=t.device), target] -= 1.0
+        z *= keep[:, None]
+        logits.copy_(z)  # the gradient over the logits: the one (N, Vp) buffer kept for the backward
         ctx.save_for_backward(x, w, logits)
         return loss
 

@@ -1,8 +1,9 @@
 """
 What this machine and the installed PyTorch can do, and what they are: bf16 matmuls in the CPU, fused AdamW, a forced
-SDPA kernel (compiled, and why PyTorch refused one), and the description a run logs (versions, device, commit).
+SDPA kernel (compiled, and why PyTorch refused one), the implementation behind SDPA's flash kernel (and putting it
+there), and the description a run logs (versions, device, commit).
 
-Probes only; imports errors.py alone.
+Probes, and the switch behind flash_impl. Imports errors.py only.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import platform
 import re
 import subprocess
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -114,9 +116,24 @@ def flash_impl_problem(impl: str, device: str) -> str | None:
 
 
 def use_flash_impl(impl: str) -> None:
-    """Put `impl` behind SDPA's flash kernel, for the whole process (flash_impl_problem has said it can run)."""
+    """Put `impl` behind SDPA's flash kernel, for the whole process (flash_impl_problem has said it can run);
+    "default" takes back an implementation activated before, PyTorch's own kernel again."""
+    attention = torch.nn.attention
     if impl == "fa4":
-        torch.nn.attention.activate_flash_attention_impl("FA4")
+        attention.activate_flash_attention_impl("FA4")  # in place of any activated before
+    elif getattr(attention, "current_flash_attention_impl", lambda: None)() is not None:
+        attention.restore_flash_attention_impl()  # asked only when one is active: it warns where none is
+
+
+@contextmanager
+def flash_impl(impl: str) -> Iterator[None]:
+    """`impl` behind SDPA's flash kernel inside the block alone, and PyTorch's default after it, even when the block
+    raises: for a benchmark whose later rows must measure the default kernel (train.py chooses once per process)."""
+    use_flash_impl(impl)
+    try:
+        yield
+    finally:
+        use_flash_impl("default")
 
 
 def sdpa_kernel_compiles() -> bool:

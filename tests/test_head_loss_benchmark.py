@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from nanogpt.errors import UserError
 from helpers import ROOT
@@ -57,6 +58,30 @@ def test_the_gradient_written_in_the_forward_is_the_plain_losss_in_float32():
     for a, b in zip(ours, plain):
         assert bench_loss.relative_error(a, b) < 1e-6
     assert ours[2][bench_loss.VOCAB:].abs().max() == 0
+
+
+def logits_sized_float32_buffers(fn, tokens: int) -> tuple[int, int]:
+    """How many float32 (tokens x padded vocab) buffers one forward + backward of `fn` under bf16 autocast allocates,
+    and the most alive at once: from the profiler's record of every CPU allocation and free, kernels' own temporaries
+    included (torch.logsumexp's, say), which a count of the Python-visible tensors would miss."""
+    x, w, t = bench_loss.inputs(tokens, "cpu")
+    size = tokens * bench_loss.PADDED * 4  # no other tensor of the step has this many bytes at 40 tokens
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        bench_loss.loss_and_grads(fn, x, w, t, autocast=True)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and abs(e.nbytes()) == size]
+    made = live = most = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):  # an allocation: +nbytes, its free: -nbytes
+        made += e.nbytes() > 0
+        live += 1 if e.nbytes() > 0 else -1
+        most = max(most, live)
+    return made, most
+
+
+def test_the_gradient_in_forward_makes_one_float32_copy_of_the_logits():
+    """Its point is memory: the bf16 logits are copied to float32 once, and the loss, the softmax and the gradient are
+    computed in that one buffer, the peak the benchmark reports on a GPU. A second copy, or a kernel's temporary of
+    the same size, shows here."""
+    assert logits_sized_float32_buffers(bench_loss.gradient_in_forward, tokens=40) == (1, 1)
 
 
 def test_quack_needs_a_gpu_and_says_so():

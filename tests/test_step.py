@@ -12,7 +12,8 @@ from nanogpt.distributed import Dist
 from helpers import steps_with_loss_scales
 from model import GPT, GPTConfig
 from nanogpt.optim import build_optimizer
-from nanogpt.step import NonFiniteGuard, OneStepLate, StepConfig, batch_generator, get_batch, train_step
+from nanogpt.config import StepConfig
+from nanogpt.step import NonFiniteGuard, OneStepLate, batch_generator, get_batch, train_step
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -16,7 +16,8 @@ from cuda_helpers import requires_cuda
 from nanogpt.distributed import DDP_SETTINGS, cleanup_distributed, setup_distributed
 from model import GPT, GPTConfig
 from nanogpt.optim import build_optimizer
-from nanogpt.step import NonFiniteGuard, OneStepLate, StepConfig, train_step
+from nanogpt.config import StepConfig
+from nanogpt.step import NonFiniteGuard, OneStepLate, train_step
 
 pytestmark = requires_cuda
 
