@@ -32,7 +32,7 @@ import torch
 
 from configurator import configure
 from model import GPT
-from nanogpt import dataio, float8
+from nanogpt import dataio, float8, outdir
 from nanogpt.config import AtLeast0, AtLeast1, StepConfig, check
 from nanogpt.device import (DeviceClock, autocast_context, dtype_reason, resolve_attention, resolve_device,
                             resolve_dtype, set_tf32, synchronize)
@@ -78,6 +78,8 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
     problems = cfg.problems(world_size=1)  # StepConfig's: the declared values (BenchConfig's too), the machine
     if "RANK" in os.environ:
         problems.append("bench.py measures one process: run it with python, not torchrun")
+    if cfg.result_json and (why := outdir.target_problem(cfg.result_json)) is not None:  # before minutes of timing
+        problems.append(f"result_json={cfg.result_json!r}: {why}")
     check(problems)
     return cfg, argv
 
@@ -324,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.profile:
         write_profile(out["profiler"], cfg.results_dir, resolve_device(cfg.device))
     if cfg.result_json:
-        write_json(cfg.result_json, {"config": asdict(cfg), **out["result"]})
+        write_json(cfg.result_json, {"config": asdict(cfg), **out["result"]}, fix="free disk space, or give another "
+                   "--result_json")
 
 
 if __name__ == "__main__":

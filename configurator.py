@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from nanogpt.config import coerce, declared_problems, type_name
 from nanogpt.errors import UserError
+from nanogpt.text import shown
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -371,7 +372,6 @@ def _check_override(key: str, raw: str, tp: Any, problems: list[str]) -> Any:
 
 
 def _wrong_type(key: str, value: Any, tp: Any) -> str:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return f"{key}: expected {type_name(tp)}, got {type(value).__name__} {shown}"
+    if type(value) is int and not -2**63 <= value < 2**63:
+        return f"{key}: {shown(value, 80)} is past a 64-bit int (what torch and numpy hold)"
+    return f"{key}: expected {type_name(tp)}, got {type(value).__name__} {shown(value, 80)}"

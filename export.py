@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt import dataio
-from nanogpt import checkpoint_manager
+from nanogpt import checkpoint_manager, dataio, outdir
 from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
+from nanogpt.config import Folder, check, declared_problems
 from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
 from model import GPTConfig
@@ -44,7 +44,7 @@ CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".ml
 
 @dataclass
 class ExportConfig:
-    out_dir: str = "out"  # the training run's folder
+    out_dir: Folder = "out"  # the training run's folder
     ckpt: str | None = None  # a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     to: str = ""  # the folder to write (created; files of the same names are replaced)
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = configure(ExportConfig(), sys.argv[1:] if argv is None else argv)
     if not cfg.to:
         raise UserError("to='' : name the folder to write, e.g. --to=hf-model")
+    check(declared_problems(cfg))
+    if os.path.lexists(cfg.to) and not os.path.isdir(cfg.to):
+        raise UserError(f"to={cfg.to!r} is a file, not a folder: give a folder to write the model in")
     found = checkpoint_manager.find_checkpoint(cfg.out_dir, cfg.ckpt)
     path = found.path
     ckpt = checkpoint_manager.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
@@ -160,9 +163,18 @@ def main(argv: list[str] | None = None) -> None:
                         f"{config.vocab_size}: export needs the meta.json of the dataset the model was trained on")
     if isinstance(tokenizer, dataio.GPT2Tokenizer) and config.vocab_size < tokenizer.vocab_size:
         tokenizer = None  # no meta.json found, and too few rows for GPT-2 BPE: a vocabulary we do not know
-    os.makedirs(cfg.to, exist_ok=True)
-    hf_model = export(ckpt, cfg.to, tokenizer)
-    note = write_tokenizer(cfg.to, tokenizer, config.block_size)
+    try:
+        os.makedirs(cfg.to, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make to={cfg.to!r} ({e.strerror or e}): give a folder you can write to") from None
+    try:
+        hf_model = export(ckpt, cfg.to, tokenizer)
+        note = write_tokenizer(cfg.to, tokenizer, config.block_size)
+    except Exception as e:
+        if not outdir.caused_by_os_error(e):  # a full disk, no permission: raised by transformers' writer too
+            raise
+        raise UserError(f"could not write the model into {cfg.to} ({outdir.cause(e)}): free disk space, or give "
+                        f"another --to") from None
     log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
         f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")
 

@@ -25,7 +25,8 @@ from nanogpt.plot import draw
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
     """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
     pyplot("plot.py")  # a missing matplotlib is named first, before any run is read
-    return draw([(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in out_dirs], out)
+    return draw([(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in out_dirs], out,
+                fix="free disk space, or give another --out")
 
 
 def main(argv: list[str] | None = None) -> None:

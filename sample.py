@@ -31,14 +31,15 @@ import torch
 from configurator import configure
 from model import GPT, SDPA_BACKENDS, GPTConfig
 from nanogpt import checkpoint_manager, dataio, engine
-from nanogpt.config import ATTENTIONS, AtLeast1, OneOf, Range, Seed, check, declared_problems
+from nanogpt.config import (ATTENTIONS, AtLeast1, Folder, OneOf, Range, Seed, check, declared_problems,
+                            kernel_problem)
 from nanogpt.device import (DTYPES, autocast_context, keep_freed_memory, resolve_device, resolve_dtype,
                             resolve_sampling_attention, synchronize)
 from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import cpu_has_native_bf16
+from nanogpt.hf_gpt2 import GPT2_MODELS
 from nanogpt.text import plural
 
-GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SEPARATOR = "---------------"
 
 
@@ -46,7 +47,7 @@ SEPARATOR = "---------------"
 class SampleConfig:
     init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", ..., a HF GPT-2 folder, or
     # a checkpoint file or sharded folder
-    out_dir: str = "out"  # with init_from=resume: the training run's folder
+    out_dir: Folder = "out"  # with init_from=resume: the training run's folder
     ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
@@ -95,9 +96,8 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
             f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 "
             f"model, or a checkpoint file or sharded folder"
         )
-    if cfg.attention == "math" and cfg.sdpa_backend is not None:
-        problems.append(f"sdpa_backend={cfg.sdpa_backend!r} chooses a kernel of attention=sdpa, not of math: "
-                        "use --attention=sdpa (or auto), or drop sdpa_backend")
+    if (why := kernel_problem(cfg.attention, cfg.sdpa_backend)) is not None:
+        problems.append(why)
     if any(p.startswith(("dtype=", "window_dtype=")) for p in problems):
         check(problems)  # names this machine need not be asked about
     try:  # what runs here: the device, and the dtypes on it ("auto" resolved)
@@ -106,7 +106,7 @@ def check_config(cfg: SampleConfig) -> SampleConfig:
         if window is None and cfg.dtype == "auto" and device == "cpu" and cpu_has_native_bf16():
             window = "bfloat16"
         if window is not None:
-            window = resolve_dtype(window, device, training=False)
+            window = resolve_dtype(window, device, training=False, key="window_dtype")
         cfg = dataclasses.replace(cfg, device=device, dtype=resolve_dtype(cfg.dtype, device, training=False),
                                   window_dtype=window)
     except UserError as e:

@@ -39,13 +39,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure_keys
 from model import GPT
-from nanogpt import checkpoint, dataio, float8, hellaswag, outdir, parallel, report, start
+from nanogpt import checkpoint, checkpoint_manager, dataio, float8, hellaswag, outdir, parallel, report, start
 from nanogpt.checkpoint_manager import CheckpointWriter
 from nanogpt.config import TrainConfig
 from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
 from nanogpt.distributed import (DDP_SETTINGS, Dist, Stopped, StopRequest, check_shared_out_dir, checkpoint_group,
                                  run_in_group, setup_distributed)
-from nanogpt.errors import RunError, WriteError, exit_on_user_error
+from nanogpt.errors import RunError, UserError, WriteError, exit_on_user_error
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
 from nanogpt.mfu import mfu_text
@@ -418,7 +418,8 @@ class Loop:
             self.saves.save(self.iter_num, self.best_val_loss, improved=False, stopping=True)
             saved = f"a checkpoint at iter {self.iter_num} was saved"
         except WriteError:
-            saved = "the last checkpoint written is intact"
+            newest = newest_checkpoint(self.training.cfg.out_dir)
+            saved = f"{newest} is intact" if newest else "no checkpoint was saved"
         raise RunError(f"{error}. The run stopped at iter {self.iter_num}: {saved} (resume with --init_from=resume)")
 
     def stop_now(self) -> NoReturn:
@@ -437,6 +438,15 @@ class Loop:
         return {"iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "last_loss": self.reports.last_loss,
                 "val_loss": self.losses["val"], "train_loss": self.losses["train"],
                 "model": None if t.cfg.parallelism == "fsdp" else t.raw_model}
+
+
+def newest_checkpoint(out_dir: str) -> str | None:
+    """What a resume would continue from, in words ('ckpt.pt at iter 6'), or None."""
+    try:
+        found = checkpoint_manager.find_checkpoint(out_dir)
+    except UserError:
+        return None
+    return f"{found.name} at iter {found.iter_num}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ Its functions:
 The sharded format (FSDP's folders) is sharded.py's; a run's checkpoints in either format (saving in the run's,
 finding the newest, reading to resume or for inference) are checkpoint_manager.py's.
 
-Imports the model, dataio.py and distributed.py.
+Imports the model, dataio.py, distributed.py, errors.py, outdir.py (every write) and text.py.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import torch.nn as nn
 from nanogpt import dataio, outdir
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
+from nanogpt.text import shown
 from model import GPT, GPTConfig
 
 CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
@@ -221,19 +222,22 @@ def check_train_state(ckpt: dict[str, Any], path: str) -> None:
     checks = {
         "iter_num": lambda v: type(v) is int and 0 <= v < 10**12,
         # inf before the first eval; nanoGPT's is a 0-dim tensor
-        "best_val_loss": lambda v: type(v) in (int, float) or isinstance(v, torch.Tensor) and v.numel() == 1,
+        "best_val_loss": lambda v: number(v) or isinstance(v, torch.Tensor) and v.numel() == 1
+        and not v.is_complex() and not torch.isnan(v).item(),
         "model_args": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)
         and all(type(v.get(k)) is int and v[k] >= 1 for k in ("n_layer", "n_head", "n_embd", "block_size",
                                                                   "vocab_size")),
-        "model": lambda v: isinstance(v, dict),
-        "config": lambda v: v is None or isinstance(v, dict) and all(isinstance(k, str) for k in v),
+        "model": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                                       for k, t in v.items()),
+        "config": lambda v: v is None or isinstance(v, dict) and all(isinstance(k, str) and _plain(x)
+                                                                     for k, x in v.items()),
         "world_size": lambda v: type(v) is int and v >= 1,
         "elapsed_s": lambda v: number(v, 0) and math.isfinite(v),
         "run_id": lambda v: v is None or isinstance(v, str) and 0 < len(v) <= 64,
         "best_file": lambda v: v in BEST_FILES,
         "meta": lambda v: v is None or isinstance(v, dict),
-        "rng": lambda v: v is None or isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
-        and v["torch"].dtype == torch.uint8 and (v.get("cuda") is None or isinstance(v["cuda"], torch.Tensor)),
+        "rng": lambda v: v is None or isinstance(v, dict) and _rng_state(v.get("torch"), torch.get_rng_state())
+        and (v.get("cuda") is None or isinstance(v["cuda"], torch.Tensor) and v["cuda"].dtype == torch.uint8),
         "scaler": lambda v: v is None or isinstance(v, dict),
         "optimizer": lambda v: _torch_optimizer_state(v) or isinstance(v, dict) and bool(v)
         and all(_torch_optimizer_state(s) for s in v.values()),  # AdamW's, or Muon + AdamW's by name
@@ -241,20 +245,49 @@ def check_train_state(ckpt: dict[str, Any], path: str) -> None:
     }
     wrong = [key for key, fits in checks.items() if key in ckpt and not fits(ckpt[key])]
     if wrong:
-        shown = "; ".join(f"{k}={_short(ckpt[k])}" for k in wrong)
-        raise UserError(f"checkpoint {path} is damaged: {shown} is not what a run records: restore it from a backup, "
+        fields = "; ".join(f"{k}={shown(ckpt[k])}" for k in wrong)
+        raise UserError(f"checkpoint {path} is damaged: {fields} is not what a run records: restore it from a backup, "
                         f"or start again with --init_from=scratch")
+    if isinstance(ckpt.get("model"), dict):
+        check_model_shape(ckpt["model_args"], ckpt["model"], path)
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """A setting's value as a run records one: None, a bool, number or string, or a short list of them."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    return type(value) in (list, tuple) and depth < 2 and all(_plain(x, depth + 1) for x in value)
+
+
+def _rng_state(state, like: torch.Tensor) -> bool:
+    """A torch generator's state: bytes, as many as this torch's CPU generator has (set_rng_state's own check)."""
+    return isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.shape == like.shape
+
+
+def check_model_shape(model_args: dict[str, Any], state: dict[str, torch.Tensor], path: str) -> None:
+    """model_args say the shape of the weights beside them (layers, width, context, vocabulary): a model_args edited
+    by hand that would build another model (one of 10**9 layers: hours of allocation, or out of memory) is a
+    UserError before any model is built. Keys of a compiled or DDP model's state (nanoGPT's) are read unprefixed."""
+    keys = clean_state_dict(state)
+    wte, wpe = keys.get("transformer.wte.weight"), keys.get("transformer.wpe.weight")
+    if wte is None or wpe is None or wte.dim() != 2 or wpe.dim() != 2:
+        return  # not a GPT's weights: loading them says which are missing
+    layers = {int(m[1]) for k in keys if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
+    found = {"n_layer": len(layers), "n_embd": wte.shape[1], "block_size": wpe.shape[0]}
+    wrong = [f"{k}={model_args[k]} (its weights have {v})" for k, v in found.items() if model_args[k] != v]
+    padding = model_args.get("vocab_padding_multiple")
+    padding = padding if type(padding) is int and padding >= 1 else 1  # nanoGPT's: none, its vocab_size is its rows
+    if not model_args["vocab_size"] <= wte.shape[0] < model_args["vocab_size"] + padding:
+        wrong.append(f"vocab_size={model_args['vocab_size']} (its weights have {wte.shape[0]} rows)")
+    if wrong:
+        raise UserError(f"checkpoint {path} is damaged: its model_args do not match its weights: {'; '.join(wrong)}: "
+                        f"restore it from a backup, or start again with --init_from=scratch")
 
 
 def _torch_optimizer_state(state) -> bool:
     """A torch optimizer's state_dict: its per-parameter state and its groups."""
     return isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"),
                                                                                             list)
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:

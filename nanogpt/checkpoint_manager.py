@@ -22,7 +22,7 @@ Its functions:
 What a resume takes of the run's settings is start.py's; a checkpoint's tokenizer is dataio.py's.
 
 Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), outdir.py (the run's
-id), hf_gpt2.py, the model, and the device modules.
+id), hf_gpt2.py, the model, dataio.py, device.py, distributed.py, errors.py and hardware.py.
 """
 from __future__ import annotations
 
@@ -251,6 +251,11 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
         with open(config) as f:
             vocab = int(json.load(f).get("vocab_size", 0))
         return vocab, GPT2_META if vocab == GPT2_META["vocab_size"] else None
+    if os.path.isdir(init_from):
+        files = sorted(n for n in os.listdir(init_from) if n.startswith("ckpt") and n.endswith(".pt"))
+        hint = f": give one of its checkpoint files, e.g. --init_from={os.path.join(init_from, files[0])}" if files else ""
+        raise UserError(f"init_from={init_from!r} is a folder without a run's checkpoint (ckpt.pt, ckpt_sharded) or a "
+                        f"HF GPT-2 model (config.json){hint}")
     return GPT2_META["vocab_size"], GPT2_META  # gpt2, gpt2-medium, ... (the settings' check refused anything else)
 
 

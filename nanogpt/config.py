@@ -7,7 +7,8 @@ before anything slow runs and before out_dir is touched (TrainConfig.check).
 The commands' own configs (sample.py's, bench.py's, ...) declare their ranges the same way and check them with
 declared_problems. configurator.py reads the types (Annotated's extras stripped) and --help shows the ranges.
 
-Imports the model (GPTConfig's defaults and choices), device.py, float8.py and optional.py.
+Imports the model (GPTConfig's defaults and choices), device.py, errors.py, float8.py, hardware.py, hf_gpt2.py (GPT-2's
+names) and optional.py.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from nanogpt import float8
 from nanogpt.device import DTYPES, resolve_device, resolve_dtype
 from nanogpt.errors import UserError
 from nanogpt.hardware import FLASH_IMPLS, flash_impl_problem
+from nanogpt.hf_gpt2 import GPT2_MODELS
 from nanogpt.optional import optional_import
 
 T = TypeVar("T")
@@ -82,12 +84,27 @@ class OneOf:
         return None if value is None or value in self.choices else f"{key}={value!r} is not {self.describe()}"
 
 
+class NotEmpty:
+    """A string that names something (a folder, a file): "" is none, and an unset shell variable (`--out_dir=$OUT`)
+    must not make a run write into the current folder."""
+
+    def __init__(self, note: str = ""):
+        self.note = note
+
+    def describe(self) -> str:
+        return "not empty"
+
+    def problem(self, key: str, value) -> str | None:
+        return f"{key}='' names no folder" if value == "" else None
+
+
 # The ranges that most keys take, as types: `batch_size: AtLeast1[int] = 12`
 AtLeast1 = Annotated[T, Range(1)]
 AtLeast0 = Annotated[T, Range(0)]
 Positive = Annotated[T, Range(0, low_open=True)]
 Fraction = Annotated[T, Range(0, 1, high_open=True)]  # [0, 1): dropout, momenta
 Seed = Annotated[T, Range(0, 2**32 - 1)]  # numpy's SeedSequence takes no negative seed; + rank and step fit int64
+Folder = Annotated[str, NotEmpty(note="give a folder: '.' for the current one")]
 
 
 def declarations(config) -> dict[str, tuple[Any, bool]]:
@@ -112,6 +129,14 @@ def declared_problems(config) -> list[str]:
             note = meta.note or ("or None" if optional else "")
             problems.append(f"{problem} ({note})" if note else problem)
     return problems
+
+
+def kernel_problem(attention: str, sdpa_backend: str | None) -> str | None:
+    """An SDPA kernel chosen for the math attention, which has none: the choice would do nothing."""
+    if attention == "math" and sdpa_backend not in (None, "auto"):
+        return (f"sdpa_backend={sdpa_backend!r} chooses a kernel of attention=sdpa, not of math: use --attention=sdpa "
+                f"(or auto), or drop sdpa_backend")
+    return None
 
 
 def check(problems: list[str]) -> None:
@@ -144,8 +169,8 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return any(value == a and type(value) is type(a) for a in args), value
     if tp is bool:
         return type(value) is bool, value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is int:  # and within 64 bits: what torch and numpy hold (a config file's 10**10000 is no iteration count)
+        return type(value) is int and -2**63 <= value < 2**63, value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False, value
@@ -249,7 +274,8 @@ class StepConfig:
     # (faster there), else sdpa
     sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # "auto", "flash", "efficient",
     # "cudnn", "math"
-    vocab_padding_multiple: AtLeast1[int] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows; 1 turns padding off
+    vocab_padding_multiple: Annotated[int, Range(1, 2**16)] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304
+    # rows; 1 turns padding off
     flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # SDPA's flash kernel: "default" (PyTorch's,
     # FlashAttention-2) or "fa4" (FlashAttention-4 through PyTorch's hook: H100/H200/B200, pip install flash-attn-4)
     fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
@@ -303,6 +329,8 @@ class StepConfig:
             )
         if self.n_head >= 1 and self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if (why := kernel_problem(self.attention, self.sdpa_backend)) is not None:
+            problems.append(why)
         if self.optimizer == "muon" and self.learning_rate <= 0:  # Muon's schedule is AdamW's, scaled
             problems.append(f"learning_rate={self.learning_rate} must be > 0 with optimizer='muon'")
         return problems + self.machine_problems()
@@ -351,14 +379,13 @@ def fp8_problems(device: str, dtype: str | None) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- a run's settings
 
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 PARALLELISMS = ("ddp", "fsdp")
 
 
 @dataclass
 class TrainConfig(StepConfig):
     # I/O
-    out_dir: str = "out"
+    out_dir: Folder = "out"
     eval_interval: AtLeast1[int] = 2000
     log_interval: AtLeast1[int] = 1
     eval_iters: AtLeast1[int] = 200
@@ -406,9 +433,9 @@ class TrainConfig(StepConfig):
         if self.async_save and self.parallelism != "fsdp":
             problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={self.parallelism!r} "
                             f"saves one file: set parallelism='fsdp' or async_save=False")
-        if self.init_from not in ("scratch", "resume", "auto", *GPT2_NAMES) and not os.path.exists(self.init_from):
+        if self.init_from not in ("scratch", "resume", "auto", *GPT2_MODELS) and not os.path.exists(self.init_from):
             problems.append(
-                f"init_from={self.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_NAMES)}, a folder "
+                f"init_from={self.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_MODELS)}, a folder "
                 f"with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
             )
         if self.eval_interval >= 1 and self.hellaswag_interval % self.eval_interval:

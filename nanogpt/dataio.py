@@ -19,7 +19,7 @@ A split's shards, in the order meta.json lists them, read as one stream of token
 A nanoGPT dataset folder reads as it is: its meta.pkl (char-level: {"vocab_size", "itos": {id: char}, "stoi"}) stands
 in for meta.json, read by an unpickler that builds only plain data (load_meta).
 
-Imports errors.py only; never a script, the model or checkpoint.py.
+Imports errors.py only: nothing above it (no script, no model, no checkpoint module).
 """
 from __future__ import annotations
 

@@ -44,13 +44,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
+def resolve_dtype(dtype: str, device: str, training: bool = True, key: str = "dtype") -> str:
     """
     'auto' -> bfloat16 where it is fast and exact enough: CUDA GPUs with bf16 support (else float16 with a grad
     scaler), and for training on a CPU with bf16 in hardware (AVX-512-BF16 or AMX), where autocast runs the matmuls
     in bf16 (faster than float32, with the same loss curve: docs/performance.md). A CPU without them (AVX2 only)
     emulates bf16 matmuls, slower than float32: float32. Generation on the CPU stays float32: one token at a time is
-    matrix-vector work, where autocast's casts cost more than bf16 saves.
+    matrix-vector work, where autocast's casts cost more than bf16 saves. `key`: the setting the messages name.
     """
     device_type = device.split(":")[0]
     if dtype == "auto":
@@ -60,11 +60,11 @@ def resolve_dtype(dtype: str, device: str, training: bool = True) -> str:
             return "bfloat16"
         return "float32"
     if dtype not in DTYPES:
-        raise UserError(f"dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        raise UserError(f"{key}={dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if dtype == "float16" and device_type == "cpu":
-        raise UserError("dtype='float16' is not supported on the CPU: use bfloat16 or float32")
+        raise UserError(f"{key}='float16' is not supported on the CPU: use bfloat16 or float32")
     if dtype == "bfloat16" and device_type == "cuda" and not _cuda_bf16(device):
-        raise UserError("this GPU does not support bfloat16: use --dtype=float16 (with a grad scaler) or float32")
+        raise UserError(f"this GPU does not support bfloat16: use --{key}=float16 (with a grad scaler) or float32")
     return dtype
 
 

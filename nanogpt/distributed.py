@@ -3,7 +3,7 @@ Running on several processes, in one place: joining and leaving the process grou
 or one process), DDP's wrapper settings, the signals that stop a run (SIGTERM, Ctrl-C) agreed on by every rank, and
 the check that every rank sees out_dir.
 
-Imports device.py and errors.py only.
+Imports device.py, errors.py and outdir.py (the shared-folder check's marker file) only.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ main under to print them so (no traceback):
   WriteError  a write that failed (a full disk, a read-only folder, a symbolic link where a file goes): a UserError
   RunError    a run that started and could not go on (a non-finite loss, a write that failed mid-run): exit status 1
 
-A module of its own, importing nothing from the project, so that every other module can raise them.
+A module of its own so that every other module can raise them: Imports nothing of the project's.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ The fused linear + cross-entropy of the language-model head: the loss of x @ wei
 chunk by chunk, with its gradients, so that the (tokens x vocab) logits never exist at once.
 
 GPT.forward (model.py) uses it for the loss of a call that wants no logits (return_logits=False, with
-GPTConfig.fused_loss): the training step and evaluation. It takes plain tensors and must not import model.py (nor
-any script): it is a function of the head's inputs only.
+GPTConfig.fused_loss): the training step and evaluation. It takes plain tensors, a function of the head's inputs
+only: Imports torch alone, nothing of the project's (no model, no script).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ tokens; acc_norm: the lowest mean loss per token (it does not favour short endin
 set, downloaded once to data/hellaswag/, or any file in its format), their tokens, and the scoring, over DDP ranks
 too: train.py scores at evals with hellaswag=True, hellaswag.py scores a checkpoint.
 
-Imports dataio.py, distributed.py and text.py.
+Imports dataio.py, distributed.py, errors.py and text.py.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def load_examples(path: str | None = None) -> list[Example]:
     if not os.path.isfile(path):
         raise UserError(f"hellaswag path {path!r}: no such file; give a file of {FORMAT}, or None to download it")
     examples = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 examples.append(_parse(line, f"{path} line {n}"))
@@ -58,11 +58,15 @@ def load_examples(path: str | None = None) -> list[Example]:
     return examples
 
 
-def _parse(line: str, where: str) -> Example:
+def _parse(line: bytes, where: str) -> Example:
     try:
-        d = json.loads(line)
+        d = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}): expected {FORMAT}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{where} is not JSON ({e.msg}): expected {FORMAT}") from None
+    except (ValueError, RecursionError) as e:  # a 5000-digit number, '[' nested past Python's limit
+        raise UserError(f"{where} is not JSON that Python reads ({type(e).__name__}): expected {FORMAT}") from None
     ok = (
         isinstance(d, dict) and isinstance(d.get("ctx"), str) and d["ctx"] and isinstance(d.get("endings"), list)
         and len(d["endings"]) == 4 and all(isinstance(e, str) for e in d["endings"])
@@ -83,7 +87,7 @@ def download(dest: str, url: str | None = None) -> None:
     try:
         with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
             f.write(r.read())
-        with open(tmp, encoding="utf-8") as f:
+        with open(tmp, "rb") as f:
             lines = sum(1 for line in f if line.strip())
         if lines != VAL_EXAMPLES:
             raise UserError(f"{url} gave {plural(lines, 'example')}, not HellaSwag validation's {VAL_EXAMPLES}: try "

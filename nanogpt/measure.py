@@ -2,6 +2,8 @@
 What bench.py measures with, and the studies in benchmarks/ too: the machine's description (versions, allocator,
 load), the CPU share other processes took while it ran, the peak memory of a run, the optimizer's time, the profiler,
 and a step's matmul floor. The training path never imports it.
+
+Imports device.py, hardware.py and outdir.py (the figures' files).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanogpt import outdir
 from nanogpt.hardware import system_info
 from nanogpt.device import DeviceClock, synchronize
 
@@ -191,13 +194,9 @@ def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -
           f"the table above in {os.path.join(results_dir, 'top_ops.txt')}")
 
 
-def write_json(path: str, data: dict) -> None:
-    """Write atomically, so a reader never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+def write_json(path: str, data: dict, fix: str = "free disk space, or give another path") -> None:
+    """Figures written whole (outdir.atomic_write: a reader never sees half a file); a failure is one line."""
+    outdir.write_text(path, json.dumps(data, indent=1), "the figures", fix)
 
 
 class OptimizerTimer:

@@ -5,7 +5,7 @@ also prints on rank 0 and logs to wandb when asked) and read by plot.py and repo
 full disk during the append) or one that is no record (edited by hand) is skipped by the readers with one warning,
 and the next append starts a new line.
 
-Imports distributed.py and errors.py only.
+Imports distributed.py, errors.py and outdir.py (every write) only.
 """
 from __future__ import annotations
 
@@ -107,20 +107,26 @@ def is_record(record) -> bool:
     def has(d: dict, fields: dict) -> bool:
         return all(isinstance(d.get(k), t) for k, t in fields.items())
 
+    def start(d) -> bool:
+        if not isinstance(d, dict) or not has(d, START_FIELDS):
+            return False
+        changes = d.get("changes", [])  # none in the lines of older runs
+        return isinstance(changes, list) and all(isinstance(c, str) for c in changes)
+
     return (isinstance(record, dict) and all(has(record, FIELDS[kind]) for kind in FIELDS if kind in record)
-            and ("start" not in record or isinstance(record["start"], dict) and has(record["start"], START_FIELDS)))
+            and ("start" not in record or start(record["start"])))
 
 
 def read_records(path: str) -> list[dict]:
     """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) or not a record (edited by
     hand) is skipped, all of them in one warning that names them."""
     records, torn, foreign = [], [], []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a byte that is no UTF-8: that line is not JSON
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # not JSON, a 5000-digit number, '[' nested 100000 deep
                     torn.append(n)
                     continue
                 if is_record(record):

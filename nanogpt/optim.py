@@ -12,7 +12,7 @@ Both are held by one `Optimizers` object, which looks like a torch optimizer to 
 non-finite guard, accumulation, DDP and checkpoints treat it as one. Under DDP the gradients are all-reduced
 in backward, before the step, so every rank orthogonalises the same full gradient and the ranks stay equal.
 
-Imports errors.py, hardware.py and text.py only; the model's configure_optimizers builds the AdamW.
+Imports errors.py, hardware.py and text.py only; GPT.configure_optimizers builds the AdamW.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ Moving aside instead of refusing: a nanoGPT user reruns the same command and exp
 overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
 way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
 
-Imports errors.py only; start.py, checkpoint.py, checkpoint_manager.py, metrics.py and report.py write through it.
+Imports errors.py only. Every module that writes in out_dir writes through it (start, checkpoint, sharded, metrics,
+report, plot, distributed), and measure's figures too.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -114,7 +116,7 @@ def make_folders(folder: str) -> list[str]:
     missing, path = [], os.path.abspath(folder)
     while not os.path.isdir(path):
         if os.path.lexists(path):
-            raise UserError(f"out_dir={folder!r}: {path} is {_kind(path)}, not a folder: give another --out_dir")
+            raise UserError(f"out_dir={folder!r}: {path} is {kind_of(path)}, not a folder: give another --out_dir")
         missing.append(path)
         path = os.path.dirname(path)
     made = []
@@ -124,7 +126,7 @@ def make_folders(folder: str) -> list[str]:
         except FileExistsError:
             continue  # made by another start meanwhile: not ours to remove
         except OSError as e:
-            raise UserError(f"cannot make out_dir={folder!r} ({_cause(e)} at {path}): choose a folder you can write "
+            raise UserError(f"cannot make out_dir={folder!r} ({cause(e)} at {path}): choose a folder you can write "
                             f"to") from None
         made.append(path)
     return made
@@ -147,7 +149,7 @@ def _lock(out_dir: str) -> int | None:
             raise _lock_refused(path, e) from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise UserError(f"{path} is {_kind(path)}, not the lock file a run makes: remove it, or give another "
+                raise UserError(f"{path} is {kind_of(path)}, not the lock file a run makes: remove it, or give another "
                                 f"--out_dir")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -188,7 +190,7 @@ def _lock_refused(path: str, e: OSError) -> UserError:
     elif e.errno == errno.EISDIR:
         why = "a folder"
     else:
-        why = _cause(e)
+        why = cause(e)
     return UserError(f"cannot hold the run folder: {path} ({why}); a run writes in its out_dir: make it writable, "
                      f"remove what is in the lock's place, or give another --out_dir")
 
@@ -239,7 +241,7 @@ def read_run(out_dir: str) -> dict | None:
             run = json.load(f)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: '[' nested past Python's limit
         raise _damaged(path, f"{type(e).__name__}: {e}") from None
     started = run.get("started") if isinstance(run, dict) else None
     if not (isinstance(run, dict) and isinstance(run.get("run_id"), str) and 0 < len(run["run_id"]) <= 64
@@ -312,7 +314,7 @@ def move_previous_run(out_dir: str) -> tuple[str, list[str], list[str]] | None:
             moved.append(name)
     except OSError as e:
         move_back(out_dir, dest, moved, made)
-        raise WriteError(f"could not move the previous run's files aside into {dest} ({_cause(e)}): they stay where "
+        raise WriteError(f"could not move the previous run's files aside into {dest} ({cause(e)}): they stay where "
                          f"they were; make {out_dir} writable, or give another --out_dir") from None
     return dest, names, made
 
@@ -364,6 +366,17 @@ def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None)
     return want["run_id"]
 
 
+def restore_run(out_dir: str, run: dict | None) -> None:
+    """Undo continue_run: run.json back to `run` (what read_run read before), or removed where there was none. Best
+    effort, on the way out of a failed start: the write that failed is the error to report."""
+    path = os.path.join(out_dir, RUN_FILE)
+    with contextlib.suppress(OSError, UserError):
+        if run is None:
+            os.remove(path)
+        elif read_run(out_dir) != run:
+            _write_run(out_dir, run)
+
+
 # ----------------------------------------------------------------------------------------------- writing in out_dir
 
 # What a run writes in out_dir and reads back, and what each must be where it exists: a regular file, a folder, or one
@@ -373,12 +386,18 @@ ENTRIES = {"run.lock": "file", RUN_FILE: "file", "metrics.jsonl": "file", "ckpt.
            "ckpt_sharded_best": "link"}
 
 
+# keep_last's saves, one per iteration: a file (ckpt_0000600.pt), or a folder of DCP's shards (ckpt_sharded_0000600_1)
+KEPT_SAVES = {re.compile(r"ckpt_\d{7,}\.pt"): "file", re.compile(r"ckpt_sharded_\d{7,}_\d+"): "folder"}
+
+
 def check_entries(out_dir: str) -> None:
-    """Before a start changes anything: every name the run writes in out_dir is absent or of its kind (ENTRIES). A
-    symbolic link where a file goes (a write would replace it, or write through it into a file the run did not
-    make), a folder where a file goes, or a file where previous/ goes is a UserError naming each."""
-    wrong = [f"{name} is {_kind(os.path.join(out_dir, name))}, where the run writes a {kind}"
-             for name, kind in ENTRIES.items() if not _is_kind(os.path.join(out_dir, name), kind)]
+    """Before a start changes anything: every name the run writes in out_dir is absent or of its kind (ENTRIES,
+    KEPT_SAVES). A symbolic link where a file goes (a write would replace it, or write through it into a file the run
+    did not make), a folder where a file goes, or a file where previous/ goes is a UserError naming each."""
+    kept = {name: kind for name in os.listdir(out_dir) for pattern, kind in KEPT_SAVES.items()
+            if pattern.fullmatch(name)}
+    wrong = [f"{name} is {kind_of(os.path.join(out_dir, name))}, where the run writes a {kind}"
+             for name, kind in {**ENTRIES, **kept}.items() if not _is_kind(os.path.join(out_dir, name), kind)]
     if wrong:
         raise UserError(f"out_dir={out_dir!r} holds what a run cannot write over: {'; '.join(wrong)}: move "
                         f"{'them' if len(wrong) > 1 else 'it'} out of {out_dir} (nothing there was changed), or give "
@@ -395,7 +414,7 @@ def _is_kind(path: str, kind: str) -> bool:
     return os.path.isdir(path) if kind == "folder" else stat.S_ISREG(os.lstat(path).st_mode)
 
 
-def _kind(path: str) -> str:
+def kind_of(path: str) -> str:
     """What is at `path`, in words: 'a symbolic link to X', 'a folder', 'a file', 'a FIFO', ..."""
     try:
         st = os.lstat(path)
@@ -410,7 +429,7 @@ def _kind(path: str) -> str:
     return "a special file (a FIFO, socket or device)"
 
 
-def _cause(e: BaseException) -> str:
+def cause(e: BaseException) -> str:
     """An OSError's cause in words ("No space left on device"), or a library's error caused by one (torch's writer
     raises RuntimeError('unexpected pos ...') from the OSError of a full disk)."""
     first = e
@@ -418,6 +437,8 @@ def _cause(e: BaseException) -> str:
         e = e.__cause__ or e.__context__
     if e is None:  # a library's error that names its cause only in its text (DCP's CheckpointException)
         return (str(first).strip().splitlines() or [type(first).__name__])[0][:200]
+    if isinstance(e, FileExistsError) and e.filename:  # os.makedirs where a file stands
+        return f"{e.filename} is a file, not a folder"
     return e.strerror or str(e) or type(e).__name__
 
 
@@ -430,12 +451,14 @@ def caused_by_os_error(e: BaseException) -> bool:
     return False
 
 
-def write_failed(path: str, e: BaseException, kept: str = "", what: str = "") -> WriteError:
+OUT_DIR_FIX = "free disk space, make the folder writable, or choose another out_dir"
+
+
+def write_failed(path: str, e: BaseException, kept: str = "", what: str = "", fix: str = OUT_DIR_FIX) -> WriteError:
     """The one line of a failed write: what and where, the cause, what was kept, and what to do."""
     kept = f"; {kept}" if kept else ""
     what = f"{what} " if what else ""
-    return WriteError(f"could not write {what}{path} ({_cause(e)}){kept}: free disk space, make the folder writable, "
-                      f"or choose another out_dir")
+    return WriteError(f"could not write {what}{path} ({cause(e)}){kept}: {fix}")
 
 
 def check_target(path: str) -> None:
@@ -443,16 +466,31 @@ def check_target(path: str) -> None:
     regular file stands there, since writing would go through the link into a file the run did not make, or
     replace what is not the run's."""
     if os.path.lexists(path) and (os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode)):
-        raise WriteError(f"could not write {path}: it is {_kind(path)}, not a file of the run's: move it away (a run "
+        raise WriteError(f"could not write {path}: it is {kind_of(path)}, not a file of the run's: move it away (a run "
                          f"never writes through a link or over a foreign file)")
 
 
-def atomic_write(path: str, write: Callable[[str], None], what: str) -> None:
+def target_problem(path: str) -> str | None:
+    """Why a file cannot be written at `path`, asked before slow work (a benchmark's minutes) rather than found after
+    it: a folder or link stands there, or the nearest existing folder above it is a file or not writable."""
+    if os.path.isdir(path) or os.path.islink(path):
+        return f"{path} is {kind_of(path)}, not a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"{parent} is not writable"
+    return None
+
+
+def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
     """
     Write `path` whole or not at all: `write(tmp)` makes a temporary file beside it (flushed and fsynced by the
     writer), which is renamed over `path`, and the rename made durable. A crash at any moment leaves either the old
     file or the new one, never a torn one. Any failure (a full disk, no permission, a library's error raised from
-    one) is a WriteError naming `what` and `path`, and the old file stays as it was.
+    one) is a WriteError naming `what` and `path` and saying what to do (`fix`), and the old file stays as it was.
     """
     folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -466,8 +504,8 @@ def atomic_write(path: str, write: Callable[[str], None], what: str) -> None:
     except Exception as e:
         if not caused_by_os_error(e):
             raise
-        kept = f"the previous {what} is intact" if os.path.exists(path) else f"no {what} was written"
-        raise write_failed(path, e, kept, what) from None
+        kept = f"the previous {what} is intact" if os.path.exists(path) else f"{what} was not written"
+        raise write_failed(path, e, kept, what, fix) from None
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -481,23 +519,54 @@ def _write_text(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def write_text(path: str, text: str, what: str) -> None:
+def write_text(path: str, text: str, what: str, fix: str = OUT_DIR_FIX) -> None:
     """A text file written whole (atomic_write)."""
-    atomic_write(path, lambda tmp: _write_text(tmp, text), what)
+    atomic_write(path, lambda tmp: _write_text(tmp, text), what, fix)
 
 
 def append_line(path: str, line: str) -> None:
-    """Append one line to `path` (made where missing), never through a symbolic link; a failure is a WriteError and
-    whatever the line did not complete is ended by the next append's reader (a torn last line is skipped)."""
+    """Append one line to `path` (made where missing), never through a symbolic link: whole or not at all. A disk
+    that fills mid-line takes part of it (a short write); the rest is written until it is whole, or the part cut off
+    again, so that no later line is ever glued to a fragment. A failure is a WriteError."""
     check_target(path)
+    data = line.encode("utf-8")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, line.encode("utf-8"))
-        finally:
-            os.close(fd)
     except OSError as e:
         raise write_failed(path, e, "the lines before it are intact") from None
+    try:
+        end = os.fstat(fd).st_size  # one run writes here (the lock): nobody else appends meanwhile
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)
+        raise write_failed(path, e, "the lines before it are intact") from None
+    finally:
+        os.close(fd)
+
+
+def replace_link(path: str, target: str) -> None:
+    """Point the symbolic link `path` at `target` (relative to its folder, so the run folder can move) with one rename:
+    a reader sees the old target or the new one. A failure is a WriteError; the old link stays."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_failed(path, e, "the previous link is intact", "the link") from None
+
+
+def remove_saves(out_dir: str, names: list[str]) -> None:
+    """Remove save folders the run wrote and no longer keeps (an older sharded save, one a kill left half written).
+    Best effort: what cannot be removed now is removed by the next save."""
+    for name in names:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def remove_file(path: str, what: str) -> None:
@@ -507,7 +576,7 @@ def remove_file(path: str, what: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as e:
-        raise WriteError(f"could not remove {what} {path} ({_cause(e)}): make the folder writable") from None
+        raise WriteError(f"could not remove {what} {path} ({cause(e)}): make the folder writable") from None
 
 
 def fsync_folder(folder: str) -> None:

@@ -10,7 +10,7 @@ rank writes its own shards into a folder, so no rank ever holds the whole model;
 sample.py, export.py, hellaswag.py and init_from read a sharded folder as they read a ckpt.pt; convert_sharded.py
 writes one as a ckpt.pt.
 
-Imports distributed.py and the model.
+Imports distributed.py, errors.py and the model.
 """
 from __future__ import annotations
 

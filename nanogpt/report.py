@@ -5,6 +5,8 @@ PNG), the best val loss, HellaSwag when it was scored, and a short sample from t
 
 Reads the run's metrics.jsonl (what train.py logged, across resumes) through metrics.py; draws the picture with
 plot.py (when matplotlib is installed); the sample comes from engine.py's decoding.
+
+Imports config.py, dataio.py, engine.py, errors.py, metrics.py, mfu.py, outdir.py and plot.py.
 """
 from __future__ import annotations
 

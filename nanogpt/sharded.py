@@ -9,14 +9,14 @@ Its functions:
   read         is_sharded, read_train_state, load_sharded, load_sharded_as_full
   convert      convert_to_single_file
 
-Imports checkpoint.py (the train state is written as a checkpoint file), distributed.py and the model.
+Imports checkpoint.py (the train state is written as a checkpoint file), distributed.py, errors.py, outdir.py and the
+model.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import re
-import shutil
 import time
 import warnings
 from typing import Any, Callable
@@ -82,16 +82,6 @@ def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
 
 def _fault_point(stage: str) -> None:
     """Does nothing; tests replace it to kill the process at a chosen stage of a sharded save."""
-
-
-def _link(out_dir: str, name: str, target: str) -> None:
-    """Point the link out_dir/name at the folder `target` (relative: the run folder can move) with one rename."""
-    tmp = os.path.join(out_dir, f"{name}.tmp.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(tmp)
-    with _write_errors(os.path.join(out_dir, name)):
-        os.symlink(target, tmp)
-        os.replace(tmp, os.path.join(out_dir, name))
 
 
 @contextlib.contextmanager
@@ -203,17 +193,14 @@ def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep
     fsync_folder(folder)
     _fault_point("before_link")
     if best is not None and best != _target(out_dir, SHARDED_BEST_NAME):
-        _link(out_dir, SHARDED_BEST_NAME, best)
-    _link(out_dir, SHARDED_NAME, name)
+        outdir.replace_link(os.path.join(out_dir, SHARDED_BEST_NAME), best)
+    outdir.replace_link(os.path.join(out_dir, SHARDED_NAME), name)
     fsync_folder(out_dir)
     _fault_point("after_link")
     if not keep_best:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, SHARDED_BEST_NAME))
-    kept = {name, best}
-    for entry in os.listdir(out_dir):  # the previous save, and folders of killed saves: never a user's file
-        if _SHARDED_FOLDER.fullmatch(entry) and entry not in kept:
-            shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
+        outdir.remove_file(os.path.join(out_dir, SHARDED_BEST_NAME), "the best save's link")
+    kept = {name, best}  # the previous save, and folders of killed saves, go: never a user's file
+    outdir.remove_saves(out_dir, [e for e in os.listdir(out_dir) if _SHARDED_FOLDER.fullmatch(e) and e not in kept])
 
 
 def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> tuple[GPT, dict[str, Any]]:

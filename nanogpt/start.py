@@ -9,8 +9,8 @@ run), or keeps its run's (a resume). train.py calls them in that order.
 A resume's rules live here too: which settings it takes from its run (settings_of_the_run), and which it cannot
 change (resume_changes: the model's shape, its GELU, the optimizer).
 
-Imports the model, config.py, checkpoint.py, checkpoint_manager.py, dataio.py, distributed.py, hf_gpt2.py, metrics.py,
-outdir.py, parallel.py and step.py.
+Imports the model, config.py, checkpoint.py, checkpoint_manager.py, dataio.py, device.py, distributed.py, errors.py,
+hardware.py, hf_gpt2.py, metrics.py, mfu.py, optim.py, outdir.py, parallel.py, step.py and text.py.
 """
 from __future__ import annotations
 
@@ -25,17 +25,17 @@ from model import GPT
 from nanogpt import checkpoint, checkpoint_manager, dataio, outdir, parallel
 from nanogpt.checkpoint import checkpoint_model_config
 from nanogpt.checkpoint_manager import FoundCheckpoint
-from nanogpt.config import GPT2_NAMES, TrainConfig, coerce, config_summary, declared_problems, type_name
+from nanogpt.config import TrainConfig, coerce, config_summary, declared_problems, type_name
 from nanogpt.device import dtype_reason, resolve_device, resolve_dtype
 from nanogpt.hardware import system_info
 from nanogpt.mfu import resolve_peak_flops
 from nanogpt.distributed import Dist, torchrun_job
 from nanogpt.errors import UserError, WriteError
-from nanogpt.hf_gpt2 import pretrained_gpt2
+from nanogpt.hf_gpt2 import GPT2_MODELS, pretrained_gpt2
 from nanogpt.metrics import Logger
 from nanogpt.optim import Optimizers
 from nanogpt.step import MODEL_KEYS, model_config, model_settings
-from nanogpt.text import plural, size_text
+from nanogpt.text import plural, shown, size_text
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, whatever the settings say
 
@@ -47,7 +47,8 @@ def check_out_dir(cfg: TrainConfig) -> None:
     """Before anything changes there: a resume's folder exists, and where the run writes stands nothing of another
     kind (a link, a folder where a file goes: outdir.check_entries)."""
     if cfg.init_from == "resume" and not os.path.isdir(cfg.out_dir):
-        raise UserError(f"no checkpoint to resume in out_dir={cfg.out_dir!r}: the folder does not exist; give the "
+        what = "it is a file, not a folder" if os.path.lexists(cfg.out_dir) else "the folder does not exist"
+        raise UserError(f"no checkpoint to resume in out_dir={cfg.out_dir!r}: {what}; give the "
                         f"run's folder as --out_dir (or --init_from=scratch to start a run there)")
     if not cfg.eval_only and os.path.isdir(cfg.out_dir):
         outdir.check_entries(cfg.out_dir)
@@ -101,7 +102,7 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple
     hints = typing.get_type_hints(type(cfg))
     taken = {k: v for k, v in saved.items()
              if k in hints and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    wrong = [f"{k}={v!r:.60} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]]
+    wrong = [f"{k}={shown(v)} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]]
     if wrong:  # a checkpoint edited by hand, or of another program
         raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(wrong)}: give these settings "
                         f"on the command line, or restore the checkpoint from a backup")
@@ -117,7 +118,13 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple
         except UserError:
             notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
                          f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
-    return replace(cfg, **taken), [f"{k}={v!r}" for k, v in taken.items()] + notes
+    resumed = replace(cfg, **taken)
+    cannot = [p for p in resumed.problems(int(os.environ.get("WORLD_SIZE", "1")))
+              if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
+    if cannot:  # a run of another machine (flash_impl='fa4', compile_mode='reduce-overhead' on a CPU)
+        raise UserError(f"the run's own settings (from its checkpoint: not given here) cannot run here: "
+                        f"{'; '.join(cannot)}: give these settings on the command line")
+    return resumed, [f"{k}={v!r}" for k, v in taken.items()] + notes
 
 
 # ----------------------------------------------------------------------------------------------- the data
@@ -246,7 +253,7 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     if path is not None:  # a checkpoint's weights (not its optimizer or iteration) start this run
         weights = checkpoint_manager.read_weights(path)
         return fit_pretrained(checkpoint.model_from_checkpoint(weights, **settings), cfg)
-    if cfg.init_from in GPT2_NAMES or os.path.isdir(cfg.init_from):
+    if cfg.init_from in GPT2_MODELS or os.path.isdir(cfg.init_from):
         model = pretrained_gpt2(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
     raise UserError(
@@ -298,14 +305,19 @@ def accept(plan: StartPlan, resumed: Resumed, dist: Dist, log: Logger) -> str | 
     new run moves the one there aside whole and writes its run.json; a resume keeps its run's; then the start's line
     opens metrics.jsonl. Rank 0 alone writes, and only for a start that saves (one that evaluates only changes nothing
     there); returns the run's id (None on the other ranks). A write that fails undoes what the start changed (the
-    previous run moved back, the new run.json removed) and is a WriteError: the folder is as it was."""
+    previous run moved back, run.json as it was) and is a WriteError: the folder is as it was."""
     out_dir, ckpt = plan.cfg.out_dir, resumed.ckpt
     if not dist.master:
         log.start(None, resumed.iter_num, plan.cfg.init_from, resumed.changes)
         return None
     if ckpt is not None:
+        run = outdir.read_run(out_dir)
         run_id = outdir.continue_run(out_dir, ckpt.get("run_id"), plan.job)
-        log.start(run_id, resumed.iter_num, plan.cfg.init_from, resumed.changes)
+        try:
+            log.start(run_id, resumed.iter_num, plan.cfg.init_from, resumed.changes)
+        except WriteError:
+            outdir.restore_run(out_dir, run)  # run.json as it was, or none where there was none
+            raise
         return run_id
     moved = outdir.move_previous_run(out_dir)
     try:

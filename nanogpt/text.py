@@ -1,4 +1,7 @@
-"""How figures read in the messages and logs: counts with their noun, sizes in bytes."""
+"""How figures read in the messages and logs: counts with their noun, sizes in bytes, values of any size.
+
+Imports nothing of the project's.
+"""
 from __future__ import annotations
 
 
@@ -14,3 +17,13 @@ def size_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def shown(value, width: int = 60) -> str:
+    """A value as a message quotes it, cut to `width` characters: a value of any size or content (a checkpoint or
+    config file edited by hand), an int past Python's 4300-digit repr too."""
+    try:
+        text = repr(value)
+    except ValueError:  # int's repr refuses more than sys.get_int_max_str_digits() digits
+        text = f"<an int of {value.bit_length()} bits>"
+    return text if len(text) <= width else text[:width - 3] + "..."

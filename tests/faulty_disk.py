@@ -33,7 +33,8 @@ class FaultyDisk:
     Every write operation under `root` (a file opened for writing, an os.open for writing and its os.write, a rename,
     a hard or symbolic link, a folder made, a file removed) is listed in `ops` as (operation, path relative to root),
     and the one numbered `fail_at` fails the way the OS fails it: `err` ENOSPC lets a file open and fails its first
-    write (os.write too), and fails the other operations at once; EROFS and EACCES fail the operation itself.
+    write (an os.write takes half its data first, a short write, and fails the next), and fails the other operations
+    at once; EROFS and EACCES fail the operation itself.
     """
 
     def __init__(self, root: str, monkeypatch, fail_at: int | None = None, err: int = errno.ENOSPC):
@@ -90,7 +91,9 @@ class FaultyDisk:
             return fd
 
         def os_write(fd, data):
-            if fd in self._full_fds:
+            if fd in self._full_fds:  # the disk takes what fits, then fails: half the data, then ENOSPC
+                if len(data) > 1:
+                    return real["write"](fd, bytes(data)[:len(data) // 2])
                 self._full_fds.discard(fd)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real["write"](fd, data)

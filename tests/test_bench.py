@@ -195,6 +195,17 @@ def test_config_errors_are_listed_in_one_message():
         bench.load_config(["--device=cpu", "--max_iters=5"])  # a training run's key, not a benchmark's
 
 
+def test_a_result_json_that_cannot_be_written_is_refused_before_the_timing(tmp_path):
+    """Bug: --result_json under a file was a traceback after the whole benchmark had run."""
+    (tmp_path / "afile").write_text("mine\n")
+    for path, why in [(tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is a file, not a folder"),
+                      (tmp_path, f"{tmp_path} is a folder, not a file")]:
+        with pytest.raises(UserError, match=f"^result_json='{path}': {why}$"):
+            bench.load_config(["--device=cpu", f"--result_json={path}"])
+    cfg, _ = bench.load_config(["--device=cpu", f"--result_json={tmp_path / 'new' / 'x.json'}"])  # made on write
+    assert cfg.result_json == str(tmp_path / "new" / "x.json")
+
+
 def test_padding_rows_do_not_change_the_initial_weights():
     """Runs with and without vocabulary padding train the same model: the same weights, zero padding rows."""
     cfg, _ = bench.load_config(TINY)

@@ -234,11 +234,17 @@ def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_us
     train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
     saved = torch.load(out / "ckpt.pt", weights_only=True)
     fields = ["iter_num", "best_val_loss", "config", "model_args", "run_id", "meta", "rng", "world_size", "elapsed_s",
-              "best_file", "scaler", "optimizer"]
-    nested = st.sampled_from(["config", "model_args", "meta"]).flatmap(  # one entry of a recorded dict
+              "best_file", "scaler", "optimizer", "model"]
+    tensors = st.builds(  # a tensor where a number or setting goes, or of another size or type where one goes
+        lambda n, dtype: torch.zeros(n, dtype=dtype), st.sampled_from([0, 1, 3, 5056]),
+        st.sampled_from([torch.uint8, torch.float32, torch.int64, torch.complex64, torch.bool]))
+    values = json_values() | tensors
+    nested = st.sampled_from(["config", "model_args", "meta", "rng", "model"]).flatmap(  # one entry of a dict
         lambda field: st.sampled_from(sorted(saved[field])).flatmap(
-            lambda key: json_values().map(lambda value: (field, {**saved[field], key: value}))))
-    edits = st.sampled_from(fields).flatmap(lambda field: json_values().map(lambda value: (field, value))) | nested
+            lambda key: values.map(lambda value: (field, {**saved[field], key: value}))))
+    foreign_key = st.sampled_from(["config", "model"]).map(lambda field: (field, {**saved[field], 3: 1.0}))
+    edits = (st.sampled_from(fields).flatmap(lambda field: values.map(lambda value: (field, value))) | nested
+             | foreign_key)
 
     def reads() -> None:
         cfg = tiny_config(data_dir, out, init_from="resume", max_iters=4)
@@ -265,3 +271,14 @@ def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_us
         capsys.readouterr()
 
     edited()
+    for field, value in [  # the review's (each a traceback, a hang or a run that never saved its best again)
+        ("best_val_loss", float("nan")), ("best_val_loss", torch.tensor([1 + 2j])),
+        ("rng", {**saved["rng"], "torch": torch.zeros(3, dtype=torch.uint8)}),
+        ("config", {**saved["config"], "learning_rate": torch.tensor(1e-3)}),
+        ("model", {**saved["model"], "transformer.wte.weight": 3}),
+        ("model_args", {**saved["model_args"], "vocab_size": 10**12}),
+        ("model_args", {**saved["model_args"], "n_layer": 10**9}),
+    ]:
+        torch.save({**saved, field: value}, out / "ckpt.pt")
+        with pytest.raises(UserError, match=f"checkpoint {out / 'ckpt.pt'} is damaged: .*{field}"):
+            reads()

@@ -190,3 +190,31 @@ def test_a_negative_seed_is_one_line_in_every_command(script, tmp_path, capsys):
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = r.stderr.splitlines()
     assert line.startswith("error: ") and "seed=-1 must be in [0, 4294967295]" in line, line
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "hellaswag.py"])
+def test_an_empty_out_dir_is_refused_before_anything_is_written(script, data_dir, tmp_path, capsys, monkeypatch):
+    """Bug: `--out_dir=$OUT` with OUT unset gave out_dir='': the run wrote its checkpoint, run.json and metrics into
+    the current folder, and a second such run overwrote the first's checkpoint (os.path.isdir('') is False, so
+    nothing was moved aside). Now it is one line, exit status 2, and the current folder stays as it was."""
+    from helpers import config_args, folder_state, run_in_process, tiny_config
+    from train import train
+
+    monkeypatch.chdir(tmp_path)
+    train(tiny_config(data_dir, ".", max_iters=2, eval_interval=2))  # a run in the current folder, given as '.'
+    before = folder_state(tmp_path)
+    args = config_args(tiny_config(data_dir, "", max_iters=4)) if script == "train.py" else ["--device=cpu"]
+    r = run_in_process([script, *[a for a in args if not a.startswith("--out_dir")], "--out_dir="], capsys)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: out_dir='' names no folder (give a folder: '.' for the current one)"], r.stderr[-2000:]
+    assert folder_state(tmp_path) == before
+
+
+def test_an_sdpa_kernel_for_the_math_attention_is_refused_in_training_as_in_sampling():
+    """Bug: train.py took --sdpa_backend=cudnn --attention=math silently (the kernel choice did nothing); sample.py
+    refused it."""
+    problems = TrainConfig(attention="math", sdpa_backend="cudnn", device="cpu").problems()
+    assert problems == ["sdpa_backend='cudnn' chooses a kernel of attention=sdpa, not of math: use --attention=sdpa "
+                        "(or auto), or drop sdpa_backend"]
+    assert TrainConfig(attention="math", device="cpu").problems() == []  # sdpa_backend's default: "auto"
+    assert TrainConfig(attention="sdpa", sdpa_backend="math", device="cpu").problems() == []

@@ -317,11 +317,11 @@ def test_config_summary_lists_what_differs_from_the_defaults_and_reads_back() ->
 # Each field with a strategy for its valid values. Floats exclude nan (never equal to itself) and inf
 # (repr 'inf' is not a Python literal).
 VALID_VALUES = st.one_of(
-    st.tuples(st.just("batch_size"), st.integers()),
+    st.tuples(st.just("batch_size"), st.integers(-2**63, 2**63 - 1)),  # an int is 64 bits (torch's, numpy's)
     st.tuples(st.just("learning_rate"), st.floats(allow_nan=False, allow_infinity=False)),
     st.tuples(st.just("compile"), st.booleans()),
     st.tuples(st.just("out_dir"), st.text()),
-    st.tuples(st.just("lr_decay_iters"), st.none() | st.integers()),
+    st.tuples(st.just("lr_decay_iters"), st.none() | st.integers(-2**63, 2**63 - 1)),
     st.tuples(st.just("init_from"), st.none() | st.text()),
     st.tuples(st.just("betas"), st.tuples(st.floats(-1e3, 1e3), st.floats(-1e3, 1e3))),
 )
@@ -396,3 +396,13 @@ def test_help_reads_the_comments_as_the_source_writes_them() -> None:
         ("second group: a header after a blank line, right under a field's comment", [("plain", "")]),
         ("key_of_header", [("key_of_header", "its comment")]),
     ]
+
+
+def test_an_int_past_64_bits_is_refused_and_named_without_its_digits(tmp_path: Path) -> None:
+    """Bug: `max_iters = 10**10000` in a config file passed, then ended the run in a ValueError (an int of more than
+    4300 digits has no repr)."""
+    path = write(tmp_path, "big.py", "max_iters = 10**10000\nseed = 2**63\n")
+    assert error_of([path]) == (f"{path}: max_iters: <an int of 33220 bits> is past a 64-bit int (what torch and "
+                                f"numpy hold); {path}: seed: 9223372036854775808 is past a 64-bit int (what torch and "
+                                f"numpy hold)")
+    assert configure(TrainConfig(), ["--seed=9223372036854775807"]).seed == 2**63 - 1

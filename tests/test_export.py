@@ -146,3 +146,30 @@ def test_without_the_gpt2_bpe_files_the_folder_gets_no_tokenizer_and_a_note(tmp_
                     f"\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('gpt2')"
                     f".save_pretrained('{tmp_path}')\"")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """--to names a file, a folder that cannot be made, or a disk that fills while the weights are written: one line
+    each (a traceback before), and the run's checkpoint untouched."""
+    import errno
+
+    from transformers import GPT2LMHeadModel
+
+    model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, block_size=16))
+    write_run(tmp_path, model, {})
+    ckpt = (tmp_path / "ckpt.pt").read_bytes()
+    (tmp_path / "afile").write_text("mine\n")
+    with pytest.raises(UserError, match=f"^to='{tmp_path / 'afile'}' is a file, not a folder"):
+        export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'afile'}"])
+    with pytest.raises(UserError, match=f"^cannot make to='{tmp_path / 'afile' / 'hf'}' "):
+        export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'afile' / 'hf'}"])
+
+    def full(self, folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full)
+    with pytest.raises(UserError, match=f"^could not write the model into {tmp_path / 'hf'} \\(No space left on "):
+        export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'hf'}"])
+    with pytest.raises(UserError, match="^out_dir='' names no folder"):
+        export.main(["--out_dir=", f"--to={tmp_path / 'hf'}"])
+    assert (tmp_path / "afile").read_text() == "mine\n" and (tmp_path / "ckpt.pt").read_bytes() == ckpt

@@ -202,10 +202,15 @@ def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path, 
     train(cfg)
     path = str(tmp_path / "out" / "ckpt.pt")
     ckpt = load_checkpoint(path)
-    ckpt["model"]["transformer.wpe.weight"] = torch.zeros(7, 32)
+    ckpt["model"]["transformer.h.0.attn.c_proj.weight"] = torch.zeros(7, 32)
     save_checkpoint(path, ckpt)
     line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
-    assert "does not fit the model: shapes differ" in line and "transformer.wpe.weight (7, 32) vs (32, 32)" in line
+    assert "does not fit the model: shapes differ" in line
+    assert "transformer.h.0.attn.c_proj.weight (7, 32) vs (32, 32)" in line
+    ckpt["model"]["transformer.wpe.weight"] = torch.zeros(7, 32)  # a shape model_args state: named before any build
+    save_checkpoint(path, ckpt)
+    line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
+    assert "its model_args do not match its weights: block_size=32 (its weights have 7)" in line
 
 
 def test_resume_with_changed_settings_lists_them(data_dir, tmp_path):

@@ -128,14 +128,17 @@ def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path,
 
 
 @pytest.mark.parametrize("line, message", [
-    ("{not json", "line 2 is not JSON"),
-    ('{"ctx": "A", "endings": ["a", "b", "c"], "label": 0}', "line 2 is not a HellaSwag example"),
-    ('{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 4}', "line 2 is not a HellaSwag example"),
-    ('{"context": "A", "endings": ["a", "b", "c", "d"], "label": 1}', "line 2 is not a HellaSwag example"),
+    (b"{not json", "line 2 is not JSON"),
+    (b'{"ctx": "A", "endings": ["a", "b", "c"], "label": 0}', "line 2 is not a HellaSwag example"),
+    (b'{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 4}', "line 2 is not a HellaSwag example"),
+    (b'{"context": "A", "endings": ["a", "b", "c", "d"], "label": 1}', "line 2 is not a HellaSwag example"),
+    (b'{"ctx": "\xff"}', "line 2 is not UTF-8 text"),
+    (b"[" * 100_000, "line 2 is not JSON that Python reads (RecursionError)"),
+    (b"1" * 5000, "line 2 is not JSON that Python reads (ValueError)"),
 ])
 def test_a_malformed_hellaswag_file_is_a_one_line_error(tmp_path, capsys, line, message):
-    good = '{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 1}'
-    (tmp_path / "hs.jsonl").write_text(good + "\n" + line + "\n", encoding="utf-8")
+    good = b'{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 1}'
+    (tmp_path / "hs.jsonl").write_bytes(good + b"\n" + line + b"\n")
     with pytest.raises(SystemExit):
         exit_on_user_error(lambda: hellaswag.main([f"--path={tmp_path / 'hs.jsonl'}", "--device=cpu"]))
     lines = capsys.readouterr().err.strip().splitlines()

@@ -92,3 +92,28 @@ def test_sampling_exporting_and_scoring_never_load_the_training_script():
     for script in ("sample", "export", "hellaswag", "convert_sharded", "nanogpt.checkpoint_manager"):
         assert "train" not in reachable(graph, script), script
     assert not {"bench", "train", "sample"} & reachable(graph, "nanogpt.checkpoint")  # what every script reads through
+
+
+def test_each_package_modules_docstring_names_every_project_module_it_imports():
+    """Each module of nanogpt/ says in its docstring's "Imports ..." sentence which project modules it imports (how
+    the layers read at a glance); an import added without it, or a sentence that names a module no longer imported,
+    fails here."""
+    import re
+
+    wrong = []
+    for name, path in sorted(project_modules().items()):
+        if not name.startswith("nanogpt."):
+            continue
+        doc = ast.get_docstring(ast.parse(open(path).read(), path)) or ""
+        sentence = re.search(r"Imports (.*?)(\.\s|\.$)", doc, re.S)
+        if sentence is None:
+            wrong.append(f"{name}: no 'Imports ...' sentence")
+            continue
+        text = " ".join(sentence[1].split())
+        named = set(re.findall(r"(\w+)\.py", text)) | ({"model"} if "the model" in text else set())
+        imported = {t.split(".")[1] for t in imports_of(path) if t.startswith("nanogpt.")} & {
+            n.split(".")[1] for n in project_modules() if n.startswith("nanogpt.")}
+        imported |= {"model"} & imports_of(path)
+        if named != imported - {name.split(".")[1]}:
+            wrong.append(f"{name}: names {sorted(named)}, imports {sorted(imported)}")
+    assert not wrong, "\n".join(wrong)

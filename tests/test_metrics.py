@@ -86,18 +86,30 @@ def test_metrics_lines_of_any_content_are_skipped_with_a_warning_or_read(tmp_pat
 
     record = {"iter": 5, "loss": 2.5, "elapsed_s": 1.0, "tok_s": 9.0, "mfu": None, "val_loss": 2.6,
               "train_loss": 2.5, "start": {"iter": 0, "init_from": "scratch", "command": "python train.py"}}
-    lines = json_values() | st.sampled_from(sorted(record)).flatmap(
-        lambda key: json_values().map(lambda value: {**record, key: value}))
+    records = json_values() | st.sampled_from(sorted(record)).flatmap(
+        lambda key: json_values().map(lambda value: {**record, key: value})) | st.sampled_from(
+        [*record["start"], "changes"]).flatmap(  # a start line's own fields
+        lambda key: json_values().map(lambda value: {**record, "start": {**record["start"], key: value}}))
+    raw = (st.binary(max_size=20).filter(lambda b: b"\n" not in b)  # bytes that are no UTF-8, or no JSON
+           | st.sampled_from([b"\xff", b"1" * 5000, b"[" * 100_000, b'{"a": ' * 5000]))  # past json's limits
+    lines = records.map(lambda r: json.dumps(r).encode()) | raw
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(st.lists(lines, min_size=1, max_size=3))
-    def reads(written):
+    def read_back(written: list[bytes]) -> str:
+        """metrics.jsonl of a good line and `written`, through the report; the warnings it printed."""
         out = tmp_path / "out"
         out.mkdir(exist_ok=True)
         good = {"iter": 1, "loss": 3.0, "elapsed_s": 0.5, "tok_s": 8.0, "mfu": None}
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good, *written]))
+        (out / "metrics.jsonl").write_bytes(b"".join(line + b"\n" for line in [json.dumps(good).encode(), *written]))
         report.write_report(str(out), TrainConfig(out_dir=str(out)), TrainConfig(), {"device": "cpu"}, None)
         assert (out / "report.md").exists()
-        capsys.readouterr()
+        return capsys.readouterr().err
 
-    reads()
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(lines, min_size=1, max_size=3))
+    def any_lines(written):
+        read_back(written)
+
+    any_lines()
+    for changes in ([1], "lr", None, [["nested"]]):  # the review's: a start line's changes not a list of strings
+        err = read_back([json.dumps({**record, "start": {**record["start"], "changes": changes}}).encode()])
+        assert "skipped 1 unreadable line" in err, err  # was a TypeError in the report, after the run

@@ -355,8 +355,9 @@ def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warn
     out = tmp_path / "run"
     args = ["train.py", *config_args(tiny_config(data_dir, out, max_iters=4, eval_interval=2))]
     assert run_in_process(args, capsys).returncode == 0
-    for damaged in ('{"run_id": "3f2a', "[]", '{"run_id": "3f2a9c", "started": "yesterday"}'):
-        (out / "run.json").write_text(damaged)
+    for damaged in ('{"run_id": "3f2a', "[]", '{"run_id": "3f2a9c", "started": "yesterday"}', "[" * 100_000,
+                    "\udcff"):  # nested past Python's limit; a byte that is no UTF-8
+        (out / "run.json").write_bytes(damaged.encode("utf-8", "surrogateescape"))
         before = folder_state(out)
         for again in ([], ["--init_from=resume", "--max_iters=6"]):  # a new run, a resume
             r = run_in_process([*args, *again], capsys)

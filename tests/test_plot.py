@@ -45,6 +45,11 @@ def test_the_command_line_writes_the_png_and_names_a_missing_run(two_runs, tmp_p
     r = run_script(["plot.py", str(tmp_path / "nope")], timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == f"error: no {tmp_path / 'nope' / 'metrics.jsonl'}: give the out_dir of a train.py run"
+    (tmp_path / "afile").write_text("mine\n")  # --out under a file: the line says so, and names --out (no out_dir)
+    r = run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'afile' / 'x.png'}"], timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: could not write loss picture {tmp_path / 'afile' / 'x.png'} ({tmp_path / 'afile'} is a file, not a "
+        f"folder); loss picture was not written: free disk space, or give another --out"), r.stderr
 
 
 def test_without_matplotlib_plot_py_is_one_line_naming_the_pip_command(tmp_path):

@@ -456,3 +456,11 @@ def test_the_command_moves_its_imports_objects_out_of_the_collectors_way_at_exit
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.split("frozen after the run ")[1].split()[0]) == 0
     assert int(r.stdout.split("frozen at exit ")[1].split()[0]) > 50_000
+
+
+def test_a_window_dtype_this_machine_cannot_run_is_named_as_window_dtype():
+    """Bug: --window_dtype=float16 on a CPU said "dtype='float16' is not supported", naming a key not given."""
+    import sample as sample_module
+
+    with pytest.raises(UserError, match=r"^window_dtype='float16' is not supported on the CPU: use bfloat16"):
+        sample_module.check_config(SampleConfig(device="cpu", dtype="float32", window_dtype="float16"))

@@ -6,6 +6,7 @@ end to end, is in test_train.py, test_outdir.py and test_faults.py.
 """
 import json
 import os
+import re
 import shutil
 from dataclasses import replace
 
@@ -144,3 +145,41 @@ def test_check_data_refuses_a_window_longer_than_the_split(finished_run):
         start.check_data(cfg)
     data, meta, vocab = start.check_data(tiny_config(data_dir, out))
     assert data == str(data_dir) and vocab == meta["vocab_size"]
+
+
+def test_a_setting_of_the_run_this_machine_cannot_run_is_named_as_the_runs():
+    """A run of a GPU resumed on a CPU: its flash_impl='fa4' and compile_mode='reduce-overhead' are named as taken
+    from its checkpoint, with what to give instead (they were refused as if the user had given them)."""
+    cfg = TrainConfig(out_dir="here", device="cpu")
+    with pytest.raises(UserError, match=r"^the run's own settings \(from its checkpoint: not given here\) cannot run "
+                                        r"here: compile_mode='reduce-overhead' records CUDA graphs.*flash_impl='fa4'"):
+        start.settings_of_the_run(cfg, given=set(), saved={"compile_mode": "reduce-overhead", "flash_impl": "fa4"})
+    resumed, _ = start.settings_of_the_run(cfg, given={"compile_mode", "flash_impl"},
+                                           saved={"compile_mode": "reduce-overhead", "flash_impl": "fa4"})
+    assert (resumed.compile_mode, resumed.flash_impl) == ("default", "default")  # given: the user's, not the run's
+
+
+def test_init_from_a_folder_without_weights_says_what_it_lacks(finished_run, tmp_path):
+    """Bug: a folder holding only ckpt_best.pt (or nothing) as init_from said its weights 'were trained with another
+    tokenizer (gpt2, 50257 tokens)'. Now the line says what the folder lacks, and names a checkpoint file it holds."""
+    from nanogpt import checkpoint_manager
+
+    data_dir, out = finished_run
+    (tmp_path / "best").mkdir()
+    shutil.copy(out / "ckpt.pt", tmp_path / "best" / "ckpt_best.pt")
+    with pytest.raises(UserError, match=r"is a folder without a run's checkpoint \(ckpt.pt, ckpt_sharded\) or a HF "
+                                        rf"GPT-2 model \(config.json\): give one of its checkpoint files, e\.g\. "
+                                        rf"--init_from={re.escape(str(tmp_path / 'best' / 'ckpt_best.pt'))}$"):
+        checkpoint_manager.weights_tokenizer(str(tmp_path / "best"))
+    with pytest.raises(UserError, match=r"a HF GPT-2 model \(config.json\)$"):
+        checkpoint_manager.weights_tokenizer(str(tmp_path))  # nothing of a checkpoint in it at all
+    vocab, meta = checkpoint_manager.weights_tokenizer(str(tmp_path / "best" / "ckpt_best.pt"))  # the file: read
+    assert meta is not None and vocab == meta["vocab_size"]
+
+
+def test_a_resume_in_a_file_says_it_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("mine\n")
+    with pytest.raises(UserError, match="it is a file, not a folder; give the run's folder"):
+        start.check_out_dir(TrainConfig(out_dir=str(tmp_path / "afile"), init_from="resume"))
+    with pytest.raises(UserError, match="the folder does not exist"):
+        start.check_out_dir(TrainConfig(out_dir=str(tmp_path / "nowhere"), init_from="resume"))

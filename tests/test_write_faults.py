@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import pytest
 from faulty_disk import FaultyDisk
 from helpers import ROOT, config_args, folder_state, tiny_config
 from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_manager import find_checkpoint
 from nanogpt.errors import UserError
 from train import train
 
@@ -90,6 +93,17 @@ def check_outcome(disk, error, stderr, before, out, capsys_out="") -> None:
         return
     assert error.exit_code == 1 and "The run stopped at iter" in message, (disk.failed, message)
     check_kept(before, out, os.path.relpath(previous[0], out) if previous else None)
+    if (out / "metrics.jsonl").exists():  # a line the disk cut short is cut off whole: every line is a record
+        lines = (out / "metrics.jsonl").read_bytes().split(b"\n")
+        assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1]), (disk.failed, lines[-2:])
+    said = re.search(r"a checkpoint at iter (\d+) was saved|(\S+) at iter (\d+) is intact|no checkpoint was saved",
+                     message)
+    assert said, message  # what a resume continues from, as it is on disk
+    if said[1] or said[2]:
+        found = find_checkpoint(str(out))
+        assert (found.name if said[2] else "ckpt.pt", found.iter_num) == (said[2] or "ckpt.pt", int(said[1] or said[3]))
+    else:
+        assert not (out / "ckpt.pt").exists()
     if (out / "ckpt.pt").exists():
         assert loads(out / "ckpt.pt") <= 4
 
@@ -117,10 +131,16 @@ def test_a_new_run_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_p
         check_outcome(disk, error, stderr, before, out)
 
 
-def test_a_resume_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_path, monkeypatch, capsys):
-    """A resume from iter 2 to 4: no move, its metrics appended, its checkpoints replaced whole."""
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS], ids=["ENOSPC", "EROFS"])
+@pytest.mark.parametrize("run_json", [True, False], ids=["run.json", "no run.json"])
+def test_a_resume_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_path, monkeypatch, capsys, run_json,
+                                                               err):
+    """A resume from iter 2 to 4: no move, its metrics appended, its checkpoints replaced whole; in a folder from
+    before run ids too, where the resume writes run.json first."""
     out = tmp_path / "out"
     first_run(data_dir, out)
+    if not run_json:
+        (out / "run.json").unlink()
     clean = tmp_path / "clean"
     shutil.copytree(out, clean, symlinks=True)
     cfg = tiny_config(data_dir, out, **{**NEW_RUN, "init_from": "resume"})
@@ -130,13 +150,14 @@ def test_a_resume_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_pa
         shutil.rmtree(out)
         shutil.copytree(clean, out, symlinks=True)
         before = folder_state(out)
-        disk, error, stderr = faulty_start(cfg, out, monkeypatch, capsys, i, (errno.ENOSPC, errno.EROFS)[i % 2])
+        disk, error, stderr = faulty_start(cfg, out, monkeypatch, capsys, i, err)
         check_outcome(disk, error, stderr, before, out)
 
 
-FILES = ["run.lock", "run.json", "metrics.jsonl", "ckpt.pt", "ckpt_best.pt", "report.md", "loss.png"]
+FILES = ["run.lock", "run.json", "metrics.jsonl", "ckpt.pt", "ckpt_best.pt", "report.md", "loss.png",
+         "ckpt_0000004.pt"]  # keep_last's save at the iteration this run reaches
 MISPLACED = ([(name, "link") for name in [*FILES, "previous"]] + [(name, "folder") for name in FILES]
-             + [("previous", "file"), ("run.lock", "foreign lock")])
+             + [("previous", "file"), ("run.lock", "foreign lock"), ("ckpt_sharded_0000004_1", "file")])
 
 
 @pytest.mark.parametrize("name, kind", MISPLACED, ids=[f"{n}-{k}" for n, k in MISPLACED])
@@ -215,6 +236,7 @@ echo "exit $?" >> {log}
 {python} -c "
 import sys; sys.path.insert(0, '{root}')
 from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_manager import find_checkpoint
 try:
     print('checkpoint', load_checkpoint('{mnt}/out/ckpt.pt')['iter_num'])
 except Exception as e:
