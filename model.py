@@ -2,7 +2,7 @@
 A GPT-2-style language model, in one file that works copied alone (it imports torch and the standard library only):
 GPTConfig, CausalSelfAttention, MLP, Block and GPT, with nanoGPT's API: `GPT(GPTConfig(...))`, `logits, loss =
 model(idx, targets)`, `GPT.from_pretrained("gpt2")`, `model.generate(idx, max_new_tokens)`,
-`configure_optimizers`, `estimate_mfu`.
+`configure_optimizers`, `estimate_mfu` (against the peak FLOP/s given, or a known GPU's).
 
 References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
 The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
@@ -257,6 +257,26 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: i
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
 
 
+def _fused_loss():
+    """The project's chunked head + loss (nanogpt/fused_loss.py), or None where model.py runs copied alone: the plain
+    loss then, the same figures with the (B, T, vocab) logits formed."""
+    try:
+        from nanogpt.fused_loss import fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return fused_linear_cross_entropy
+
+
+def _device_peak_flops(device: torch.device) -> float | None:
+    """A known GPU's dense bf16 peak FLOP/s (nanogpt/mfu.py's table), or None: a CPU, an unknown GPU, or model.py
+    copied alone."""
+    try:
+        from nanogpt.mfu import device_peak_flops
+    except ImportError:
+        return None
+    return device_peak_flops(device)
+
+
 class GPT(nn.Module):
     @classmethod
     def uninitialized(cls, config: GPTConfig) -> "GPT":
@@ -317,16 +337,14 @@ class GPT(nn.Module):
         Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets
         (None without targets), as nanoGPT's `logits, loss = model(X, Y)`.
         return_logits=False, for callers that need only the loss (train_step, estimate_loss): (None, loss), and with
-        config.fused_loss the (B, T, padded vocab) logits are never formed (nanogpt/fused_loss.py).
+        config.fused_loss the (B, T, padded vocab) logits are never formed (nanogpt/fused_loss.py; model.py
+        copied alone computes the plain loss instead).
         """
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
-        if targets is not None and not return_logits and self.config.fused_loss:
-            from nanogpt.fused_loss import fused_linear_cross_entropy  # the project's chunked head + loss
-
+        fused = _fused_loss() if targets is not None and not return_logits and self.config.fused_loss else None
+        if fused is not None:
             n_targets = (targets != -1).sum().clamp(min=1)
-            loss_sum = fused_linear_cross_entropy(
-                x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
-            )
+            loss_sum = fused(x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size)
             return None, loss_sum / n_targets
         # the logits are made anyway (asked for, or fused_loss off): the plain loss from them is the cheaper one
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
@@ -477,8 +495,9 @@ class GPT(nn.Module):
         self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None, seq_len: int | None = None
     ) -> float | None:
         """Model FLOPs utilisation: achieved FLOP/s over the device's peak `peak_flops` (bf16 dense: an A100's is
-        312e12; the project's nanogpt/mfu.py knows more, and measures a CPU's). None without a peak."""
-        peak = peak_flops
+        312e12). None given: a known GPU's (the project's nanogpt/mfu.py), else None: no peak is assumed (nanoGPT's
+        takes an A100's for every device, a CPU too)."""
+        peak = peak_flops if peak_flops is not None else _device_peak_flops(self.lm_head.weight.device)
         if peak is None or dt <= 0:
             return None
         T = seq_len or self.config.block_size

@@ -413,8 +413,12 @@ for _ in range(3):
     optimizer.zero_grad()
 after = gpt(x, x)[1].item()
 out = gpt.eval().generate(x[:1, :4], 20, temperature=0.8, top_k=10)  # past block_size: the window slides
+# a checkpoint's model_args from a CPU run say fused_loss=True: copied alone, the loss-only pass is the plain loss
+fused = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, fused_loss=True))
+fused.load_state_dict(gpt.state_dict())
+loss_only, plain = fused(x, x, return_logits=False)[1].item(), gpt(x, x)[1].item()
 print(json.dumps({"file": model.__file__, "logits": list(logits.shape), "before": before, "after": after,
-                  "generated": list(out.shape), "imported": sorted(sys.modules.keys() & {"nanogpt", "transformers", "configurator"})}))
+                  "fused": [loss_only, plain], "generated": list(out.shape), "imported": sorted(sys.modules.keys() & {"nanogpt", "transformers", "configurator"})}))
 """
 
 
@@ -438,3 +442,4 @@ def test_model_py_works_copied_alone_into_an_empty_folder(tmp_path) -> None:
     assert got["file"] == str(tmp_path / "model.py") and got["imported"] == [], got
     assert got["logits"] == [4, 16, 50] and got["generated"] == [1, 24], got
     assert got["after"] < got["before"], got  # the steps trained it
+    assert got["fused"][0] == pytest.approx(got["fused"][1], rel=1e-6), got
