@@ -372,8 +372,7 @@ class Loop:
         if not last_eval and self.stop.requested():  # a signal during the eval: skip it (it may be cut short)
             self.stop_now()
         record = {"iter": it, "train_loss": self.losses["train"], "val_loss": self.losses["val"]}
-        if cfg.hellaswag and (it % (cfg.hellaswag_interval or cfg.eval_interval) == 0 or it == cfg.max_iters
-                              or cfg.eval_only):
+        if cfg.hellaswag and (it % (cfg.hellaswag_interval or cfg.eval_interval) == 0 or last_eval):
             # on the uncompiled model: its varying lengths would make torch.compile recompile
             record.update(hellaswag.evaluate(t.raw_model, t.hellaswag_examples, t.dist, t.ctx))
         t.log.print(f"step {it}: train loss {self.losses['train']:.4f}, val loss {self.losses['val']:.4f}"

@@ -127,6 +127,23 @@ def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path,
     assert f"{nanogpt.hellaswag.describe(result)} in " in r.stdout and "(cpu, float32, 2 ranks)" in r.stdout
 
 
+def test_a_resume_with_nothing_left_to_train_scores_hellaswag_at_its_one_evaluation(tmp_path, capsys):
+    """Bug: a resume past a lowered max_iters evaluates once and saves nothing (as eval_only does), but HellaSwag was
+    scored only for --eval_only itself: that one evaluation's record had no hellaswag_acc."""
+    from dataclasses import replace
+
+    rows = write_examples(tmp_path / "hs.jsonl")
+    (tmp_path / "data").mkdir()
+    make_dataset(tmp_path / "data", rows, n_lines=300)
+    cfg = tiny_config(tmp_path / "data", tmp_path / "out", block_size=64, max_iters=4, eval_interval=4,
+                      hellaswag=True, hellaswag_interval=8, hellaswag_path=str(tmp_path / "hs.jsonl"))
+    train(cfg)  # HellaSwag at iter 0 and at the last eval, iter 4
+    capsys.readouterr()
+    train(replace(cfg, init_from="resume", max_iters=2))  # iter 4: not a multiple of 8, not max_iters
+    evals = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(evals) == 1 and evals[0].startswith("step 4: train loss ") and "HellaSwag acc " in evals[0], evals
+
+
 @pytest.mark.parametrize("line, message", [
     (b"{not json", "line 2 is not JSON"),
     (b'{"ctx": "A", "endings": ["a", "b", "c"], "label": 0}', "line 2 is not a HellaSwag example"),
