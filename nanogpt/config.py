@@ -335,6 +335,14 @@ class StepConfig:
             problems.append(f"learning_rate={self.learning_rate} must be > 0 with optimizer='muon'")
         return problems + self.machine_problems()
 
+    def device_or_none(self) -> str | None:
+        """The device that `device` names here ("auto" resolved), or None where it names none (machine_problems says
+        why)."""
+        try:
+            return resolve_device(self.device)
+        except UserError:
+            return None
+
     def machine_problems(self) -> list[str]:
         """What this machine cannot run: the device, the dtype on it, CUDA graphs elsewhere than CUDA, float8."""
         try:
@@ -443,6 +451,12 @@ class TrainConfig(StepConfig):
                             f"{self.eval_interval} (HellaSwag runs at evals)")
         if (wandb := wandb_problem(self)) is not None:
             problems.append(wandb)
+        if (type(self.activation_checkpointing) is int and self.activation_checkpointing > self.n_layer
+                and self.init_from == "scratch"):  # other starts take their depth from the weights (parallel.py)
+            problems.append(f"activation_checkpointing={self.activation_checkpointing} must be True, False or a number "
+                            f"of blocks 0..{self.n_layer} (n_layer={self.n_layer})")
+        if self.backend == "nccl" and (device := self.device_or_none()) is not None and not device.startswith("cuda"):
+            problems.append(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
         problems += self.fsdp_problems()
         return problems
 

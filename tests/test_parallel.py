@@ -46,12 +46,19 @@ def test_fsdp_and_activation_checkpointing_settings_are_checked(data_dir, tmp_pa
         "parallelism='zero' is not one of ddp, fsdp": dict(parallelism="zero"),
         "dtype='float16' is not supported with parallelism='fsdp'": dict(parallelism="fsdp", dtype="float16"),
         "keep_last=2 is not supported with sharded checkpoints": dict(parallelism="fsdp", keep_last=2),
+        # with the settings, before anything loads (they were found only once the model or process group existed)
+        "activation_checkpointing=3 must be True, False or a number of blocks 0..2": dict(activation_checkpointing=3),
+        "backend='nccl' needs CUDA but device='cpu': use --backend=gloo": dict(backend="nccl"),
     }
     for message, overrides in cases.items():
         with pytest.raises(UserError, match=re.escape(message)):
             tiny_config(data_dir, tmp_path, **overrides).check(1)
+    # a start from weights takes their depth: checked once they are loaded, still before out_dir changes
+    train(tiny_config(data_dir, tmp_path / "two", max_iters=2, eval_interval=2))
+    weights = str(tmp_path / "two" / "ckpt.pt")
     with pytest.raises(UserError, match=r"activation_checkpointing=3 must be True, False or a number of blocks 0\.\.2"):
-        train(tiny_config(data_dir, tmp_path / "ac", activation_checkpointing=3))
+        train(tiny_config(data_dir, tmp_path / "ac", init_from=weights, activation_checkpointing=3))
+    assert not os.path.exists(tmp_path / "ac")
 
 
 def test_nanogpts_shakespeare_config_runs_under_fsdp(tmp_path):
