@@ -166,7 +166,7 @@ def setup_run(cfg: BenchConfig) -> dict:
         data_path = os.path.join(data_dir, "train.bin")
         dataio.open_tokens(data_path, vocab_size=cfg.vocab_size)  # a missing file or a bad id fails here
     model = build_model(cfg).to(device)
-    if cfg.fp8:  # setup_device refused it where float8 matmuls cannot run
+    if cfg.fp8:  # load_config refused it where float8 matmuls cannot run
         print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
         float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
     check_attention_kernel(model, ctx, compile=cfg.compile)  # one line, not compile's trace

@@ -28,18 +28,17 @@ from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
 from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
-from model import GPTConfig
+from model import HF_CONV1D_WEIGHTS, GPTConfig
 
 GPT2_BPE_FILES = {  # HF's file name: the URL tiktoken's gpt2 encoding reads (and caches) it from
     "vocab.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
     "merges.txt": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
 }
-HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}
+HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}  # GPTConfig.gelu -> the name HF writes (model.HF_ACTIVATIONS reads)
 # model_args keys with a GPT-2 equivalent. The attention path and kernel change nothing that the weights compute;
 # dropout is a training setting (HF's *_pdrop); anything else (a setting added later) must be mapped here first.
 EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd", "dropout", "bias",
                "attention", "sdpa_backend", "gelu", "fused_loss"}  # fused_loss: how the loss is computed
-CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
 @dataclass
@@ -87,7 +86,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, vocab_size:
         for name, size in biases.items():
             prefix = f"transformer.h.{i}.{name}"
             w = state[f"{prefix}.weight"]
-            out[f"{prefix}.weight"] = w.t() if f"{prefix}.weight".endswith(CONV1D) else w  # (out, in) -> (in, out)
+            out[f"{prefix}.weight"] = w.t() if f"{prefix}.weight".endswith(HF_CONV1D_WEIGHTS) else w  # (out, in) -> (in, out)
             out[f"{prefix}.bias"] = state.get(f"{prefix}.bias", torch.zeros(size, dtype=w.dtype))
     ln_f = state["transformer.ln_f.weight"]
     out["transformer.ln_f.weight"] = ln_f

@@ -6,7 +6,7 @@ favour short endings). train.py runs the same evaluation during training with he
 
 $ python hellaswag.py --init_from=gpt2       # build-nanogpt's figures for it: acc 0.2859, acc_norm 0.2955
 $ python hellaswag.py --init_from=gpt2-xl    # acc 0.3842, acc_norm 0.4893
-$ python hellaswag.py --out_dir=out-fineweb  # a training run's newest checkpoint (ckpt.pt or an FSDP sharded folder)
+$ python hellaswag.py --out_dir=out-gpt2-fineweb  # a training run's newest checkpoint (ckpt.pt or an FSDP sharded folder)
 $ torchrun --standalone --nproc_per_node=8 hellaswag.py --init_from=gpt2-xl   # the examples split over 8 GPUs
 
 The validation set (10,042 examples, 11 MB) is downloaded once to data/hellaswag/; `path=FILE` reads a local copy

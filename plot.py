@@ -5,9 +5,10 @@ each run's metrics.jsonl (train.py writes it into out_dir).
 $ python plot.py out-shakespeare-char-cpu                    # -> loss.png
 $ python plot.py out-a out-b --out=compare.png               # two runs, one picture
 
-The thin line is the training loss logged every log_interval steps (one micro-batch's, so noisy); the thick line
-with dots is the val loss of each eval. Wall time is train.py's elapsed_s: seconds since the run started, evals
-included, so runs of different speed compare on the right panel.
+The thin line is the training loss logged every log_interval steps (the step's mean over its micro-batches and
+ranks: one batch's worth, so noisy); the thick line with dots is the val loss of each eval. Wall time is
+metrics.jsonl's elapsed_s: seconds since the run started, evals included, so runs of different speed compare on the
+right panel.
 
 Reads metrics.jsonl through nanogpt/metrics.py and draws through nanogpt/plot.py.
 """

@@ -14,7 +14,7 @@ Parts (in this order; --parts picks some):
              fp8=True: tensorwise with fp8_layers=auto, then every layer tensorwise and rowwise (float8.py; the
              loss after the timed steps beside bf16's).
   headline   GPT-2 124M at nanoGPT's bench settings (batch 12 x 1024, bf16 autocast, torch.compile, SDPA, padded
-             vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (hardware.PEAK_FLOPS, by the
+             vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (mfu.PEAK_FLOPS, by the
              name CUDA reports; an unknown GPU says so and takes --peak_flops).
   attention  the seeds' attention ablation at those settings: math attention -> SDPA (auto) -> each SDPA kernel
              -> flash with the padded vocabulary, beside nanoGPT's published A100 ms/iter.
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "\"--compile_mode='max-autotune'\"")
     p.add_argument("--results_dir", default="gpu_results", help="where gpu.json and gpu.md go")
     p.add_argument("--peak_flops", type=float, default=None,
-                   help="the GPU's dense bf16 peak FLOP/s for MFU (default: hardware.PEAK_FLOPS by device name)")
+                   help="the GPU's dense bf16 peak FLOP/s for MFU (default: mfu.PEAK_FLOPS by device name)")
     p.add_argument("--budget_minutes", type=float, default=25.0, help="start no new row after this")
     p.add_argument("--warmup_steps", type=int, default=5, help="bench.py's untimed steps per row (compile happens here)")
     p.add_argument("--timed_steps", type=int, default=15, help="bench.py's timed steps per row")
@@ -155,9 +155,9 @@ def device_peak(device_name: str, peak_flops: float | None) -> tuple[float | Non
         return peak_flops, f"--peak_flops={peak_flops:.4g}"
     peak = gpu_peak_flops(device_name)
     if peak is None:
-        return None, (f"unknown device {device_name!r}: not in hardware.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}); "
+        return None, (f"unknown device {device_name!r}: not in mfu.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}); "
                       f"give --peak_flops for MFU")
-    return peak, f"{peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name}, hardware.PEAK_FLOPS)"
+    return peak, f"{peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name}, mfu.PEAK_FLOPS)"
 
 
 def require_gpu() -> str:

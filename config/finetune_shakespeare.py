@@ -15,7 +15,7 @@ init_from = "gpt2-xl"  # the largest GPT-2
 
 always_save_checkpoint = False  # only when val improves
 
-# 1 batch_size * 32 grad_accum * 1024 tokens = 32,768 tokens/iter; shakespeare has 301,966 tokens: 1 epoch ~ 9.2 iters
+# 1 batch_size * 32 gradient_accumulation_steps * 1024 tokens = 32,768 tokens/iter; shakespeare has 301,966 tokens: 1 epoch ~ 9.2 iters
 batch_size = 1
 gradient_accumulation_steps = 32
 max_iters = 20

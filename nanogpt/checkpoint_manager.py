@@ -124,7 +124,7 @@ class FoundCheckpoint:
     path: str
     iter_num: int
     note: str  # what else was there, and why this one: "" when it was the only choice
-    state: dict = field(default_factory=dict, repr=False)  # read_state's: a file mapped, or a folder's train state
+    state: dict = field(default_factory=dict, repr=False)  # _read_state's: a file mapped, or a folder's train state
 
     @property
     def name(self) -> str:

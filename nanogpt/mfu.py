@@ -146,7 +146,7 @@ def mfu_text(mfu: float | None) -> str:
 
 def resolve_peak_flops(device: str, dtype: str, given: float | None = None) -> tuple[float | None, str]:
     """The peak FLOP/s that MFU divides by, and where it comes from: `given` (--peak_flops) wins; a known GPU's from
-    hardware.PEAK_FLOPS; a CPU's measured in the run's dtype (measured_cpu_peak_flops); else None."""
+    mfu.PEAK_FLOPS; a CPU's measured in the run's dtype (measured_cpu_peak_flops); else None."""
     if given is not None:
         return given, "--peak_flops"
     if device.split(":")[0] == "cpu":

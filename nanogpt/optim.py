@@ -183,7 +183,7 @@ def ns_dtype_for(setting: str, device_type: str) -> torch.dtype:
 
 def build_optimizer(model, cfg, device_type: str, verbose: bool = True) -> Optimizers:
     """The optimizer that cfg.optimizer names (its settings checked: config.py), over `model`'s parameters
-    (cfg: train.TrainConfig)."""
+    (cfg: a StepConfig, config.py's TrainConfig or bench.py's BenchConfig)."""
     betas = (cfg.beta1, cfg.beta2)
     fused = cfg.fused_adamw if cfg.fused_adamw is not None else fused_adamw_available(device_type)
     if cfg.optimizer == "adamw":

@@ -229,7 +229,7 @@ class OneStepLate:
     just pushed keeps the device busy). So reading every step's figures never leaves a GPU idle, and the loop
     waits for the device only where it must (flush: before an eval, a save, a stop, the end). Each figure comes back
     with the tag it was pushed with (the iteration, its learning rate) and the step's time in ms on the device's
-    timeline (measure.DeviceClock: from the end of the step before, or of what restart() marked, to its own end).
+    timeline (device.DeviceClock: from the end of the step before, or of what restart() marked, to its own end).
     """
 
     def __init__(self, device: str):

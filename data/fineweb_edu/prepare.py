@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for nanogpt/ and data/
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from data.corpus import corpus_parser, eot_then_tokens, local_data_files, no_bars_in_logs, progress  # noqa: E402
 from nanogpt.dataio import (  # noqa: E402

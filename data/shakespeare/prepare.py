@@ -9,7 +9,7 @@ data/shakespeare_text.py. Offline, point TIKTOKEN_CACHE_DIR at a tiktoken cache 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for common, dataio and data/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for nanogpt/ and data/
 from nanogpt.errors import exit_on_user_error  # noqa: E402
 from data.shakespeare_text import prepare_main, write_split  # noqa: E402
 from nanogpt.dataio import gpt2_tokenizer  # noqa: E402

@@ -16,7 +16,7 @@ def test_this_gpu_has_a_peak_or_says_so():
     name = torch.cuda.get_device_name()
     peak = device_peak_flops("cuda")
     if peak is None:
-        pytest.skip(f"{name!r} is not in hardware.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}): MFU needs --peak_flops")
+        pytest.skip(f"{name!r} is not in mfu.PEAK_FLOPS ({', '.join(PEAK_FLOPS)}): MFU needs --peak_flops")
     assert peak == gpu_peak_flops(name)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).cuda()
     assert model.estimate_mfu(4, 0.5) == model.estimate_mfu(4, 0.5, peak_flops=peak)
