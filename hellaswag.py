@@ -26,7 +26,7 @@ from typing import Annotated
 
 from nanogpt import checkpoint_manager
 from nanogpt.hellaswag import VAL_EXAMPLES, describe, encode, evaluate, load_examples
-from nanogpt.config import Folder, OneOf, Range, check, declared_problems
+from nanogpt.config import OneOf, Range, WeightsSource, check, declared_problems
 from nanogpt.device import DTYPES, autocast_context, resolve_dtype
 from nanogpt.errors import exit_on_user_error
 from nanogpt.distributed import cleanup_distributed, setup_distributed
@@ -38,12 +38,7 @@ REFERENCE = {"gpt2": (0.2859, 0.2955), "gpt2-xl": (0.3842, 0.4893)}
 
 
 @dataclass
-class HellaSwagConfig:
-    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a
-    # HF folder, or a checkpoint file or sharded folder
-    out_dir: Folder = "out"  # with init_from=resume: the training run's folder
-    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
-    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
+class HellaSwagConfig(WeightsSource):  # init_from, out_dir, ckpt
     path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded to data/hellaswag/
     max_examples: Annotated[int, Range(0, note="0: all")] = 0  # score only the first this many examples (0: all)
     device: str = "auto"  # "auto", "cpu", "cuda", ... (under torchrun: each rank's GPU)
@@ -52,7 +47,7 @@ class HellaSwagConfig:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = configure(HellaSwagConfig(), sys.argv[1:] if argv is None else argv)
-    check(declared_problems(cfg))
+    check(declared_problems(cfg) + cfg.weights_problems())  # before the examples' download
     dist = setup_distributed(cfg.device)
     finished = False
     try:

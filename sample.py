@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -31,25 +30,19 @@ import torch
 from configurator import configure
 from model import GPT, SDPA_BACKENDS, GPTConfig
 from nanogpt import checkpoint_manager, dataio, engine
-from nanogpt.config import (ATTENTIONS, AtLeast1, Folder, OneOf, Range, Seed, check, declared_problems,
+from nanogpt.config import (ATTENTIONS, AtLeast1, OneOf, Range, Seed, WeightsSource, check, declared_problems,
                             kernel_problem)
 from nanogpt.device import (DTYPES, autocast_context, keep_freed_memory, resolve_device, resolve_dtype,
                             resolve_sampling_attention, synchronize)
 from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import cpu_has_native_bf16
-from nanogpt.hf_gpt2 import GPT2_MODELS
 from nanogpt.text import plural
 
 SEPARATOR = "---------------"
 
 
 @dataclass
-class SampleConfig:
-    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", ..., a HF GPT-2 folder, or
-    # a checkpoint file or sharded folder
-    out_dir: Folder = "out"  # with init_from=resume: the training run's folder
-    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
-    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
+class SampleConfig(WeightsSource):  # init_from, out_dir, ckpt
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
     num_samples: AtLeast1[int] = 10  # drawn together as one batch, each from its own random stream (from seed and its index)
     batch_size: Annotated[int | None, Range(1, note="or None: all num_samples at once")] = None  # at most this many samples per batch, to bound memory (None: all num_samples); it
@@ -90,12 +83,7 @@ def log(msg: str) -> None:
 def check_config(cfg: SampleConfig) -> SampleConfig:
     """Every problem with the settings in one UserError, before anything slow (loading weights) happens. Returns
     the config with its device and dtype resolved ('auto' becomes what runs), which the functions below take."""
-    problems = declared_problems(cfg)
-    if cfg.init_from != "resume" and cfg.init_from not in GPT2_MODELS and not os.path.exists(cfg.init_from):
-        problems.append(
-            f"init_from={cfg.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 "
-            f"model, or a checkpoint file or sharded folder"
-        )
+    problems = declared_problems(cfg) + cfg.weights_problems()
     if (why := kernel_problem(cfg.attention, cfg.sdpa_backend)) is not None:
         problems.append(why)
     if any(p.startswith(("dtype=", "window_dtype=")) for p in problems):

@@ -385,6 +385,25 @@ def fp8_problems(device: str, dtype: str | None) -> list[str]:
     return problems
 
 
+# ----------------------------------------------------------------------------------------------- weights to read
+
+@dataclass
+class WeightsSource:
+    """The weights sample.py and hellaswag.py run (their configs' first keys)."""
+    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a
+    # HF GPT-2 folder, or a checkpoint file or sharded folder
+    out_dir: Folder = "out"  # with init_from=resume: the training run's folder
+    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
+    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
+
+    def weights_problems(self) -> list[str]:
+        """An init_from that names no weights: one phrase, found before anything slow (a download, a load)."""
+        if self.init_from == "resume" or self.init_from in GPT2_MODELS or os.path.exists(self.init_from):
+            return []
+        return [f"init_from={self.init_from!r} is not one of resume, {', '.join(GPT2_MODELS)}, a folder with a HF "
+                f"GPT-2 model, or a checkpoint file or sharded folder"]
+
+
 # ----------------------------------------------------------------------------------------------- a run's settings
 
 PARALLELISMS = ("ddp", "fsdp")

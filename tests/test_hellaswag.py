@@ -180,6 +180,22 @@ def test_hellaswag_settings_in_training_are_one_line_errors(tmp_path, capsys, ex
     assert capsys.readouterr().err.strip().splitlines() == [message.format(nope=str(tmp_path / "nope.jsonl"))]
 
 
+def test_an_init_from_that_names_no_weights_is_refused_before_the_download(tmp_path, capsys, monkeypatch):
+    """Bug: hellaswag.py downloaded the validation set (or read --path) before it found that init_from names no
+    weights; sample.py refused it at once. Both now check it with the other settings (config.WeightsSource)."""
+    import sample
+
+    downloads = []
+    monkeypatch.setattr(nanogpt.hellaswag, "download", lambda *a, **k: downloads.append(a))
+    message = (f"error: init_from={str(tmp_path / 'nope')!r} is not one of resume, gpt2, gpt2-medium, gpt2-large, "
+               f"gpt2-xl, a folder with a HF GPT-2 model, or a checkpoint file or sharded folder")
+    for main in (hellaswag.main, sample.main):
+        with pytest.raises(SystemExit) as e:
+            exit_on_user_error(lambda: main([f"--init_from={tmp_path / 'nope'}", "--device=cpu"]))
+        assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [message], main
+    assert downloads == []
+
+
 def test_download_fetches_the_validation_set_once_and_checks_it(tmp_path, monkeypatch):
     line = json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}) + "\n"
     full, short = tmp_path / "full.jsonl", tmp_path / "short.jsonl"
