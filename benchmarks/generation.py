@@ -305,26 +305,95 @@ def tiny_step_figures(device: str) -> str:
             f"us: compiled = {per_token[True] / floor:.2f}x the floor")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def model_config(args) -> GPTConfig:
+    """The model the options describe, every option checked first (one line each)."""
     if args.prompt_len < 1 or min(args.max_new_tokens) < 1 or args.repeats < 1 or args.batch_size < 1:
         raise UserError("--prompt_len, --max_new_tokens, --repeats and --batch_size must be at least 1")
-    device = resolve_device(args.device)
     try:
-        config = GPTConfig(
-            block_size=args.block_size,
-            vocab_size=args.vocab_size,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            n_embd=args.n_embd,
-            gelu=args.gelu,
-            bias=not args.no_bias,
-        )
+        config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer,
+                           n_head=args.n_head, n_embd=args.n_embd, gelu=args.gelu, bias=not args.no_bias)
     except UserError as e:
         raise UserError(str(e)) from None
     if args.prompt_len > config.block_size:
         raise UserError(f"--prompt_len={args.prompt_len} is longer than --block_size={config.block_size}")
+    return config
 
+
+def time_length(modes: dict, reference: GPT, prompt: torch.Tensor, n: int, args, device: str) -> tuple[dict, bool]:
+    """Each mode's best time for n new tokens over args.repeats alternating rounds, printed as a table beside the
+    float64 check of its tokens; returns the best times and whether a mode's tokens diverged."""
+    best = {name: float("inf") for name in modes}
+    outputs = {}
+    # generate sizes its cache to prompt + n, and the compiled step compiles once per cache size: compile this
+    # length's variant before timing it
+    for fn, _, compiled in modes.values():
+        if compiled:
+            fn(prompt, n)
+    for r in range(args.repeats):
+        order = list(modes) if r % 2 == 0 else list(reversed(modes))
+        for name in order:
+            out, dt = timed(modes[name][0], prompt, n, device)
+            print(f"  round {r + 1}, {name}: {dt:.2f} s", flush=True)
+            best[name] = min(best[name], dt)
+            outputs[name] = out
+    base = next(iter(modes))
+    print(f"\n{n} new tokens x batch {args.batch_size}; speed-up against '{base}'")
+    block_size = reference.config.block_size
+    if n + args.prompt_len > block_size + 1:  # the token after a full block is the first past it
+        past = n + args.prompt_len - block_size - 1
+        print(f"(the float64 check: a forward pass for each of the {past} tokens past block_size, per distinct "
+              f"output, on its first {min(CHECKED_ROWS, args.batch_size)} samples)", flush=True)
+    print(f"{'mode':<32} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check", flush=True)
+    failed = False
+    checked = {}  # modes that chose the same tokens share one check
+    for name, (_, dtype, _) in modes.items():
+        key = (outputs[name].cpu().numpy().tobytes(), TOLERANCE[dtype])
+        if key not in checked:
+            checked[key] = first_divergence(reference, outputs[name][:CHECKED_ROWS], args.prompt_len, TOLERANCE[dtype])
+        why = checked[key]
+        failed |= why is not None
+        check = f"DIVERGES at {why}" if why else f"ok (tol {TOLERANCE[dtype]:g})"
+        tokens_per_s = args.batch_size * n / best[name]
+        print(f"{name:<32} {best[name]:>9.2f} {tokens_per_s:>10.1f} {best[base] / best[name]:>8.2f}x  {check}",
+              flush=True)
+    return best, failed
+
+
+def print_sample_command(model: GPT, args, device: str, nano: float | None) -> None:
+    """nanoGPT's sample command as a whole process, against its generation in this process (`nano`) and its
+    compute bound; the command and its bound alternate, round by round: a shared machine's speed drifts by tens of
+    percent."""
+    window = torch.bfloat16 if device == "cpu" and cpu_has_native_bf16() else torch.float32  # sample.py's auto
+    bound_model = with_attention(model, resolve_sampling_attention(
+        "auto", device, "bfloat16" if window == torch.bfloat16 else "float32", model.config.block_size)[0])
+    rounds, starts = [], []
+    for _ in range(args.repeats):
+        whole, generation, command = whole_sample_command_s(model, device)
+        bound = sample_command_bound(bound_model, args.batch_size, args.prompt_len, args.max_new_tokens[0],
+                                     device, window)[0]
+        rounds.append((whole, bound, generation))
+        starts.append(torch_process_s())
+    whole, bound, generation = min(rounds)
+    start = min(starts)
+    print(f"\nnanoGPT's sample command, whole process (start, imports, checkpoint load, 10 x 500 tokens): "
+          f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _, _ in rounds)}); of it, the "
+          f"generation (sample.py's tokens/s line) {generation:.1f} s, process start, imports and checkpoint load "
+          f"{whole - generation:.1f} s")
+    if nano is not None:
+        print(f"  against nanoGPT's way (its generation alone, in this process, above): {nano:.1f} s, "
+              f"{nano / whole:.2f}x faster")
+    print(f"  its compute bound (the matmuls of the exact recompute, each replayed alone; the window in "
+          f"{str(window).split('.')[-1]}): {bound:.1f} s: {bound / whole:.2f} of the bound (each round's: "
+          f"{', '.join(f'{b / w:.2f}' for w, b, _ in rounds)})")
+    print(f"  a python process that imports torch and exits, as sample.py does: {start:.1f} s, so that no "
+          f"generation could bring this command above {bound / (bound + start):.2f} of the bound here")
+    print(f"  {tiny_step_figures(device)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = model_config(args)
+    device = resolve_device(args.device)
     kept = keep_freed_memory(True, device)  # as sample.py's default: every mode gains from it
     torch.manual_seed(args.seed)
     model = GPT(config).to(device).eval()
@@ -346,7 +415,6 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch_size}, prompt {args.prompt_len}, greedy, best of {args.repeats}, torch {torch.__version__}"
         + (", glibc malloc keeps freed memory (as sample.py)" if kept else "")
     )
-
     compile_s = {}
     for name, (fn, _, compiled) in modes.items():  # warm-up: compiles, first-call allocations, kernel choice
         first = timed(fn, prompt, 4, device)[1]
@@ -354,72 +422,13 @@ def main(argv: list[str] | None = None) -> None:
             compile_s[name] = first - timed(fn, prompt, 4, device)[1]
     print("compile time (first compiled call minus the next, 4 tokens): "
           + ", ".join(f"{name}: {s:.1f} s" for name, s in compile_s.items()))
-
     failed = False
     best_of: dict[str, float] = {}  # each mode's best time at the first length
     for n in args.max_new_tokens:
-        best = {name: float("inf") for name in modes}
-        outputs = {}
-        # generate sizes its cache to prompt + n, and the compiled step compiles once per cache size: compile this
-        # length's variant before timing it
-        for fn, _, compiled in modes.values():
-            if compiled:
-                fn(prompt, n)
-        for r in range(args.repeats):
-            order = list(modes) if r % 2 == 0 else list(reversed(modes))
-            for name in order:
-                out, dt = timed(modes[name][0], prompt, n, device)
-                print(f"  round {r + 1}, {name}: {dt:.2f} s", flush=True)
-                best[name] = min(best[name], dt)
-                outputs[name] = out
-        best_of = best_of or dict(best)
-        base = next(iter(modes))
-        print(f"\n{n} new tokens x batch {args.batch_size}; speed-up against '{base}'")
-        if n + args.prompt_len > config.block_size + 1:  # the token after a full block is the first past it
-            past = n + args.prompt_len - config.block_size - 1
-            print(f"(the float64 check: a forward pass for each of the {past} tokens past block_size, per distinct "
-                  f"output, on its first {min(CHECKED_ROWS, args.batch_size)} samples)", flush=True)
-        print(f"{'mode':<32} {'seconds':>9} {'tokens/s':>10} {'speed-up':>9}  float64 check", flush=True)
-        checked = {}  # modes that chose the same tokens share one check
-        for name, (_, dtype, _) in modes.items():
-            key = (outputs[name].cpu().numpy().tobytes(), TOLERANCE[dtype])
-            if key not in checked:
-                checked[key] = first_divergence(reference, outputs[name][:CHECKED_ROWS], args.prompt_len,
-                                                TOLERANCE[dtype])
-            why = checked[key]
-            failed |= why is not None
-            check = f"DIVERGES at {why}" if why else f"ok (tol {TOLERANCE[dtype]:g})"
-            tokens_per_s = args.batch_size * n / best[name]
-            print(f"{name:<32} {best[name]:>9.2f} {tokens_per_s:>10.1f} {best[base] / best[name]:>8.2f}x  {check}",
-                  flush=True)
+        best, diverged = time_length(modes, reference, prompt, n, args, device)
+        best_of, failed = best_of or best, failed or diverged
     if args.nanogpt:
-        # the command and its bound alternate, round by round: a shared machine's speed drifts by tens of percent
-        window = torch.bfloat16 if device == "cpu" and cpu_has_native_bf16() else torch.float32  # sample.py's auto
-        bound_model = with_attention(model, resolve_sampling_attention(
-            "auto", device, "bfloat16" if window == torch.bfloat16 else "float32", config.block_size)[0])
-        rounds, starts = [], []
-        for _ in range(args.repeats):
-            whole, generation, command = whole_sample_command_s(model, device)
-            bound = sample_command_bound(bound_model, args.batch_size, args.prompt_len, args.max_new_tokens[0],
-                                         device, window)[0]
-            rounds.append((whole, bound, generation))
-            starts.append(torch_process_s())
-        whole, bound, generation = min(rounds)
-        start = min(starts)
-        nano = best_of.get("no cache, fp32 (nanoGPT's way)")
-        print(f"\nnanoGPT's sample command, whole process (start, imports, checkpoint load, 10 x 500 tokens): "
-              f"{command}: {whole:.1f} s (rounds: {', '.join(f'{w:.1f}' for w, _, _ in rounds)}); of it, the "
-              f"generation (sample.py's tokens/s line) {generation:.1f} s, process start, imports and checkpoint load "
-              f"{whole - generation:.1f} s")
-        if nano is not None:
-            print(f"  against nanoGPT's way (its generation alone, in this process, above): {nano:.1f} s, "
-                  f"{nano / whole:.2f}x faster")
-        print(f"  its compute bound (the matmuls of the exact recompute, each replayed alone; the window in "
-              f"{str(window).split('.')[-1]}): {bound:.1f} s: {bound / whole:.2f} of the bound (each round's: "
-              f"{', '.join(f'{b / w:.2f}' for w, b, _ in rounds)})")
-        print(f"  a python process that imports torch and exits, as sample.py does: {start:.1f} s, so that no "
-              f"generation could bring this command above {bound / (bound + start):.2f} of the bound here")
-        print(f"  {tiny_step_figures(device)}", flush=True)
+        print_sample_command(model, args, device, best_of.get("no cache, fp32 (nanoGPT's way)"))
     if failed:
         print("MISMATCH: a mode chose a token that the float64 model ranks clearly below the best", file=sys.stderr)
         sys.exit(1)
