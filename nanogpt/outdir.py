@@ -55,6 +55,10 @@ PREVIOUS = "previous"
 _NAMES = (r"ckpt(_best)?\.pt|ckpt_\d{7,}\.pt|ckpt_sharded(_best)?|ckpt_sharded_\d{7,}_\d+|metrics(\.\d+)?\.jsonl"
           r"|report\.md|loss\.png|run\.json")
 RUN_FILES = re.compile(rf"({_NAMES})(\.tmp\.\d+)?")  # and the temporary names their atomic writes use
+_TEMPORARY = re.compile(r"\.tmp\.\d+$")
+# what only a run writes: run.json (at its start) and checkpoints (nanoGPT's ckpt.pt too); report.md, metrics.jsonl and
+# loss.png alone are any program's names
+_A_RUNS = re.compile(r"run\.json|ckpt(_best)?\.pt|ckpt_\d{7,}\.pt|ckpt_sharded(_best)?|ckpt_sharded_\d{7,}_\d+")
 
 
 # ----------------------------------------------------------------------------------------------- the live run's hold
@@ -393,7 +397,8 @@ KEPT_SAVES = {re.compile(r"ckpt_\d{7,}\.pt"): "file", re.compile(r"ckpt_sharded_
 def check_entries(out_dir: str) -> None:
     """Before a start changes anything: every name the run writes in out_dir is absent or of its kind (ENTRIES,
     KEPT_SAVES). A symbolic link where a file goes (a write would replace it, or write through it into a file the run
-    did not make), a folder where a file goes, or a file where previous/ goes is a UserError naming each."""
+    did not make), a folder where a file goes, or a file where previous/ goes is a UserError naming each; so are a
+    run's names (report.md, metrics.jsonl) in a folder that holds no run: they are not a run's to move aside."""
     kept = {name: kind for name in os.listdir(out_dir) for pattern, kind in KEPT_SAVES.items()
             if pattern.fullmatch(name)}
     wrong = [f"{name} is {kind_of(os.path.join(out_dir, name))}, where the run writes a {kind}"
@@ -402,6 +407,12 @@ def check_entries(out_dir: str) -> None:
         raise UserError(f"out_dir={out_dir!r} holds what a run cannot write over: {'; '.join(wrong)}: move "
                         f"{'them' if len(wrong) > 1 else 'it'} out of {out_dir} (nothing there was changed), or give "
                         f"another --out_dir")
+    names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n) and not _TEMPORARY.search(n))
+    if names and not any(_A_RUNS.fullmatch(n) for n in names):  # a run writes run.json first; nanoGPT's, ckpt.pt
+        raise UserError(f"out_dir={out_dir!r} holds {', '.join(names)} but no run (no {RUN_FILE}, no checkpoint): a "
+                        f"new run would move {'them' if len(names) > 1 else 'it'} aside as a run's, or write over "
+                        f"{'them' if len(names) > 1 else 'it'}; move {'them' if len(names) > 1 else 'it'} out of "
+                        f"{out_dir} (nothing there was changed), or give another --out_dir")
 
 
 def _is_kind(path: str, kind: str) -> bool:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from nanogpt import checkpoint_manager
 from nanogpt import distributed
+from nanogpt import outdir
 from nanogpt.errors import UserError
 from nanogpt.checkpoint import load_checkpoint, save_checkpoint
 from helpers import (
@@ -313,16 +314,17 @@ def test_ids_beyond_a_checkpoints_vocabulary_are_refused_on_resume(tmp_path, cap
 
 
 def test_a_start_refused_for_its_data_leaves_the_folder_of_an_earlier_run_as_it_was(tmp_path, capsys):
-    """A new run in a folder that holds a run's metrics moves them to metrics.1.jsonl; a start that fails on its
-    data must not (nor make an out_dir that was not there)."""
+    """A new run in a folder that holds a run moves it aside; a start that fails on its data must not (nor make an
+    out_dir that was not there)."""
     d = tmp_path / "mydata"
     make_char_dataset(d, n_chars=5000)
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"iter": 1, "loss": 4.0}\n')
+    outdir.begin_run(str(out))  # a run's folder: its run.json
     os.remove(d / "meta.json")
     assert "no meta.json" in _error_line(run_in_process(["train.py", *config_args(tiny_config(d, out))], capsys))
-    assert sorted(os.listdir(out)) == ["metrics.jsonl"]
+    assert sorted(os.listdir(out)) == ["metrics.jsonl", "run.json"]
 
 
 @settings(max_examples=60, deadline=None)

@@ -342,6 +342,27 @@ def test_moving_aside_takes_only_the_names_a_run_writes(tmp_path):
     assert outdir.move_previous_run(str(out)) is None  # nothing of a run left
 
 
+@pytest.mark.parametrize("init_from", ["scratch", "auto"])
+def test_a_runs_names_in_a_folder_that_holds_no_run_are_not_moved_as_one(data_dir, tmp_path, capsys, init_from):
+    """Bug: a folder of the user's own report.md and metrics.jsonl (no run.json, no checkpoint) had them moved into
+    previous/ as "the previous run's files". Only a run's files are moved: this is one line, exit 2, nothing changed."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "report.md").write_text("# my notes\n")
+    (out / "metrics.jsonl").write_text('{"my": "data"}\n')
+    before = folder_state(out)
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, init_from=init_from))], capsys)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: out_dir={str(out)!r} holds metrics.jsonl, report.md but no run (no run.json, no checkpoint): a new run "
+        f"would move them aside as a run's, or write over them; move them out of {out} (nothing there was changed), "
+        f"or give another --out_dir"], r.stderr
+    assert folder_state(out) == before
+    (out / "ckpt.pt.tmp.7").write_text("")  # a save a kill cut short (our temporary name) is not the user's
+    (out / "report.md").unlink()
+    (out / "metrics.jsonl").unlink()
+    assert run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=2))], capsys).returncode == 0
+
+
 # ----------------------------------------------------------------------------------------------- damaged files
 
 
