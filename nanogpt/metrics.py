@@ -93,6 +93,7 @@ def _end_torn_line(path: str) -> None:
 
 
 _NUMBER = (int, float)
+_FLOAT_MAX = int(sys.float_info.max)
 # What a record of each kind (the key that marks it) holds, with the types its readers (plot.py, report.py) use
 FIELDS = {
     "loss": {"iter": int, "loss": _NUMBER, "elapsed_s": _NUMBER, "tok_s": _NUMBER, "mfu": (*_NUMBER, type(None))},
@@ -104,8 +105,9 @@ START_FIELDS = {"iter": int, "init_from": str, "command": str}
 
 def is_record(record) -> bool:
     """Whether a line's JSON is a record as train.py writes it (a JSON object whose fields have their types)."""
-    def has(d: dict, fields: dict) -> bool:
-        return all(isinstance(d.get(k), t) for k, t in fields.items())
+    def has(d: dict, fields: dict) -> bool:  # an int past a float's range too is none (its readers plot floats)
+        return all(isinstance(d.get(k), t) and not (isinstance(d[k], int) and abs(d[k]) > _FLOAT_MAX)
+                   for k, t in fields.items())
 
     def start(d) -> bool:
         if not isinstance(d, dict) or not has(d, START_FIELDS):

@@ -129,5 +129,9 @@ def write_run_report(cfg: TrainConfig, model, meta: dict | None, info: dict[str,
     except (UserError, OSError) as e:
         print(f"warning: no report ({e}); the run and its checkpoint are whole", file=sys.stderr, flush=True)
         return None
+    except Exception as e:  # noqa: BLE001 a library's failure on some content: the run is done and saved all the same
+        print(f"warning: no report ({type(e).__name__}: {e}); the run and its checkpoint are whole; "
+              f"`python plot.py {cfg.out_dir}` may say more", file=sys.stderr, flush=True)
+        return None
     log(f"report: {path}")
     return path

@@ -202,6 +202,7 @@ def json_values():
     from hypothesis import strategies as st
 
     scalars = (st.none() | st.booleans() | st.integers(min_value=-10**30, max_value=10**30)
+               | st.sampled_from([10**400, -10**400])  # past a float's range: float(x) raises OverflowError
                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30))
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                                   max_size=4),

@@ -110,6 +110,9 @@ def test_metrics_lines_of_any_content_are_skipped_with_a_warning_or_read(tmp_pat
         read_back(written)
 
     any_lines()
+    for key in ("iter", "loss", "elapsed_s", "tok_s"):  # the review's: an int past a float's range (OverflowError)
+        err = read_back([json.dumps({**record, key: 10**400}).encode()])
+        assert "skipped 1 unreadable line" in err, err
     for changes in ([1], "lr", None, [["nested"]]):  # the review's: a start line's changes not a list of strings
         err = read_back([json.dumps({**record, "start": {**record["start"], "changes": changes}}).encode()])
         assert "skipped 1 unreadable line" in err, err  # was a TypeError in the report, after the run

@@ -62,3 +62,20 @@ def test_the_report_after_a_resume_covers_the_whole_run_and_each_start(tmp_path)
     assert "| 0 | scratch | - |" in text
     assert "| 10 | resume | learning_rate: 0.003 -> 0.001; max_iters: 10 -> 15 |" in text
     assert "MFU n/a" not in text and "MFU 0." in text
+
+
+def test_a_report_that_a_library_fails_to_draw_is_a_warning_and_the_run_ends_well(tmp_path, monkeypatch, capsys):
+    """Bug: a metrics.jsonl value matplotlib could not plot (an int past a float's range: OverflowError) ended a
+    finished, saved run with a traceback and exit 1; the README says a report that cannot be written is a warning."""
+    from nanogpt import plot
+
+    def draw(*args, **kwargs):
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(plot, "draw", draw)
+    make_char_dataset(tmp_path / "data")
+    out = tmp_path / "out"
+    train(tiny_config(tmp_path / "data", out, max_iters=2, eval_interval=2, report=True))
+    err = capsys.readouterr().err
+    assert ("warning: no report (OverflowError: int too large to convert to float); the run and its checkpoint are "
+            "whole") in err and (out / "ckpt.pt").exists() and not (out / "report.md").exists()
