@@ -221,7 +221,27 @@ def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in ("vocab_size", "tokenizer") if k not in meta]
     if missing:
         raise UserError(f"{path} lacks key(s) {', '.join(missing)}: {again}")
+    if (why := meta_problem(meta)) is not None:  # a file written by hand (README: your own data)
+        raise UserError(f"{path}: {why}: {again}")
     return meta
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """What makes a meta.json's tokenizer description unusable, in a phrase, or None: vocab_size not a whole number
+    of tokens that uint16 ids can name, an unknown tokenizer, a char tokenizer's itos that is not vocab_size single
+    characters."""
+    size = meta.get("vocab_size")
+    if type(size) is not int or not 1 <= size <= MAX_TOKEN_ID + 1:
+        return f"vocab_size={size!r} is not a number of tokens in [1, {MAX_TOKEN_ID + 1}] (uint16 token ids)"
+    if meta.get("tokenizer") not in ("char", "gpt2"):
+        return f"tokenizer={meta.get('tokenizer')!r} is unknown: expected 'char' or 'gpt2'"
+    if meta["tokenizer"] == "char":
+        itos = meta.get("itos")
+        if not isinstance(itos, list) or not all(isinstance(c, str) and len(c) == 1 for c in itos):
+            return "a char tokenizer needs 'itos', a list of single characters"
+        if len(itos) != size:
+            return f"vocab_size is {size} but 'itos' has {len(itos)} characters"
+    return None
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -532,15 +552,9 @@ def get_tokenizer(meta: dict[str, Any]) -> CharTokenizer | GPT2Tokenizer:
     if kind == "gpt2":
         return gpt2_tokenizer()
     if kind == "char":
-        itos = meta.get("itos")
-        if not isinstance(itos, list) or not all(isinstance(c, str) and len(c) == 1 for c in itos):
-            raise UserError("meta.json of a char tokenizer needs 'itos', a list of single characters: rerun prepare.py")
-        if meta.get("vocab_size", len(itos)) != len(itos):
-            raise UserError(
-                f"meta.json says vocab_size {meta['vocab_size']} but 'itos' has {len(itos)} characters: "
-                "rerun prepare.py"
-            )
-        return CharTokenizer(itos)
+        if (why := meta_problem(meta)) is not None:
+            raise UserError(f"meta.json: {why}: rerun prepare.py")
+        return CharTokenizer(meta["itos"])
     raise UserError(f"meta.json tokenizer {kind!r} is unknown: expected 'char' or 'gpt2'")
 
 

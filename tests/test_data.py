@@ -490,9 +490,39 @@ def test_char_tokenizer_names_unknown_characters() -> None:
 def test_get_tokenizer_rejects_bad_meta() -> None:
     with pytest.raises(UserError, match=r"tokenizer 'bpe' is unknown"):
         get_tokenizer({"vocab_size": 3, "tokenizer": "bpe"})
-    with pytest.raises(UserError, match=r"vocab_size 5 but 'itos' has 3"):
+    with pytest.raises(UserError, match=r"vocab_size is 5 but 'itos' has 3 characters"):
         get_tokenizer({"vocab_size": 5, "tokenizer": "char", "itos": list("abc")})
     assert isinstance(get_tokenizer({"vocab_size": 3, "tokenizer": "char", "itos": list("abc")}), CharTokenizer)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: {"vocab_size": str(m["vocab_size"])}, "vocab_size='{v}' is not a number of tokens in [1, 65536] (uint16 "
+                                                     "token ids)"),
+    (lambda m: {"vocab_size": float(m["vocab_size"])}, "vocab_size={v}.0 is not a number of tokens in [1, 65536] "
+                                                       "(uint16 token ids)"),
+    (lambda m: {"vocab_size": 10**12}, "vocab_size=1000000000000 is not a number of tokens in [1, 65536] (uint16 token "
+                                       "ids)"),
+    (lambda m: {"vocab_size": True}, "vocab_size=True is not a number of tokens in [1, 65536] (uint16 token ids)"),
+    (lambda m: {"tokenizer": "bpe"}, "tokenizer='bpe' is unknown: expected 'char' or 'gpt2'"),
+    (lambda m: {"itos": m["itos"][:3]}, "vocab_size is {v} but 'itos' has 3 characters"),
+    (lambda m: {"itos": ["ab", *m["itos"][1:]]}, "a char tokenizer needs 'itos', a list of single characters"),
+])
+def test_a_hand_written_meta_json_is_refused_before_training_in_one_line(tmp_path, capsys, change, message):
+    """Bug: a meta.json written by hand (README: your own data) with vocab_size "65", 65.0 or 10**12 was a traceback
+    (TypeError, ValueError, the allocator's RuntimeError) once the model was built; a char itos of the wrong length or
+    with a two-letter entry trained, saved, and only the end's sample (and then sample.py) refused it."""
+    import json
+
+    from helpers import config_args, make_char_dataset, run_in_process, tiny_config
+
+    meta = make_char_dataset(tmp_path / "data")
+    path = tmp_path / "data" / "meta.json"
+    path.write_text(json.dumps({**meta, **change(meta)}))
+    r = run_in_process(["train.py", *config_args(tiny_config(tmp_path / "data", tmp_path / "out"))], capsys)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {path}: {message.format(v=meta['vocab_size'])}: rewrite it with the script that made "
+        f"{tmp_path / 'data'}"], r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_gpt2_tokenizer(gpt2: dataio.GPT2Tokenizer) -> None:
