@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import typing
 from dataclasses import dataclass, fields, replace
 
@@ -227,8 +228,19 @@ def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
         dataio.check_tokenizer(*checkpoint_manager.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
-    with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
-        model = init_model(cfg, meta, ckpt)
+    try:
+        with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
+            model = init_model(cfg, meta, ckpt)
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # the allocator's refusal: a model past this machine's memory
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        what, fix = ((f"the model (n_layer={cfg.n_layer}, n_embd={cfg.n_embd})", "give a smaller n_layer or n_embd")
+                     if cfg.init_from == "scratch" else (f"the model of init_from={cfg.init_from!r}",
+                                                          "run it on a machine with more memory"))
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        why = (f"a tensor of {size_text(int(asked[1]))} could not be allocated" if asked else
+               str(e).strip().split(". ")[0][:200])
+        raise UserError(f"{what} does not fit in this machine's memory ({why}): {fix}") from None
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
     return model

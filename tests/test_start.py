@@ -183,3 +183,16 @@ def test_a_resume_in_a_file_says_it_is_a_file(tmp_path):
         start.check_out_dir(TrainConfig(out_dir=str(tmp_path / "afile"), init_from="resume"))
     with pytest.raises(UserError, match="the folder does not exist"):
         start.check_out_dir(TrainConfig(out_dir=str(tmp_path / "nowhere"), init_from="resume"))
+
+
+def test_a_model_past_the_machines_memory_is_one_line_before_anything_changes(data_dir, tmp_path, capsys):
+    """Bug: n_embd=4194304 (within its declared range) ended in the allocator's RuntimeError traceback when the model
+    was built. Now one line that names the model and the size asked for, exit 2, and no out_dir made."""
+    from helpers import config_args, run_in_process, tiny_config
+
+    out = tmp_path / "out"
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, n_head=1, n_embd=4194304))], capsys)
+    assert r.returncode == 2 and re.fullmatch(
+        r"error: the model \(n_layer=2, n_embd=4194304\) does not fit in this machine's memory \(a tensor of [\d.]+ "
+        r"[KMGT]iB could not be allocated\): give a smaller n_layer or n_embd", r.stderr.strip()), r.stderr
+    assert not out.exists()
