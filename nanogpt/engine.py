@@ -325,9 +325,21 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = F.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
-    remove_sorted = mass_before >= p  # the first token has mass_before == 0 and always stays
+    remove_sorted = mass_before >= p  # compared in the logits' dtype: a p below float32's range is 0 there
+    remove_sorted[..., 0] = False  # so the most likely token is kept explicitly, whatever p
     remove = remove_sorted.scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
+
+
+def cooled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; in a row where that is not finite (a temperature so small that the quotient
+    overflows, or rounds to 0 in float32), its limit as the temperature goes to 0: 0 at the row's largest logits,
+    -inf elsewhere (an even draw among the tied maxima; greedy where there is one). Other rows: the plain quotient,
+    bit for bit. No host sync: a where, not a branch."""
+    scaled = logits / temperature
+    overflowed = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(dim=-1, keepdim=True)  # (B, 1)
+    limit = torch.zeros_like(logits).masked_fill(logits < logits.amax(dim=-1, keepdim=True), float("-inf"))
+    return torch.where(overflowed, limit, scaled)
 
 
 def sample_next_token(
@@ -346,7 +358,7 @@ def sample_next_token(
         raise UserError(f"top_k={top_k} must be at least 1")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    logits = cooled(logits, temperature)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None and top_p < 1.0:

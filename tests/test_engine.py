@@ -454,6 +454,7 @@ def test_top_p_filter_keeps_the_smallest_set_reaching_p() -> None:
     assert kept(top_p_filter(logits, 0.81)) == {0, 1, 2}
     assert kept(top_p_filter(logits, 0.5)) == {0}
     assert kept(top_p_filter(logits, 0.1)) == {0}  # the most likely token always stays
+    assert kept(top_p_filter(logits, 1e-50)) == {0}  # even where p is 0 in float32
     assert kept(top_p_filter(logits, 1.0)) == {0, 1, 2, 3}
     shuffled = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()  # the kept set follows the tokens, not the positions
     assert kept(top_p_filter(shuffled, 0.8)) == {1, 3}
@@ -484,6 +485,43 @@ def test_sample_next_token_greedy_seeded_and_temperature() -> None:
     share_cold = (sample_next_token(two, 0.01, generator=g) == 0).float().mean().item()
     assert abs(share_t1 - 1 / (1 + math.e)) < 0.03
     assert share_cold == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e-40), dict(temperature=1e-45), dict(temperature=1e-300),
+                                    dict(top_p=1e-50), dict(top_p=1e-300), dict(temperature=1e-300, top_p=1e-300),
+                                    dict(temperature=1e-40, top_k=3)])
+def test_temperatures_and_top_p_too_small_for_float32_take_the_most_likely_token(kwargs: dict) -> None:
+    """temperature > 0 and top_p > 0 pass the checks, however small: logits / 1e-40 overflows float32 and top_p=1e-50
+    is 0 in it, which once masked every token (multinomial: 'probability tensor contains inf, nan'). Their limit is
+    the most likely token, greedy's choice: the draws, and a whole generation, equal temperature 0's."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(20)) * 10  # no ties at the maximum
+    g = torch.Generator().manual_seed(21)
+    for _ in range(20):
+        assert torch.equal(sample_next_token(logits, generator=g, **kwargs), logits.argmax(-1, keepdim=True))
+    model = make_model(seed=22)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(23))
+    out = engine.generate(model, prompt, 20, generator=torch.Generator().manual_seed(24), **kwargs)
+    assert torch.equal(out, engine.generate(model, prompt, 20, temperature=0.0))
+
+
+def test_a_temperature_whose_quotient_overflows_draws_evenly_among_tied_maxima() -> None:
+    """The limit of softmax(logits / t) as t -> 0 is even over the tokens tied at the maximum: a row with two such
+    tokens draws both, never another; a row beside it whose quotient stays finite is divided as ever."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 3.0], [0.0, 0.0, 0.0, 0.0]]).repeat(500, 1)  # (1000, 4)
+    drawn = sample_next_token(logits, 1e-300, generator=torch.Generator().manual_seed(25)).flatten()
+    tied, flat = drawn[0::2], drawn[1::2]
+    assert set(tied.tolist()) == {1, 3} and abs((tied == 1).float().mean().item() - 0.5) < 0.1  # 500 draws: 5 sigma
+    assert set(flat.tolist()) == {0, 1, 2, 3}  # 0 / 1e-300 is 0: the row's own even distribution
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.5, 0.8, 1.0, 2.0])
+def test_an_ordinary_temperature_draws_exactly_what_softmax_of_the_quotient_draws(temperature: float) -> None:
+    """The overflow's limit changes nothing elsewhere: from the same generator, the tokens of nanoGPT's formula,
+    multinomial(softmax(logits / temperature)), bit for bit."""
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(26)) * 5
+    ours = sample_next_token(logits, temperature, generator=torch.Generator().manual_seed(27))
+    reference = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=torch.Generator().manual_seed(27))
+    assert torch.equal(ours, reference)
 
 
 @pytest.mark.parametrize(
