@@ -46,6 +46,9 @@ def load_examples(path: str | None = None) -> list[Example]:
         if not os.path.isfile(CACHE):
             download(CACHE)
         path = CACHE
+    if os.path.isdir(path):
+        raise UserError(f"hellaswag path {path!r} is a folder, not a file: give a file of {FORMAT}, or None to "
+                        f"download it")
     if not os.path.isfile(path):
         raise UserError(f"hellaswag path {path!r}: no such file; give a file of {FORMAT}, or None to download it")
     examples = []

@@ -180,6 +180,27 @@ def test_hellaswag_settings_in_training_are_one_line_errors(tmp_path, capsys, ex
     assert capsys.readouterr().err.strip().splitlines() == [message.format(nope=str(tmp_path / "nope.jsonl"))]
 
 
+def test_a_folder_given_as_the_examples_file_is_named_a_folder(tmp_path, capsys):
+    """Bug: hellaswag.py --path=/tmp (a folder) said "no such file". Now it says the path is a folder, from
+    hellaswag.py and from train.py's hellaswag_path alike (one reader)."""
+    folder = tmp_path / "examples"
+    folder.mkdir()
+    message = (f"hellaswag path {str(folder)!r} is a folder, not a file: give a file of JSON lines of "
+               '{"ctx": text, "endings": [4 texts], "label": 0-3}, or None to download it')
+    with pytest.raises(UserError) as e:
+        nanogpt.hellaswag.load_examples(str(folder))
+    assert str(e.value) == message
+    rows = write_examples(tmp_path / "hs.jsonl")
+    (tmp_path / "data").mkdir()
+    make_dataset(tmp_path / "data", rows, n_lines=200)
+    args = [f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--compile=False",
+            "--n_layer=1", "--n_head=1", "--n_embd=16", "--block_size=16", "--hellaswag=True",
+            f"--hellaswag_path={folder}"]
+    with pytest.raises(SystemExit) as stop:
+        exit_on_user_error(lambda: train_main(args))
+    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+
+
 def test_an_init_from_that_names_no_weights_is_refused_before_the_download(tmp_path, capsys, monkeypatch):
     """Bug: hellaswag.py downloaded the validation set (or read --path) before it found that init_from names no
     weights; sample.py refused it at once. Both now check it with the other settings (config.WeightsSource)."""
