@@ -33,6 +33,9 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, NoReturn
 
+# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
+from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
+
 import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,9 +46,8 @@ from nanogpt import checkpoint, checkpoint_manager, dataio, float8, hellaswag, o
 from nanogpt.checkpoint_manager import CheckpointWriter
 from nanogpt.config import TrainConfig
 from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
-from nanogpt.distributed import (DDP_SETTINGS, Dist, Stopped, StopRequest, check_shared_out_dir, checkpoint_group,
+from nanogpt.distributed import (DDP_SETTINGS, Dist, SecondCtrlC, StopRequest, check_shared_out_dir, checkpoint_group,
                                  run_in_group, setup_distributed)
-from nanogpt.errors import RunError, UserError, WriteError, exit_on_user_error
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
 from nanogpt.mfu import mfu_text
@@ -452,12 +454,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv, __doc__)
     try:
         train(cfg, given)
-    except Stopped as e:  # a clean stop, checkpoint saved: 143 (SIGTERM) or 130 (SIGINT), for requeue scripts
-        print(e.message, file=sys.stderr, flush=True)
-        sys.exit(e.code)
-    except KeyboardInterrupt as e:  # a second Ctrl-C: no checkpoint, so no clean stop's code
-        print(f"interrupted: {e or 'Ctrl-C'}", file=sys.stderr)
-        sys.exit(1)
+    except BaseException as e:  # a stop, also one that an error raised over it wraps (errors.stop_behind)
+        stop = stop_behind(e)
+        if isinstance(stop, Stopped):  # a clean stop: 143 (SIGTERM) or 130 (SIGINT), for requeue scripts
+            say(stop.message, stop.code)
+        if isinstance(stop, SecondCtrlC):  # no checkpoint, so no clean stop's code
+            say(f"interrupted: {stop}", 1)
+        raise
 
 
 if __name__ == "__main__":

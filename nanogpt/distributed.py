@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanogpt import outdir
 from nanogpt.device import resolve_device
-from nanogpt.errors import UserError
+from nanogpt.errors import Stopped, UserError
 
 T = TypeVar("T")
 
@@ -288,7 +288,7 @@ class StopRequest:
         # the terminal's SIGINT to workers that already got it).
         now = time.monotonic()
         if self.signal is not None and signum == signal.SIGINT and now - self._first > 1.0:
-            raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
+            raise SecondCtrlC("second Ctrl-C: exiting without a checkpoint")
         if self.signal is None:
             self.signal, self._first = signum, now
 
@@ -328,20 +328,11 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-class Stopped(SystemExit):
-    """A stop by a signal, with a checkpoint: every rank raises it at the same step. Exits 143 after a SIGTERM and
-    130 after a SIGINT (128 + the signal, the shell's convention for a process ended on request), so a requeue
-    script tells a clean, resumable stop from the end of training (0), a failure (1) and a user error (2);
-    train.main prints the message."""
-
-    def __init__(self, message: str, code: int = 128 + signal.SIGTERM):
-        super().__init__(code)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
 class Interrupted(Stopped):
     """A stop by a signal during the start, before anything was saved: exits 128 + the signal, as a stop does, and the
     ranks do not wait for each other (some may never get the signal)."""
+
+
+class SecondCtrlC(KeyboardInterrupt):
+    """A second Ctrl-C during a run: it exits at once, without a checkpoint (train.main: exit status 1, not a clean
+    stop's 130), unlike a Ctrl-C before the run's handlers are in place (errors.exit_on_user_error's 130)."""

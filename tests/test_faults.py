@@ -420,13 +420,61 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
 
 def test_train_py_exits_1_on_a_second_ctrl_c(monkeypatch, capsys):
     def interrupted(cfg, given=None):
-        raise KeyboardInterrupt("second Ctrl-C: exiting without a checkpoint")
+        raise distributed.SecondCtrlC("second Ctrl-C: exiting without a checkpoint")
 
     monkeypatch.setattr(train_module, "train", interrupted)
     with pytest.raises(SystemExit) as e:
         train_module.main(["--device=cpu"])
     assert e.value.code == 1  # no checkpoint: not a clean stop's 130
     assert capsys.readouterr().err.strip() == "interrupted: second Ctrl-C: exiting without a checkpoint"
+
+
+def test_a_ctrl_c_before_the_runs_handlers_is_one_line_and_exit_130(data_dir, tmp_path, monkeypatch, capsys):
+    """Bug: a Ctrl-C in train.py before StopRequest's handlers were in place (the settings' checks) was taken for a
+    second Ctrl-C: `interrupted: Ctrl-C`, exit status 1. Nothing had started: 130, as any Ctrl-C, and one line."""
+    from nanogpt import start
+
+    def ctrl_c(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(start, "check_out_dir", ctrl_c)
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out"))], capsys)
+    assert (r.returncode, r.stderr) == (130, "interrupted (Ctrl-C)\n")
+    assert not (tmp_path / "out").exists()
+
+
+START_STOPPED = "stopped by SIGTERM during the start, before the first step: nothing was saved, and the run folder is as it was"
+
+
+def test_a_sigterm_wrapped_by_pythons_set_name_still_stops_the_start_in_one_line(data_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Bug: a SIGTERM while Python set a class body's names (a dataclass field in `import torch._dynamo` during the
+    start) came out as `RuntimeError: Error calling __set_name__ ...` (Python 3.11 wraps what __set_name__ raises):
+    a traceback and exit status 1. Now the start's one line, once, and 143."""
+    from nanogpt import start
+
+    load_model = start.load_model
+
+    class SignalledWhenNamed:
+        def __set_name__(self, owner, name):
+            signal.raise_signal(signal.SIGTERM)  # runs the handler here, as a signal landing here would
+
+    def signalled(*args, **kwargs):
+        class Fields:  # noqa: F841
+            field = SignalledWhenNamed()
+
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(start, "load_model", signalled)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # train.main itself, as a caller in Python runs it
+        train_module.main(config_args(tiny_config(data_dir, tmp_path / "out", max_iters=4)))
+    assert e.value.code == 143
+    err = capsys.readouterr().err
+    assert err.count(START_STOPPED) == 1 and err.splitlines()[-1] == START_STOPPED
+    assert not (tmp_path / "out").exists()
+    r = run_in_process(["train.py", *config_args(tiny_config(data_dir, tmp_path / "out", max_iters=4))], capsys)
+    assert r.returncode == 143 and r.stderr.count(START_STOPPED) == 1, r.stderr[-3000:]  # its __main__'s way too
 
 
 def test_a_stop_during_an_eval_cuts_it_short_and_skips_it(data_dir, tmp_path, monkeypatch):

@@ -464,3 +464,21 @@ def test_a_window_dtype_this_machine_cannot_run_is_named_as_window_dtype():
 
     with pytest.raises(UserError, match=r"^window_dtype='float16' is not supported on the CPU: use bfloat16"):
         sample_module.check_config(SampleConfig(device="cpu", dtype="float32", window_dtype="float16"))
+
+
+def test_a_ctrl_c_while_sampling_is_one_line_and_exit_130(char_run, monkeypatch, capsys):
+    """Bug: Ctrl-C during a long sample (--max_new_tokens=100000) printed KeyboardInterrupt's traceback. Now one
+    line on stderr and exit status 130 (128 + SIGINT)."""
+    draw, calls = engine.sample_next_token, []
+
+    def ctrl_c_at_the_third_token(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what Python's SIGINT handler raises
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "sample_next_token", ctrl_c_at_the_third_token)
+    r = run_in_process(["sample.py", f"--out_dir={char_run[0]}", "--device=cpu", "--num_samples=1",
+                        "--max_new_tokens=50"], capsys)
+    assert r.returncode == 130 and len(calls) == 3
+    assert r.stderr.splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in r.stderr
