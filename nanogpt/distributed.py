@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanogpt import outdir
 from nanogpt.device import resolve_device
-from nanogpt.errors import Stopped, UserError
+from nanogpt.errors import Stopped, UserError, stop_behind
 
 T = TypeVar("T")
 
@@ -275,10 +275,12 @@ class StopRequest:
             self._group, self.dist = None, Dist()
 
     def arm(self) -> None:
-        """The start is accepted: from here on a signal stops the run with a checkpoint, at the next micro-step."""
-        self.armed = True
-        if self.signal is not None and not self.armed:
+        """The start is accepted: from here on a signal stops the run with a checkpoint, at the next micro-step. A
+        signal that came before, whose exception something swallowed (a finalizer, a callback that ignores errors),
+        still stops the start here: nothing saved, out_dir as it was."""
+        if self.signal is not None:
             raise self.interrupted()
+        self.armed = True
 
     def _handle(self, signum, frame) -> None:
         if not self.armed:  # during the start: nothing to save, nothing to wait for
@@ -323,9 +325,13 @@ class StopRequest:
     def __enter__(self) -> "StopRequest":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if isinstance(exc, Exception) and self.signal is not None and not self.armed and stop_behind(exc) is None:
+            # the start's signal, whose exception something swallowed on its way up, and an error after it: a module
+            # whose import it cut short, then used (numpy.linalg: a RecursionError), is the signal's doing
+            raise self.interrupted() from exc
 
 
 class Interrupted(Stopped):

@@ -446,6 +446,50 @@ def test_a_ctrl_c_before_the_runs_handlers_is_one_line_and_exit_130(data_dir, tm
 START_STOPPED = "stopped by SIGTERM during the start, before the first step: nothing was saved, and the run folder is as it was"
 
 
+class SwallowedSignal:
+    """A SIGTERM that arrives while a finalizer runs: the StopRequest's exception is raised there, and Python prints
+    and drops it ("Exception ignored in"), as it does any exception of a __del__; the start goes on."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_whose_exception_was_swallowed_during_the_start_still_stops_it(data_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Bug: StopRequest.arm() set `armed` before it asked whether a signal had come, so it never did: a SIGTERM during
+    the start whose exception something swallowed let the start be accepted, and the run saved a checkpoint at iter 0
+    instead of leaving the folder as it was. And an error after such a signal (a module whose import the signal cut
+    short, then used: numpy.linalg's RecursionError) was a traceback: the signal's doing, it stops the start too."""
+    from nanogpt import start
+
+    with distributed.StopRequest() as stop:
+        with pytest.raises(distributed.Interrupted):
+            stop._handle(signal.SIGTERM, None)  # the exception a caller then swallows
+        with pytest.raises(distributed.Interrupted, match="stopped by SIGTERM during the start"):
+            stop.arm()
+        assert not stop.armed
+
+    load_model = start.load_model
+
+    def swallowed(*args, **kwargs):
+        SwallowedSignal()  # collected at once
+        return load_model(*args, **kwargs)
+
+    def swallowed_then_failed(*args, **kwargs):
+        SwallowedSignal()
+        raise RuntimeError("a module whose import the signal cut short")
+
+    for name, load in (("swallowed", swallowed), ("failed", swallowed_then_failed)):
+        out = tmp_path / name
+        with monkeypatch.context() as m:
+            m.setattr(start, "load_model", load)
+            r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=4))], capsys)
+        assert r.returncode == 143, (name, r.stderr[-3000:])
+        assert r.stderr.splitlines()[-1] == START_STOPPED, name
+        assert not out.exists(), name  # a new folder, gone as it came
+
+
 def test_a_sigterm_wrapped_by_pythons_set_name_still_stops_the_start_in_one_line(data_dir, tmp_path, monkeypatch,
                                                                                    capsys):
     """Bug: a SIGTERM while Python set a class body's names (a dataclass field in `import torch._dynamo` during the
