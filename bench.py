@@ -27,9 +27,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
-from nanogpt.errors import UserError, exit_on_user_error
-
 import numpy as np
 import torch
 
@@ -40,6 +37,7 @@ from nanogpt.config import AtLeast0, AtLeast1, StepConfig, check
 from nanogpt.device import (DeviceClock, autocast_context, dtype_reason, resolve_attention, resolve_device,
                             resolve_dtype, set_tf32, synchronize)
 from nanogpt.distributed import Dist
+from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import check_attention_kernel, use_flash_impl
 from nanogpt.measure import (OptimizerTimer, OtherLoad, PeakMemory, allocator_line, detect_allocator, gpu_busy_share,
                              machine_line, matmul_floor_or_why, step_profiler, write_json, write_profile)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import sys
 
-# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
-from nanogpt.errors import UserError, exit_on_user_error
-
 from configurator import exit_on_help
+from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.sharded import convert_to_single_file
 
 

@@ -21,14 +21,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
-from nanogpt.errors import UserError, exit_on_user_error
-
 import torch
 
 from nanogpt import checkpoint_manager, dataio, outdir
 from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
+from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
 from model import HF_CONV1D_WEIGHTS, GPTConfig
 

@@ -24,13 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
-from nanogpt.errors import exit_on_user_error
-
 from nanogpt import checkpoint_manager
 from nanogpt.hellaswag import VAL_EXAMPLES, describe, encode, evaluate, load_examples
 from nanogpt.config import OneOf, Range, WeightsSource, check, declared_problems
 from nanogpt.device import DTYPES, autocast_context, resolve_dtype
+from nanogpt.errors import exit_on_user_error
 from nanogpt.distributed import cleanup_distributed, setup_distributed
 from nanogpt.text import plural
 from configurator import configure

@@ -24,9 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
-from nanogpt.errors import UserError, exit_on_user_error
-
 import numpy as np
 import torch
 
@@ -37,6 +34,7 @@ from nanogpt.config import (ATTENTIONS, AtLeast1, OneOf, Range, Seed, WeightsSou
                             kernel_problem)
 from nanogpt.device import (DTYPES, autocast_context, keep_freed_memory, resolve_device, resolve_dtype,
                             resolve_sampling_attention, synchronize)
+from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import cpu_has_native_bf16
 from nanogpt.text import plural
 

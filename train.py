@@ -33,9 +33,6 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, NoReturn
 
-# first, before torch's imports (seconds): a Ctrl-C from here on is one line, not a traceback (errors.py)
-from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
-
 import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -48,6 +45,7 @@ from nanogpt.config import TrainConfig
 from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
 from nanogpt.distributed import (DDP_SETTINGS, Dist, SecondCtrlC, StopRequest, check_shared_out_dir, checkpoint_group,
                                  run_in_group, setup_distributed)
+from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
 from nanogpt.mfu import mfu_text

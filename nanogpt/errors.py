@@ -5,15 +5,12 @@ main under to print them so (no traceback):
   WriteError  a write that failed (a full disk, a read-only folder, a symbolic link where a file goes): a UserError
   RunError    a run that started and could not go on (a non-finite loss, a write that failed mid-run): exit status 1
   Stopped     a run stopped by a signal (SIGTERM, Ctrl-C): exit status 128 + the signal
-and a Ctrl-C anywhere else in a command: one line, `interrupted (Ctrl-C)`, exit status 130 (128 + SIGINT). One before
-the command's main runs (its imports: torch's take seconds) is printed so by the hook this module sets at import
-(where the interpreter's own is still in place), which is why every command imports it before torch.
+and a Ctrl-C anywhere else in a command's main: one line, `interrupted (Ctrl-C)`, exit status 130 (128 + SIGINT).
 
 A module of its own so that every other module can raise them: Imports nothing of the project's.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import Callable, NoReturn
@@ -73,8 +70,6 @@ def exit_on_user_error(main: Callable[[], object]) -> object:
     """Run `main`; a UserError becomes a one-line message on stderr and its exit status (2; a RunError's 1); a stop,
     also one that another exception wraps (stop_behind), becomes one line and 128 + its signal: a Stopped's message,
     or `interrupted (Ctrl-C)` and 130. Never a traceback for either."""
-    if _watch_imports_ctrl_c(False):  # a Ctrl-C in the imports whose KeyboardInterrupt something swallowed
-        say(INTERRUPTED, 128 + signal.SIGINT)
     try:
         return main()
     except UserError as e:
@@ -97,50 +92,3 @@ def say(msg: str, code: int) -> NoReturn:
 def fail(msg: str, code: int = 2) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-def _interrupted_in_one_line(previous: Callable) -> Callable:
-    """sys.excepthook for a Ctrl-C that no exit_on_user_error caught (in a command's imports): one line, and the
-    process ends by SIGINT, as the interpreter ends it for any Ctrl-C (the shell's 130). So too for an error after
-    a Ctrl-C whose KeyboardInterrupt was swallowed (_watch_imports_ctrl_c): a module it cut short, imported again
-    (numpy: "cannot load module more than once per process"). Any other exception goes to `previous`."""
-
-    def hook(kind, value, tb) -> None:
-        if not (issubclass(kind, KeyboardInterrupt) or _imports_ctrl_c):
-            previous(kind, value, tb)
-            return
-        print(INTERRUPTED, file=sys.stderr, flush=True)
-        if not issubclass(kind, KeyboardInterrupt):  # the interpreter would exit 1: end as the Ctrl-C would have
-            sys.stdout.flush()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    return hook
-
-
-_imports_ctrl_c: list[int] = []  # the Ctrl-Cs _watch_imports_ctrl_c saw
-
-
-def _on_ctrl_c(signum, frame) -> None:
-    _imports_ctrl_c.append(signum)
-    signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as ever
-
-
-def _watch_imports_ctrl_c(on: bool) -> bool:
-    """on: Ctrl-C is seen (and raises KeyboardInterrupt, as ever), where the interpreter's own handler is in place in
-    the main thread. Off: the interpreter's handler again; whether a Ctrl-C came meanwhile. A command's imports can
-    swallow one: torch's C code clears the exception of a failed `import numpy`, and a Ctrl-C there went on to
-    train (or to a RecursionError in the half-imported numpy.linalg)."""
-    try:
-        if on and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_ctrl_c)
-        elif not on and signal.getsignal(signal.SIGINT) is _on_ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-    except ValueError:  # not the main thread: nothing to watch
-        pass
-    return bool(_imports_ctrl_c)
-
-
-if sys.excepthook is sys.__excepthook__:  # not a host's own hook (IPython's, a debugger's)
-    sys.excepthook = _interrupted_in_one_line(sys.excepthook)
-_watch_imports_ctrl_c(True)  # until exit_on_user_error runs main

@@ -2,11 +2,9 @@
 status 2 and one line on stderr, `error: ` and the message, no traceback."""
 from __future__ import annotations
 
-import signal
-
 import pytest
 
-from helpers import run_in_process, run_script
+from helpers import run_in_process
 from nanogpt.errors import Stopped, UserError, exit_on_user_error
 
 
@@ -76,31 +74,6 @@ def test_a_stop_that_another_exception_wraps_is_still_one_line(capsys):
         exit_on_user_error(broken)
 
 
-# a Ctrl-C while the command imports torch, before its main runs: what the terminal's Ctrl-C in the first seconds does
-CTRL_C_AT_TORCH = """
-import runpy, sys
-class CtrlC:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            raise KeyboardInterrupt
-sys.meta_path.insert(0, CtrlC())
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-@pytest.mark.parametrize("command", ["train.py", "sample.py", "bench.py", "export.py", "hellaswag.py", "plot.py",
-                                     "convert_sharded.py"])
-def test_a_ctrl_c_during_a_commands_imports_is_one_line(command):
-    """Bug: `timeout -s INT 0.5 python train.py ...` printed KeyboardInterrupt's traceback from `import torch`: a
-    Ctrl-C before main runs is no exit_on_user_error's. Each command imports errors.py before torch, whose
-    excepthook prints the one line; the interpreter then ends the process by SIGINT, as for any Ctrl-C (the shell's
-    130)."""
-    r = run_script(["-c", CTRL_C_AT_TORCH, command, "--help"])
-    assert r.stderr == "interrupted (Ctrl-C)\n", r.stderr[-3000:]
-    assert r.returncode == -signal.SIGINT
-
-
 @pytest.mark.parametrize("command", ["train.py", "sample.py", "export.py", "hellaswag.py", "bench.py"])
 def test_a_config_file_that_raises_keyboard_interrupt_is_one_line(command, tmp_path, capsys):
     """A Ctrl-C while a command reads its config files (a plain Python file that runs): one line, exit status 130."""
@@ -108,35 +81,3 @@ def test_a_config_file_that_raises_keyboard_interrupt_is_one_line(command, tmp_p
     config.write_text("raise KeyboardInterrupt\n")
     r = run_in_process([command, str(config)], capsys)
     assert (r.returncode, r.stderr) == (130, "interrupted (Ctrl-C)\n")
-
-
-# a Ctrl-C while torch's C code imports numpy (numpy.linalg, from numpy.matrixlib): torch clears the exception of that
-# import and goes on
-# and, with `then`, a later import that fails, as a module that the Ctrl-C cut short does when imported again
-CTRL_C_IN_NUMPY = """
-import runpy, signal, sys
-then = sys.argv.pop(1)
-class CtrlC:
-    sent = False
-    def find_spec(self, name, path=None, target=None):
-        if name == "numpy.linalg" and not CtrlC.sent:
-            CtrlC.sent = True
-            signal.raise_signal(signal.SIGINT)  # the handler runs here, as for a Ctrl-C landing here
-        if name == then:
-            raise ImportError("cannot load module more than once per process")
-sys.meta_path.insert(0, CtrlC())
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-@pytest.mark.parametrize("then, code", [("-", 130), ("configurator", -signal.SIGINT)])
-def test_a_ctrl_c_that_torchs_import_swallows_still_stops_the_command(tmp_path, then, code):
-    """Bug: `timeout -s INT 0.5 python train.py ...` trained on (the Ctrl-C's KeyboardInterrupt cleared by torch's
-    C code, which imports numpy), or died of a RecursionError in the half-imported numpy.linalg, or of an ImportError
-    (a traceback, exit status 1). errors.py sees the Ctrl-C from its import on: the command stops before its main
-    runs, in one line, with 130 (or by SIGINT, the shell's 130, where an import failed after it)."""
-    out = tmp_path / "out"
-    r = run_script(["-c", CTRL_C_IN_NUMPY, then, "train.py", "--device=cpu", f"--out_dir={out}", "--max_iters=1"])
-    assert (r.returncode, r.stderr) == (code, "interrupted (Ctrl-C)\n"), r.stderr[-3000:]
-    assert not out.exists()
