@@ -145,6 +145,7 @@ def _lock(out_dir: str) -> int | None:
     out_dir itself was removed meanwhile."""
     path = os.path.join(out_dir, LOCK_FILE)
     while True:
+        made = not os.path.lexists(path)  # so that a record it cannot write leaves no empty run.lock behind
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:
@@ -179,10 +180,16 @@ def _lock(out_dir: str) -> int | None:
         os.close(fd)
         raise UserError(f"{path} is not a lock file of this project's (it holds {content[:40]!r}...): move it out of "
                         f"{out_dir}, or give another --out_dir")
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        written = 0
+        while written < len(record):  # a disk that fills takes part of it (a short write): the rest, or the error
+            written += os.write(fd, record[written:])
     except OSError as e:
+        if made:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os.close(fd)
         raise _lock_refused(path, e) from None
     return fd

@@ -627,14 +627,15 @@ def test_a_start_that_trains_no_step_moves_nothing(data_dir, tmp_path, capsys):
 
 def test_the_lock_that_cannot_be_made_is_one_line_and_changes_nothing(data_dir, tmp_path, monkeypatch, capsys):
     """Bug: a read-only out_dir (or file system), for a new run or --init_from=resume, ended in a PermissionError or
-    OSError 30 traceback at the lock. Now one line naming run.lock and the cause, exit 2, the folder as it was."""
+    OSError 30 traceback at the lock. Now one line naming run.lock and the cause, exit 2, the folder as it was (on a
+    full disk too: the empty run.lock it made was left behind)."""
     from faulty_disk import FaultyDisk
 
     out = tmp_path / "out"
     train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
     before = folder_state(out)
     for again in ([], ["--init_from=resume", "--max_iters=4"]):
-        for err in (errno.EROFS, errno.EACCES):
+        for err in (errno.EROFS, errno.EACCES, errno.ENOSPC):  # ENOSPC: run.lock made, its first write refused
             with monkeypatch.context() as m:
                 FaultyDisk(out, m, fail_at=0, err=err)  # the first write: run.lock
                 r = run_in_process(["train.py", *config_args(tiny_config(data_dir, out, max_iters=2)), *again], capsys)
