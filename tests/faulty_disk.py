@@ -1,10 +1,17 @@
 """A disk that fails where a test says, for the write-fault tests (tests/test_write_faults.py): SQLite's way of testing
-its I/O, which fails each write operation in turn and checks the database after each."""
+its I/O, which fails each write operation in turn and checks the database after each; and a real small file system
+(small_file_system), where a library's own writer fails as it does on a full disk."""
 from __future__ import annotations
 
 import builtins
 import errno
 import os
+import shutil
+import subprocess
+
+import pytest
+
+from helpers import HANG_S, ROOT
 
 
 class FullFile:
@@ -121,3 +128,18 @@ class FaultyDisk:
             monkeypatch.setattr(os, op, two_paths(op))
         for op in ("mkdir", "remove", "unlink"):
             monkeypatch.setattr(os, op, one_path(op))
+
+
+def small_file_system(tmp_path, size: str, script: str) -> subprocess.CompletedProcess:
+    """Run the sh `script` from the repo root with a tmpfs of `size` mounted at tmp_path/mnt, in a private mount
+    namespace (unshare -rm: no root needed on the host). The tmpfs goes with the namespace: the script copies out
+    what the test reads. Skips where this machine cannot mount one."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare on this machine: no private mount namespace for a small file system")
+    mnt, mounted = tmp_path / "mnt", tmp_path / "mounted"
+    mnt.mkdir()
+    full = f"set -e\nmount -t tmpfs -o size={size} tmpfs {mnt}\ntouch {mounted}\nset +e\n{script}"
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", full], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    if not mounted.exists():
+        pytest.skip(f"this machine cannot mount a tmpfs in a private namespace: {r.stderr.strip()[:200]}")
+    return r

@@ -15,12 +15,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from faulty_disk import FaultyDisk
+from faulty_disk import FaultyDisk, small_file_system
 from helpers import ROOT, config_args, folder_state, tiny_config
 from nanogpt.checkpoint import load_checkpoint
 from nanogpt.checkpoint_manager import find_checkpoint
@@ -228,9 +227,6 @@ def test_a_link_or_folder_put_in_a_files_place_mid_run_stops_it_saving_what_it_c
 
 
 SMALL_DISK = """
-set -e
-mount -t tmpfs -o size={size} tmpfs {mnt}
-set +e
 {python} train.py {args} --out_dir={mnt}/out > {mnt}/stdout 2> {log}
 echo "exit $?" >> {log}
 {python} -c "
@@ -246,18 +242,12 @@ except Exception as e:
 
 
 def small_disk_run(data_dir, tmp_path, size: str) -> list[str]:
-    """train.py on a tmpfs of `size` in a private mount namespace (unshare -rm: no root needed on the host); its
-    stderr, exit status and what its ckpt.pt loads as, read inside the namespace."""
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare on this machine: no private mount namespace for a small file system")
+    """train.py on a tmpfs of `size` (faulty_disk.small_file_system); its stderr, exit status and what its ckpt.pt
+    loads as, read inside the namespace."""
     mnt, log = tmp_path / "mnt", tmp_path / "log"
-    mnt.mkdir()
     cfg = tiny_config(data_dir, "unused", max_iters=4, eval_interval=2, log_interval=1)
     args = " ".join(f"'{a}'" for a in config_args(cfg) if not a.startswith("--out_dir="))
-    script = SMALL_DISK.format(size=size, mnt=mnt, python=sys.executable, args=args, log=log, root=ROOT)
-    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 or not log.exists():
-        pytest.skip(f"this machine cannot mount a tmpfs in a private namespace: {r.stderr.strip()[:200]}")
+    small_file_system(tmp_path, size, SMALL_DISK.format(mnt=mnt, python=sys.executable, args=args, log=log, root=ROOT))
     return log.read_text().splitlines()
 
 
