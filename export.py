@@ -10,6 +10,8 @@ tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for th
 ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped
 (50304 -> 50257); GELU "tanh" becomes HF's gelu_new, "erf" its gelu; a model without biases gets zero biases where
 GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
+The files are written into a temporary folder inside the target first and renamed into it once all are written
+(outdir.write_files): a write that fails (a full disk) is one line, exit status 1, and leaves the target as it was.
 
 Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
 
@@ -26,7 +28,7 @@ import torch
 from nanogpt import checkpoint_manager, dataio, outdir
 from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
-from nanogpt.errors import UserError, exit_on_user_error
+from nanogpt.errors import RunError, UserError, WriteError, exit_on_user_error
 from configurator import configure
 from model import HF_CONV1D_WEIGHTS, GPTConfig
 
@@ -46,7 +48,7 @@ class ExportConfig:
     out_dir: Folder = "out"  # the training run's folder
     ckpt: str | None = None  # a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
-    to: str = ""  # the folder to write (created; files of the same names are replaced)
+    to: str = ""  # the folder to write (created; files of the same names are replaced, all or none of them)
 
 
 def log(msg: str) -> None:
@@ -119,24 +121,23 @@ def export(ckpt: dict, folder: str, tokenizer: dataio.Tokenizer | None) -> "GPT2
     return hf_model
 
 
-def write_tokenizer(folder: str, tokenizer: dataio.Tokenizer | None, block_size: int) -> str:
-    """The HF tokenizer files for a GPT-2 BPE run; returns a note for the user either way."""
+def write_tokenizer(folder: str, tokenizer: dataio.Tokenizer | None, block_size: int, shown: str | None = None) -> str:
+    """The HF tokenizer files for a GPT-2 BPE run; returns a note for the user either way, which names the folder
+    as `shown` (the export's --to, where `folder` is where it is written first)."""
     if not isinstance(tokenizer, dataio.GPT2Tokenizer):
         return "no HF tokenizer fits this vocabulary (not GPT-2 BPE): the folder has no tokenizer files"
     import tiktoken.load
     from transformers import GPT2TokenizerFast
 
     try:
-        for name, url in GPT2_BPE_FILES.items():
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(tiktoken.load.read_file_cached(url))  # tiktoken's cache, else its download
-    except (OSError, ValueError) as e:
-        for name in GPT2_BPE_FILES:
-            if os.path.exists(os.path.join(folder, name)):
-                os.remove(os.path.join(folder, name))
+        files = {name: tiktoken.load.read_file_cached(url) for name, url in GPT2_BPE_FILES.items()}  # its cache, else
+    except (OSError, ValueError) as e:                                                                # its download
         return (f"GPT-2 BPE files not available ({type(e).__name__}), so the folder has no tokenizer: add it with "
                 f"python -c \"from transformers import AutoTokenizer; "
-                f"AutoTokenizer.from_pretrained('gpt2').save_pretrained('{folder}')\"")
+                f"AutoTokenizer.from_pretrained('gpt2').save_pretrained('{shown or folder}')\"")
+    for name, data in files.items():  # a failed write is the export's failure, not a missing tokenizer
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
     # read back as HF reads GPT-2's files (the constructor's arguments differ between transformers versions),
     # then saved with tokenizer.json and tokenizer_config.json
     GPT2TokenizerFast.from_pretrained(folder, model_max_length=block_size).save_pretrained(folder)
@@ -162,18 +163,17 @@ def main(argv: list[str] | None = None) -> None:
                         f"{config.vocab_size}: export needs the meta.json of the dataset the model was trained on")
     if isinstance(tokenizer, dataio.GPT2Tokenizer) and config.vocab_size < tokenizer.vocab_size:
         tokenizer = None  # no meta.json found, and too few rows for GPT-2 BPE: a vocabulary we do not know
-    try:
-        os.makedirs(cfg.to, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot make to={cfg.to!r} ({e.strerror or e}): give a folder you can write to") from None
-    try:
-        hf_model = export(ckpt, cfg.to, tokenizer)
-        note = write_tokenizer(cfg.to, tokenizer, config.block_size)
-    except Exception as e:
-        if not outdir.caused_by_os_error(e):  # a full disk, no permission: raised by transformers' writer too
-            raise
-        raise UserError(f"could not write the model into {cfg.to} ({outdir.cause(e)}): free disk space, or give "
-                        f"another --to") from None
+    written = {}
+
+    def write(folder: str) -> None:
+        written["model"] = export(ckpt, folder, tokenizer)
+        written["note"] = write_tokenizer(folder, tokenizer, config.block_size, shown=cfg.to)
+
+    try:  # written whole into a folder of its own first: a full disk leaves an earlier export in --to as it was
+        outdir.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
+    except WriteError as e:  # the export ran and its write failed: exit status 1, as a run's failed write
+        raise RunError(str(e)) from None
+    hf_model, note = written["model"], written["note"]
     log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
         f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")
 

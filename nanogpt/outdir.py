@@ -41,6 +41,7 @@ import signal
 import socket
 import stat
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -447,12 +448,26 @@ def kind_of(path: str) -> str:
     return "a special file (a FIFO, socket or device)"
 
 
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError that raised `e` or that `e` was raised from; for an error of a library written in Rust
+    (safetensors' SafetensorError on a full disk: '... No space left on device (os error 28)'), the OSError its text
+    names, which Python never saw."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        if code := _RUST_OS_ERROR.search(str(e)):
+            return OSError(int(code[1]), os.strerror(int(code[1])))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends its text
+
+
 def cause(e: BaseException) -> str:
     """An OSError's cause in words ("No space left on device"), or a library's error caused by one (torch's writer
-    raises RuntimeError('unexpected pos ...') from the OSError of a full disk)."""
-    first = e
-    while e is not None and not isinstance(e, OSError):
-        e = e.__cause__ or e.__context__
+    raises RuntimeError('unexpected pos ...') from the OSError of a full disk; safetensors names it in its text)."""
+    first, e = e, _os_error(e)
     if e is None:  # a library's error that names its cause only in its text (DCP's CheckpointException)
         return (str(first).strip().splitlines() or [type(first).__name__])[0][:200]
     if isinstance(e, FileExistsError) and e.filename:  # os.makedirs where a file stands
@@ -461,12 +476,9 @@ def cause(e: BaseException) -> str:
 
 
 def caused_by_os_error(e: BaseException) -> bool:
-    """Whether an OSError is what raised `e`, or what it was raised from (torch's writer, matplotlib's savefig)."""
-    while e is not None:
-        if isinstance(e, OSError):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    """Whether an OSError is what raised `e`, or what it was raised from (torch's writer, matplotlib's savefig), or
+    what a Rust library's error names (safetensors')."""
+    return _os_error(e) is not None
 
 
 OUT_DIR_FIX = "free disk space, make the folder writable, or choose another out_dir"
@@ -528,6 +540,63 @@ def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = 
         with contextlib.suppress(OSError):
             os.remove(tmp)
     fsync_folder(folder)
+
+
+def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
+    """
+    atomic_write for several files: `write(tmp)` writes them into a new temporary folder inside `folder` (made where
+    missing, so on the same file system), and only once every one is written and fsynced is each renamed over the
+    file of its name in `folder`; other files there are untouched. Any failure (a full disk, no permission, a
+    library's error raised from or naming one) is a WriteError naming `what`, `folder` and the cause, and leaves
+    `folder` as it was: the temporary folder removed, the files already renamed over put back, a `folder` this made
+    removed again. A kill leaves a set half renamed only in the moment of the renames, and the temporary folder.
+    """
+    made, parent = [], os.path.abspath(folder)
+    while not os.path.lexists(parent):  # the folders makedirs makes, innermost first
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    staging, aside, placed = None, [], []  # the old files moved aside, the new ones renamed into folder
+    try:
+        os.makedirs(folder, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tmp.", dir=folder)
+        new, old = os.path.join(staging, "new"), os.path.join(staging, "old")
+        os.mkdir(new)
+        os.mkdir(old)
+        write(new)
+        names = sorted(os.listdir(new))
+        for name in names:  # a link or folder of another's where a file goes is refused before anything moves
+            check_target(os.path.join(folder, name))
+            _fsync_file(os.path.join(new, name))
+        for name in names:
+            if os.path.lexists(os.path.join(folder, name)):
+                os.replace(os.path.join(folder, name), os.path.join(old, name))
+                aside.append(name)
+            os.replace(os.path.join(new, name), os.path.join(folder, name))
+            placed.append(name)
+    except BaseException as e:
+        for name in placed:
+            if name not in aside:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
+        for name in aside:
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(old, name), os.path.join(folder, name))
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        if not isinstance(e, Exception) or not caused_by_os_error(e):
+            raise
+        kept = "nothing was written" if made else "the files there are as they were"
+        raise write_failed(folder, e, kept, what, fix) from None
+    shutil.rmtree(staging, ignore_errors=True)  # the old files
+    fsync_folder(folder)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _write_text(path: str, text: str) -> None:

@@ -4,7 +4,10 @@ tokens, and what GPT-2 cannot express is refused in one line."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ import torch
 import export
 from nanogpt.errors import UserError
 from nanogpt.checkpoint import save_checkpoint
-from helpers import make_char_dataset, run_script
+from faulty_disk import FaultyDisk, small_file_system
+from helpers import make_char_dataset, run_in_process, run_script
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model, sample
 from test_nanogpt import nanogpt_adamw, nanogpt_checkpoint, nanogpt_model
@@ -149,8 +153,9 @@ def test_without_the_gpt2_bpe_files_the_folder_gets_no_tokenizer_and_a_note(tmp_
 
 
 def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
-    """--to names a file, a folder that cannot be made, or a disk that fills while the weights are written: one line
-    each (a traceback before), and the run's checkpoint untouched."""
+    """--to names a file (refused: exit status 2), a folder that cannot be made, or a disk that fills while the
+    weights are written (the write failed: 1): one line each (a traceback before), the run's checkpoint untouched
+    and no --to left behind."""
     import errno
 
     from transformers import GPT2LMHeadModel
@@ -159,17 +164,102 @@ def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     write_run(tmp_path, model, {})
     ckpt = (tmp_path / "ckpt.pt").read_bytes()
     (tmp_path / "afile").write_text("mine\n")
-    with pytest.raises(UserError, match=f"^to='{tmp_path / 'afile'}' is a file, not a folder"):
+    with pytest.raises(UserError, match=f"^to='{tmp_path / 'afile'}' is a file, not a folder") as e:
         export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'afile'}"])
-    with pytest.raises(UserError, match=f"^cannot make to='{tmp_path / 'afile' / 'hf'}' "):
+    assert e.value.exit_code == 2
+    with pytest.raises(UserError, match=f"^could not write the exported model into {tmp_path / 'afile' / 'hf'} "
+                                        f"\\(Not a directory\\); nothing was written: ") as e:
         export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'afile' / 'hf'}"])
+    assert e.value.exit_code == 1
 
     def full(self, folder, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
 
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full)
-    with pytest.raises(UserError, match=f"^could not write the model into {tmp_path / 'hf'} \\(No space left on "):
+    with pytest.raises(UserError, match=f"^could not write the exported model into {tmp_path / 'hf'} \\(No space "
+                                        f"left on device\\); nothing was written: free disk space") as e:
         export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'hf'}"])
+    assert e.value.exit_code == 1 and not (tmp_path / "hf").exists()
     with pytest.raises(UserError, match="^out_dir='' names no folder"):
         export.main(["--out_dir=", f"--to={tmp_path / 'hf'}"])
     assert (tmp_path / "afile").read_text() == "mine\n" and (tmp_path / "ckpt.pt").read_bytes() == ckpt
+
+
+def two_runs(tmp_path) -> tuple[str, str]:
+    """Two runs' folders: a 2-layer model's checkpoint, and a 3-layer one's (a bigger export)."""
+    runs = []
+    for n_layer in (2, 3):
+        torch.manual_seed(n_layer)
+        runs.append(str(tmp_path / f"run{n_layer}"))
+        write_run(runs[-1], GPT(GPTConfig(vocab_size=65, n_layer=n_layer, n_head=2, n_embd=32, block_size=32)), {})
+    return runs[0], runs[1]
+
+
+def files_of(folder) -> dict[str, bytes]:
+    """Every entry under `folder` (hidden ones too), a file with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<folder>"
+            for p in sorted(Path(folder).rglob("*"))}
+
+
+def test_a_failed_write_at_each_step_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch, capsys):
+    """The second export into a folder fails at each of its write operations in turn (tests/faulty_disk.py: a full
+    disk, a read-only folder): one line, exit status 1, and the first export's files byte for byte, the user's own file
+    beside them too, and no temporary folder left; without a fault it replaces them."""
+    small, big = two_runs(tmp_path)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "notes.txt").write_text("mine\n")
+    for err in (errno.ENOSPC, errno.EROFS):
+        export.main([f"--out_dir={small}", f"--to={hf}"])
+        first = files_of(hf)
+        fail_at = 0
+        while True:
+            with monkeypatch.context() as m:
+                disk = FaultyDisk(str(hf), m, fail_at, err)
+                code = run_in_process(["export.py", f"--out_dir={big}", f"--to={hf}"], capsys)
+            if disk.failed is None:  # every write operation failed once
+                break
+            assert code.returncode == 1, (disk.failed, code.stderr[-2000:])
+            errors = [ln for ln in code.stderr.splitlines() if ln.startswith("error: ")]
+            assert errors == [f"error: could not write the exported model into {hf} ({os.strerror(err)}); the files "
+                              f"there are as they were: free disk space, or give another --to"], (disk.failed, errors)
+            assert "Traceback" not in code.stderr and files_of(hf) == first, disk.failed
+            fail_at += 1
+        assert fail_at > 8, disk.ops  # the folders, the files written, the renames
+    assert code.returncode == 0 and '"n_layer": 3' in (hf / "config.json").read_text()
+    assert sorted(files_of(hf)) == sorted(first) and (hf / "notes.txt").read_text() == "mine\n"
+
+
+EXPORT_TWICE = """
+{python} export.py --out_dir={small} --to={mnt}/hf 2> {tmp}/first.err; echo "exit $?" >> {tmp}/first.err
+cp -a {mnt}/hf {tmp}/first
+{python} export.py --out_dir={big} --to={mnt}/hf 2> {tmp}/second.err; echo "exit $?" >> {tmp}/second.err
+cp -a {mnt}/hf {tmp}/second
+mkdir {mnt}/empty
+{python} export.py --out_dir={big} --to={mnt}/empty 2> {tmp}/empty.err; echo "exit $?" >> {tmp}/empty.err
+{python} export.py --out_dir={big} --to={mnt}/new/hf 2> {tmp}/new.err; echo "exit $?" >> {tmp}/new.err
+ls -A {mnt} {mnt}/empty > {tmp}/listing
+"""
+
+
+def test_a_full_small_file_system_keeps_the_earlier_export_and_leaves_nothing_partial(tmp_path):
+    """Bug: on a real full disk safetensors' writer raises SafetensorError('... No space left on device (os error
+    28)'), no OSError: the export ended in a traceback, and the second one into a folder left the new model's
+    config.json beside the old model's weights (an empty target: a config.json without weights). On a 200 KB tmpfs
+    the first export (~120 KB) fits and the 3-layer one (~170 KB) cannot be written beside it: one line, exit status
+    1, the first export byte for byte; into an empty folder and a new one nothing is left."""
+    small, big = two_runs(tmp_path)
+    script = EXPORT_TWICE.format(python=sys.executable, small=small, big=big, mnt=tmp_path / "mnt", tmp=tmp_path)
+    small_file_system(tmp_path, "200k", script)
+    first_err = (tmp_path / "first.err").read_text().splitlines()
+    assert first_err[-1] == "exit 0" and files_of(tmp_path / "first"), first_err
+    assert files_of(tmp_path / "second") == files_of(tmp_path / "first")
+    for name, target in [("second", "hf"), ("empty", "empty"), ("new", "new/hf")]:
+        lines = (tmp_path / f"{name}.err").read_text().splitlines()
+        errors = [ln for ln in lines if ln.startswith("error: ")]
+        kept = "nothing was written" if name == "new" else "the files there are as they were"
+        assert errors == [f"error: could not write the exported model into {tmp_path / 'mnt' / target} (No space left "
+                          f"on device); {kept}: free disk space, or give another --to"], lines[-12:]
+        assert lines[-1] == "exit 1" and "Traceback" not in "\n".join(lines), lines[-12:]
+    assert (tmp_path / "listing").read_text().split() == [f"{tmp_path / 'mnt'}:", "empty", "hf",
+                                                           f"{tmp_path / 'mnt' / 'empty'}:"]
