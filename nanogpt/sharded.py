@@ -6,7 +6,7 @@ reads any folder, and one process gathers it whole (sample.py) or writes it as o
 
 Its functions:
   write        save_sharded, start_sharded_save (-> ShardedSave: written in the background, linked by finish())
-  read         is_sharded, read_train_state, load_sharded, load_sharded_as_full
+  read         is_sharded, read_train_state, check_sharded, load_sharded, load_sharded_as_full
   convert      convert_to_single_file
 
 Imports checkpoint.py (the train state is written as a checkpoint file), distributed.py, errors.py, outdir.py and the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import time
 import warnings
@@ -33,6 +34,7 @@ from model import GPT
 
 SHARDED_NAME, SHARDED_BEST_NAME = "ckpt_sharded", "ckpt_sharded_best"
 STATE_FILE = "train_state.pt"  # in a sharded folder: everything but the tensors (iteration, config, RNG), written last
+METADATA_FILE = ".metadata"  # DCP's index of the tensors: which shard file holds each one's bytes, and where
 _SHARDED_FOLDER = re.compile(rf"{SHARDED_NAME}_\d{{7,}}_\d+")  # the folders save_sharded writes, and removes
 # torch.distributed.checkpoint is imported where it is used: its import is slow, and runs without sharded
 # checkpoints (and sample.py on a ckpt.pt) need not pay for it.
@@ -63,17 +65,68 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _damaged(folder: str, what: str) -> UserError:
+    shown = f"{folder} (-> {os.readlink(folder)})" if os.path.islink(folder) else folder
+    return UserError(f"sharded checkpoint {shown} is damaged: {what}: restore it from a backup, or use another "
+                     f"checkpoint (a run: start again with --init_from=scratch); nothing was changed")
+
+
+def check_sharded(folder: str) -> None:
+    """
+    What DCP reads of a sharded folder, checked before it reads: its .metadata (the index of every tensor's bytes)
+    loads, and each shard file it names is there and holds the bytes indexed in it. A missing or cut-short file
+    (a copy interrupted, a file removed) is a UserError naming it; every rank checks the same folder before any
+    collective, so a torchrun job's ranks all stop, none waits for the others.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(folder, METADATA_FILE)):
+        raise _damaged(folder, f"it has no {METADATA_FILE} (DCP's index of its shards)")
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+        ends: dict[str, int] = {}  # each shard file: where its last indexed bytes end
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # pickle's errors for a file cut short, anything for one that is not DCP's
+        raise _damaged(folder, f"its {METADATA_FILE} is cut short or not DCP's ({_first_line(e)})") from None
+    for name, end in sorted(ends.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise _damaged(folder, f"its shard file {name} is missing")
+        if (size := os.path.getsize(path)) < end:
+            raise _damaged(folder, f"its shard file {name} is cut short ({size} of {end} bytes)")
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+_READ_ERRORS = (OSError, EOFError, pickle.UnpicklingError)  # a shard's bytes that do not read as what DCP wrote
+
+
 def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load a DCP folder into a model (sharded with FSDP or whole) and, if given, its optimizer: DCP reads each
-    rank's part of every tensor, whatever the number of ranks that wrote it."""
+    rank's part of every tensor, whatever the number of ranks that wrote it. A damaged folder is a UserError
+    (check_sharded; a shard whose bytes do not read, which DCP reports on every rank)."""
     import torch.distributed as torch_dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    check_sharded(folder)
     state = _state_dicts(model, optimizer)
-    with warnings.catch_warnings():  # one process without a process group (sample.py, conversion) is intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=folder, no_dist=not torch_dist.is_initialized())
+    try:
+        with warnings.catch_warnings():  # one process without a process group (sample.py, conversion) is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=folder, no_dist=not torch_dist.is_initialized())
+    except (*_READ_ERRORS, CheckpointException) as e:  # DCP gathers each rank's error into a CheckpointException
+        errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        if not errors or not all(isinstance(exc, _READ_ERRORS) for exc in errors):
+            raise
+        exc = errors[0]  # torch.load's text for bytes that are not its own (weights_only's advice) would mislead
+        why = _first_line(exc) if isinstance(exc, OSError) else type(exc).__name__
+        raise _damaged(folder, f"a shard file does not read as DCP wrote it ({why})") from None
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:

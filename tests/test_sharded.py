@@ -6,8 +6,10 @@ loss's folder stays linked as ckpt_sharded_best across a stop and a resume. Shar
 ranks: tests/test_fsdp.py."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -232,3 +234,98 @@ def test_convert_names_a_missing_folder_and_a_folder_that_is_no_sharded_checkpoi
     with pytest.raises(UserError, match=re.escape(f"{tmp_path} is not a sharded checkpoint folder")):
         sharded.convert_to_single_file(str(tmp_path))
     assert os.listdir(tmp_path) == []  # nothing written
+
+
+def cut_short(path, size: int) -> None:
+    os.truncate(path, size)
+
+
+def garbled(path) -> None:
+    """The size kept, the bytes not DCP's: what the size check cannot see."""
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * os.path.getsize(path))
+
+
+SHARD = "__0_0.distcp"  # a world of one's shards: one file
+DAMAGE = {  # what is done to the folder, and what the line says of it
+    "shard cut short": (lambda d: cut_short(d / SHARD, 1000), f"its shard file {SHARD} is cut short (1000 of "),
+    "shard missing": (lambda d: os.remove(d / SHARD), f"its shard file {SHARD} is missing"),
+    "metadata cut short": (lambda d: cut_short(d / ".metadata", 100),
+                           "its .metadata is cut short or not DCP's (UnpicklingError: pickle data was truncated)"),
+    "metadata missing": (lambda d: os.remove(d / ".metadata"), "it has no .metadata (DCP's index of its shards)"),
+    "shard garbled": (lambda d: garbled(d / SHARD), "a shard file does not read as DCP wrote it (UnpicklingError)"),
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """A world of one's FSDP run (a process group of one): its dataset and its out_dir with ckpt_sharded, made once
+    for the damage tests, which each damage a copy."""
+    from helpers import make_char_dataset
+
+    root = tmp_path_factory.mktemp("fsdp_run")
+    make_char_dataset(root / "tinychar")
+    train(tiny_config(root / "tinychar", root / "run", max_iters=4, eval_interval=2, parallelism="fsdp"))
+    return root / "tinychar", root / "run"
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_sharded_folder_is_one_line_for_every_command_that_reads_it(fsdp_run, tmp_path, capsys, damage):
+    """Bug: a shard file or DCP's .metadata cut short or removed (a copy interrupted, a file deleted) ended a resume,
+    sample.py, export.py, hellaswag.py and convert_sharded.py in DCP's traceback (EOFError, FileNotFoundError,
+    'metadata is None'). Now each is one line naming the folder, the file and the fix, exit status 2, and nothing in
+    out_dir changed."""
+    from helpers import config_args, folder_state, run_in_process
+
+    data, run = fsdp_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    damage_folder, what = DAMAGE[damage]
+    damage_folder(out / os.readlink(out / sharded.SHARDED_NAME))
+    before = folder_state(out)
+    (tmp_path / "hs.jsonl").write_text('{"ctx": "The cat", "endings": ["sat.", "ran.", "hid.", "swam."], "label": 0}\n')
+    expected = (f"error: sharded checkpoint {out / sharded.SHARDED_NAME} (-> {os.readlink(out / sharded.SHARDED_NAME)}"
+                f") is damaged: {what}")
+    resume = tiny_config(data, out, max_iters=6, eval_interval=2, init_from="resume")
+    commands = {
+        "resume": ["train.py", *config_args(resume)],
+        "resume under FSDP": ["train.py", *config_args(resume), "--parallelism=fsdp"],
+        "sample": ["sample.py", f"--out_dir={out}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1"],
+        "export": ["export.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"],
+        "hellaswag": ["hellaswag.py", f"--out_dir={out}", "--device=cpu", f"--path={tmp_path / 'hs.jsonl'}"],
+        "convert": ["convert_sharded.py", str(out / sharded.SHARDED_NAME)],
+    }
+    for name, args in commands.items():
+        r = run_in_process(args, capsys)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (name, r.stderr[-3000:])
+        assert errors[0].startswith(expected) and errors[0].endswith(
+            ": restore it from a backup, or use another checkpoint (a run: start again with --init_from=scratch); "
+            "nothing was changed"), (name, errors[0])
+        assert folder_state(out) == before and not (tmp_path / "hf").exists(), name
+
+
+def test_a_damaged_shard_stops_every_rank_of_a_torchrun_resume(data_dir, tmp_path):
+    """On 2 ranks each reads its part of every shard file: rank 1's file cut short (found before DCP reads) or
+    garbled (found by DCP's read, which it reports on every rank) stops both ranks with the one line, none left
+    waiting for the other (torchrun ends the job once the first rank exits: which exit status it records for the
+    second is a race, so the lines say it); the folder as it was."""
+    from helpers import config_args, folder_state, run_script
+
+    cfg = tiny_config(data_dir, tmp_path / "run", max_iters=4, eval_interval=2, parallelism="fsdp",
+                      gradient_accumulation_steps=2)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    r = run_script([*torchrun, *config_args(cfg)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for damage, what in [(lambda f: cut_short(f, 1000), "its shard file __1_0.distcp is cut short (1000 of "),
+                         (garbled, "a shard file does not read as DCP wrote it (UnpicklingError)")]:
+        out = tmp_path / f"damaged{len(what)}"
+        shutil.copytree(cfg.out_dir, out, symlinks=True)
+        damage(out / os.readlink(out / sharded.SHARDED_NAME) / "__1_0.distcp")
+        before = folder_state(out)
+        resume = dataclasses.replace(cfg, out_dir=str(out), max_iters=6, init_from="resume")
+        r = run_script([*torchrun, *config_args(resume)])
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 2 and errors[0] == errors[1] and what in errors[0], r.stderr[-3000:]
+        assert r.returncode != 0 and "[rank" not in r.stderr, r.stderr[-3000:]  # no rank's traceback
+        assert folder_state(out) == before
