@@ -11,7 +11,7 @@ ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padde
 (50304 -> 50257); GELU "tanh" becomes HF's gelu_new, "erf" its gelu; a model without biases gets zero biases where
 GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
 The files are written into a temporary folder inside the target first and renamed into it once all are written
-(outdir.write_files): a write that fails (a full disk) is one line, exit status 1, and leaves the target as it was.
+(outdir.write_files): a write that fails (a full disk) is one line, exit status 2, and leaves the target as it was.
 
 Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
 
@@ -28,7 +28,7 @@ import torch
 from nanogpt import checkpoint_manager, dataio, outdir
 from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
-from nanogpt.errors import RunError, UserError, WriteError, exit_on_user_error
+from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
 from model import HF_CONV1D_WEIGHTS, GPTConfig
 
@@ -169,10 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         written["model"] = export(ckpt, folder, tokenizer)
         written["note"] = write_tokenizer(folder, tokenizer, config.block_size, shown=cfg.to)
 
-    try:  # written whole into a folder of its own first: a full disk leaves an earlier export in --to as it was
-        outdir.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
-    except WriteError as e:  # the export ran and its write failed: exit status 1, as a run's failed write
-        raise RunError(str(e)) from None
+    # written whole into a folder of its own first: a full disk leaves an earlier export in --to as it was
+    outdir.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
     hf_model, note = written["model"], written["note"]
     log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
         f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")

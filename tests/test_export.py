@@ -170,7 +170,7 @@ def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=f"^could not write the exported model into {tmp_path / 'afile' / 'hf'} "
                                         f"\\(Not a directory\\); nothing was written: ") as e:
         export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'afile' / 'hf'}"])
-    assert e.value.exit_code == 1
+    assert e.value.exit_code == 2
 
     def full(self, folder, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
@@ -179,7 +179,7 @@ def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=f"^could not write the exported model into {tmp_path / 'hf'} \\(No space "
                                         f"left on device\\); nothing was written: free disk space") as e:
         export.main([f"--out_dir={tmp_path}", f"--to={tmp_path / 'hf'}"])
-    assert e.value.exit_code == 1 and not (tmp_path / "hf").exists()
+    assert e.value.exit_code == 2 and not (tmp_path / "hf").exists()
     with pytest.raises(UserError, match="^out_dir='' names no folder"):
         export.main(["--out_dir=", f"--to={tmp_path / 'hf'}"])
     assert (tmp_path / "afile").read_text() == "mine\n" and (tmp_path / "ckpt.pt").read_bytes() == ckpt
@@ -203,7 +203,7 @@ def files_of(folder) -> dict[str, bytes]:
 
 def test_a_failed_write_at_each_step_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch, capsys):
     """The second export into a folder fails at each of its write operations in turn (tests/faulty_disk.py: a full
-    disk, a read-only folder): one line, exit status 1, and the first export's files byte for byte, the user's own file
+    disk, a read-only folder): one line, exit status 2, and the first export's files byte for byte, the user's own file
     beside them too, and no temporary folder left; without a fault it replaces them."""
     small, big = two_runs(tmp_path)
     hf = tmp_path / "hf"
@@ -219,7 +219,7 @@ def test_a_failed_write_at_each_step_leaves_the_earlier_export_as_it_was(tmp_pat
                 code = run_in_process(["export.py", f"--out_dir={big}", f"--to={hf}"], capsys)
             if disk.failed is None:  # every write operation failed once
                 break
-            assert code.returncode == 1, (disk.failed, code.stderr[-2000:])
+            assert code.returncode == 2, (disk.failed, code.stderr[-2000:])
             errors = [ln for ln in code.stderr.splitlines() if ln.startswith("error: ")]
             assert errors == [f"error: could not write the exported model into {hf} ({os.strerror(err)}); the files "
                               f"there are as they were: free disk space, or give another --to"], (disk.failed, errors)
@@ -247,7 +247,7 @@ def test_a_full_small_file_system_keeps_the_earlier_export_and_leaves_nothing_pa
     28)'), no OSError: the export ended in a traceback, and the second one into a folder left the new model's
     config.json beside the old model's weights (an empty target: a config.json without weights). On a 200 KB tmpfs
     the first export (~120 KB) fits and the 3-layer one (~170 KB) cannot be written beside it: one line, exit status
-    1, the first export byte for byte; into an empty folder and a new one nothing is left."""
+    2, the first export byte for byte; into an empty folder and a new one nothing is left."""
     small, big = two_runs(tmp_path)
     script = EXPORT_TWICE.format(python=sys.executable, small=small, big=big, mnt=tmp_path / "mnt", tmp=tmp_path)
     small_file_system(tmp_path, "200k", script)
@@ -260,6 +260,6 @@ def test_a_full_small_file_system_keeps_the_earlier_export_and_leaves_nothing_pa
         kept = "nothing was written" if name == "new" else "the files there are as they were"
         assert errors == [f"error: could not write the exported model into {tmp_path / 'mnt' / target} (No space left "
                           f"on device); {kept}: free disk space, or give another --to"], lines[-12:]
-        assert lines[-1] == "exit 1" and "Traceback" not in "\n".join(lines), lines[-12:]
+        assert lines[-1] == "exit 2" and "Traceback" not in "\n".join(lines), lines[-12:]
     assert (tmp_path / "listing").read_text().split() == [f"{tmp_path / 'mnt'}:", "empty", "hf",
                                                            f"{tmp_path / 'mnt' / 'empty'}:"]
