@@ -415,11 +415,12 @@ class Loop:
             self.reports.report(self.readout.flush())
         try:
             self.saves.save(self.iter_num, self.best_val_loss, improved=False, stopping=True)
-            saved = f"a checkpoint at iter {self.iter_num} was saved"
+            saved = f"a checkpoint at iter {self.iter_num} was saved (resume with --init_from=resume)"
         except WriteError:
             newest = newest_checkpoint(self.training.cfg.out_dir)
-            saved = f"{newest} is intact" if newest else "no checkpoint was saved"
-        raise RunError(f"{error}. The run stopped at iter {self.iter_num}: {saved} (resume with --init_from=resume)")
+            saved = (f"{newest} is intact (resume with --init_from=resume)" if newest else
+                     "no checkpoint was saved, so there is nothing to resume: start again once the disk has room")
+        raise RunError(f"{error}. The run stopped at iter {self.iter_num}: {saved}")
 
     def stop_now(self) -> NoReturn:
         self.reports.report(self.readout.flush())  # a non-finite step before the stop stops the run, saving nothing

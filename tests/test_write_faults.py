@@ -101,8 +101,9 @@ def check_outcome(disk, error, stderr, before, out, capsys_out="") -> None:
     if said[1] or said[2]:
         found = find_checkpoint(str(out))
         assert (found.name if said[2] else "ckpt.pt", found.iter_num) == (said[2] or "ckpt.pt", int(said[1] or said[3]))
-    else:
-        assert not (out / "ckpt.pt").exists()
+        assert "(resume with --init_from=resume)" in message, message
+    else:  # a resume would find nothing: the line must not say to resume
+        assert not (out / "ckpt.pt").exists() and "--init_from=resume" not in message, message
     if (out / "ckpt.pt").exists():
         assert loads(out / "ckpt.pt") <= 4
 
@@ -262,3 +263,26 @@ def test_a_checkpoint_on_a_full_small_file_system_is_one_line_and_the_last_one_s
     assert "could not write checkpoint" in errors[0] and "No space left on device" in errors[0], errors
     assert "the previous checkpoint is intact" in errors[0] and "The run stopped at iter 4" in errors[0], errors
     assert lines[-2:] == ["exit 1", "checkpoint 2"], lines[-12:]
+
+
+def test_a_first_run_that_can_save_no_checkpoint_does_not_say_to_resume(data_dir, tmp_path, monkeypatch):
+    """Bug: a new run whose every checkpoint write failed (a disk full from its first save) ended with "no checkpoint
+    was saved (resume with --init_from=resume)", and that resume then found no checkpoint. The line says there is
+    nothing to resume."""
+    from nanogpt import checkpoint, outdir
+
+    write = outdir.atomic_write
+
+    def full_for_checkpoints(path, *args, **kwargs):
+        if os.path.basename(path).startswith("ckpt"):
+            raise outdir.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.outdir, "atomic_write", full_for_checkpoints)
+    out = tmp_path / "out"
+    with pytest.raises(UserError) as e:
+        train(tiny_config(data_dir, out, max_iters=4, eval_interval=2))
+    assert e.value.exit_code == 1 and str(e.value).endswith(
+        "The run stopped at iter 2: no checkpoint was saved, so there is nothing to resume: start again once the disk "
+        "has room"), str(e.value)
+    assert not (out / "ckpt.pt").exists()
