@@ -322,12 +322,25 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
     else:
         try:
             optimizer.load_state_dict(ckpt["optimizer"])
+            _check_state_shapes(optimizer)
         except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:  # its groups or tensors differ
             raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer ({type(e).__name__}: "
                             f"{str(e)[:120]}): restore the checkpoint from a backup, or start from its weights with "
                             f"--init_from=PATH") from None
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
+
+
+def _check_state_shapes(optimizer) -> None:
+    """A ValueError where a loaded moment (exp_avg, exp_avg_sq, Muon's momentum_buffer) is not its parameter's shape:
+    torch's load_state_dict takes any tensor, and the fused AdamW kernel would read past a short one."""
+    for opt in optimizer.optimizers.values():
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                for key, value in opt.state.get(p, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                        raise ValueError(f"{key} of parameter {i} has shape {tuple(value.shape)}, the parameter "
+                                         f"{tuple(p.shape)}")
 
 
 def _optimizer_stepped(optim_sd: dict) -> bool:

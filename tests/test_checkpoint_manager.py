@@ -222,3 +222,28 @@ def test_reading_weights_maps_the_file_and_never_reads_the_optimizer_state(tmp_p
     grown_mb = int(r.stdout.strip().splitlines()[-1])
     print(f"max RSS growth reading the weights of a checkpoint with 100 MB of optimizer state: {grown_mb} MB")
     assert grown_mb < 50
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_an_optimizer_moment_of_the_wrong_shape_is_refused_at_the_resume(data_dir, tmp_path, optimizer):
+    """Bug: a checkpoint whose exp_avg (or Muon's momentum_buffer) is not its parameter's shape was resumed, saved
+    again, and then stopped with 'non-finite loss ... lower learning_rate' (the fused AdamW kernel read past the short
+    tensor): torch's load_state_dict takes any tensor. Now one line at the resume, before out_dir changes."""
+    from helpers import folder_state
+
+    out = tmp_path / "out"
+    cfg = tiny_config(data_dir, out, max_iters=2, eval_interval=2, optimizer=optimizer)
+    train(cfg)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    state = ckpt["optimizer"] if optimizer == "adamw" else ckpt["optimizer"][optimizer]
+    first = next(iter(state["state"].values()))
+    key = "exp_avg" if "exp_avg" in first else "momentum_buffer"
+    first[key] = torch.zeros(3)
+    torch.save(ckpt, out / "ckpt.pt")
+    before = folder_state(out)
+    with pytest.raises(UserError, match=rf"^the checkpoint's optimizer state does not fit this run's optimizer "
+                                        rf"\(ValueError: {key} of parameter 0 has shape \(3,\), the parameter"):
+        train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, optimizer=optimizer, init_from="resume"))
+    after = folder_state(out)
+    after.pop("run.lock", None)
+    assert after == {k: v for k, v in before.items() if k != "run.lock"}
