@@ -299,13 +299,22 @@ def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPT
     if "gelu" not in args:
         args["gelu"] = "tanh" if "vocab_padding_multiple" in args else "erf"
     args.setdefault("vocab_padding_multiple", 1)
-    args.update(overrides)
     try:
-        return GPTConfig(**args)
-    except ValueError as e:  # model.py's own check of its config: a setting, or a damaged checkpoint's model_args
-        raise UserError(str(e)) from None
+        return GPTConfig(**{**args, **overrides})
+    except ValueError as e:  # model.py's own check of its config: a setting given here, or the checkpoint's own
+        if _makes_a_model(args):
+            raise UserError(str(e)) from None
+        raise UserError(f"a checkpoint's model_args do not make a model ({e}): restore it from a backup") from None
     except TypeError as e:  # a key GPTConfig does not have, or a value of another type (a checkpoint edited by hand)
         raise UserError(f"a checkpoint's model_args do not make a model ({e}): restore it from a backup") from None
+
+
+def _makes_a_model(model_args: dict[str, Any]) -> bool:
+    try:
+        GPTConfig(**model_args)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:

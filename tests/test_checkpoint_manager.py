@@ -247,3 +247,20 @@ def test_an_optimizer_moment_of_the_wrong_shape_is_refused_at_the_resume(data_di
     after = folder_state(out)
     after.pop("run.lock", None)
     assert after == {k: v for k, v in before.items() if k != "run.lock"}
+
+
+def test_a_damaged_model_args_value_is_named_as_the_checkpoints(data_dir, tmp_path):
+    """Bug: a checkpoint whose model_args held attention=5 or dropout='x' was refused as 'attention=5 is not one of
+    math, sdpa', as if the user had given it. The line says the checkpoint's model_args are damaged."""
+    out = tmp_path / "out"
+    train(tiny_config(data_dir, out, max_iters=2, eval_interval=2))
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    ckpt["model_args"]["attention"] = 5  # GPTConfig's own check refuses it
+    torch.save(ckpt, out / "ckpt.pt")
+    message = r"^a checkpoint's model_args do not make a model \(attention=5 is not one of math, sdpa"
+    with pytest.raises(UserError, match=message):
+        load_model(SampleConfig(out_dir=str(out), device="cpu", dtype="float32"))
+    with pytest.raises(UserError, match=message):
+        checkpoint.checkpoint_model_config(ckpt["model_args"], dropout=0.1)  # a setting given beside it: still its
+    with pytest.raises(UserError, match=r"^dropout=2.0 must be in \[0, 1\)"):  # a bad setting given: the setting's
+        checkpoint.checkpoint_model_config({**ckpt["model_args"], "attention": "sdpa"}, dropout=2.0)
