@@ -457,11 +457,15 @@ def _os_error(e: BaseException | None) -> OSError | None:
             return e
         if code := _RUST_OS_ERROR.search(str(e)):
             return OSError(int(code[1]), os.strerror(int(code[1])))
+        if isinstance(e, RuntimeError) and _SHORT_WRITE.search(str(e)) and e.__cause__ is e.__context__ is None:
+            # torch's zip writer found its file shorter than what it wrote, the OSError not kept (DCP's writer)
+            return OSError(errno.EIO, "a write was cut short (a full disk?)")
         e = e.__cause__ or e.__context__
     return None
 
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends its text
+_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos \d+ vs \d+")  # torch's writer's own check
 
 
 def cause(e: BaseException) -> str:

@@ -18,6 +18,7 @@ import contextlib
 import os
 import pickle
 import re
+import shutil
 import time
 import warnings
 from typing import Any, Callable
@@ -28,7 +29,7 @@ import torch.nn as nn
 from nanogpt.checkpoint import CKPT_NAME, checkpoint_model_config, load_checkpoint, save_checkpoint
 from nanogpt import outdir
 from nanogpt.outdir import fsync_folder
-from nanogpt.errors import UserError
+from nanogpt.errors import UserError, WriteError
 from nanogpt.distributed import Dist
 from model import GPT
 
@@ -141,12 +142,21 @@ def _fault_point(stage: str) -> None:
 def _write_errors(path: str):
     """A sharded save that fails (a full disk, a read-only folder: DCP raises its own errors from the OSError) is a
     WriteError naming the folder; the link still names the last complete save."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         yield
-    except Exception as e:
-        if not outdir.caused_by_os_error(e) and "OSError" not in str(e):  # DCP's CheckpointException lists them
+    except (Exception, CheckpointException) as e:
+        # DCP gathers each rank's error into a CheckpointException (torch's writer on a full disk: RuntimeError('unexpected
+        # pos ...') raised over the OSError)
+        errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        failed = next((exc for exc in errors if outdir.caused_by_os_error(exc)), None)
+        if failed is None:
             raise
-        raise outdir.write_failed(path, e, "the previous sharded checkpoint is intact", "sharded checkpoint") from None
+        shutil.rmtree(path, ignore_errors=True)  # this save's part-written folder: no link names it, and it holds space
+        earlier = os.path.islink(os.path.join(os.path.dirname(path), SHARDED_NAME))
+        raise outdir.write_failed(path, failed, "the previous sharded checkpoint is intact" if earlier else
+                                  "its part-written folder removed", "sharded checkpoint") from None
 
 
 def _target(out_dir: str, name: str) -> str | None:
@@ -242,8 +252,12 @@ def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep
     if keep_best and (improved or best is None and state.get("best_file") == SHARDED_NAME):
         best = name
     best_file = SHARDED_NAME if best == name else SHARDED_BEST_NAME if best else None
-    save_checkpoint(os.path.join(folder, STATE_FILE), {**state, "best_file": best_file})
-    fsync_folder(folder)
+    try:
+        save_checkpoint(os.path.join(folder, STATE_FILE), {**state, "best_file": best_file})
+        fsync_folder(folder)
+    except WriteError:
+        shutil.rmtree(folder, ignore_errors=True)  # never complete: no link names it, and it holds the disk's space
+        raise
     _fault_point("before_link")
     if best is not None and best != _target(out_dir, SHARDED_BEST_NAME):
         outdir.replace_link(os.path.join(out_dir, SHARDED_BEST_NAME), best)

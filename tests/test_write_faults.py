@@ -286,3 +286,49 @@ def test_a_first_run_that_can_save_no_checkpoint_does_not_say_to_resume(data_dir
         "The run stopped at iter 2: no checkpoint was saved, so there is nothing to resume: start again once the disk "
         "has room"), str(e.value)
     assert not (out / "ckpt.pt").exists()
+
+
+SMALL_DISK_SHARDED = """
+{python} train.py {args} --parallelism=fsdp --out_dir={mnt}/out > {mnt}/stdout 2> {log}
+echo "exit $?" >> {log}
+ls {mnt}/out >> {log}
+{python} -c "
+import sys; sys.path.insert(0, '{root}')
+from nanogpt.checkpoint_manager import find_checkpoint
+found = find_checkpoint('{mnt}/out')
+print('checkpoint', found.name, found.iter_num)
+" >> {log} 2>&1
+"""
+
+
+def test_a_sharded_checkpoint_on_a_full_small_file_system_is_one_line_and_the_last_one_stays(data_dir, tmp_path):
+    """Bug: on a real full file system DCP raised its CheckpointException (a BaseException, which the save's
+    `except Exception` let through) over torch's writer's RuntimeError('unexpected pos ...'), whose OSError it does
+    not keep: a traceback. Now one line, exit 1, the link still names the first save, and the part-written folders of
+    the failed save and of the stop's attempt are removed."""
+    mnt, log = tmp_path / "mnt", tmp_path / "log"
+    cfg = tiny_config(data_dir, "unused", max_iters=4, eval_interval=2, log_interval=1)
+    args = " ".join(f"'{a}'" for a in config_args(cfg) if not a.startswith("--out_dir="))
+    small_file_system(tmp_path, "700k", SMALL_DISK_SHARDED.format(mnt=mnt, python=sys.executable, args=args, log=log,
+                                                                  root=ROOT))
+    lines = log.read_text().splitlines()
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(lines), lines[-12:]
+    assert errors[0].startswith(f"error: could not write sharded checkpoint {mnt / 'out' / 'ckpt_sharded_0000004_0'} ("
+                                ), errors
+    assert errors[0].endswith("The run stopped at iter 4: ckpt_sharded at iter 2 is intact (resume with "
+                              "--init_from=resume)"), errors
+    exit_at = lines.index("exit 1")
+    assert lines[exit_at + 1:] == ["ckpt_sharded", "ckpt_sharded_0000002_0", "metrics.jsonl", "run.json",
+                                   "checkpoint ckpt_sharded 2"], lines[exit_at:]
+
+
+def test_torchs_writer_finding_its_file_short_is_a_failed_write():
+    """DCP's writer on a full tmpfs: torch's zip writer raises RuntimeError('[enforce fail at inline_container.cc:672]
+    . unexpected pos 704 vs 598') with no OSError behind it (seen on a 800 KB tmpfs, FSDP, the second save): a
+    failed write, one line, not a traceback. Any other RuntimeError stays a bug's."""
+    from nanogpt import outdir
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert outdir.caused_by_os_error(short) and outdir.cause(short) == "a write was cut short (a full disk?)"
+    assert not outdir.caused_by_os_error(RuntimeError("shape mismatch: unexpected pos"))
