@@ -228,14 +228,11 @@ def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def meta_problem(meta: dict[str, Any]) -> str | None:
     """What makes a meta.json's tokenizer description unusable, in a phrase, or None: vocab_size not a whole number
-    of tokens that uint16 ids can name, an unknown tokenizer, a char tokenizer's itos that is not vocab_size single
-    characters."""
+    of tokens that uint16 ids can name, a char tokenizer's itos that is not vocab_size single characters."""
     size = meta.get("vocab_size")
     if type(size) is not int or not 1 <= size <= MAX_TOKEN_ID + 1:
         return f"vocab_size={size!r} is not a number of tokens in [1, {MAX_TOKEN_ID + 1}] (uint16 token ids)"
-    if meta.get("tokenizer") not in ("char", "gpt2"):
-        return f"tokenizer={meta.get('tokenizer')!r} is unknown: expected 'char' or 'gpt2'"
-    if meta["tokenizer"] == "char":
+    if meta.get("tokenizer") == "char":  # another name: ids of the user's own tokenizer, trained on, never decoded here
         itos = meta.get("itos")
         if not isinstance(itos, list) or not all(isinstance(c, str) and len(c) == 1 for c in itos):
             return "a char tokenizer needs 'itos', a list of single characters"

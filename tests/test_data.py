@@ -503,7 +503,6 @@ def test_get_tokenizer_rejects_bad_meta() -> None:
     (lambda m: {"vocab_size": 10**12}, "vocab_size=1000000000000 is not a number of tokens in [1, 65536] (uint16 token "
                                        "ids)"),
     (lambda m: {"vocab_size": True}, "vocab_size=True is not a number of tokens in [1, 65536] (uint16 token ids)"),
-    (lambda m: {"tokenizer": "bpe"}, "tokenizer='bpe' is unknown: expected 'char' or 'gpt2'"),
     (lambda m: {"itos": m["itos"][:3]}, "vocab_size is {v} but 'itos' has 3 characters"),
     (lambda m: {"itos": ["ab", *m["itos"][1:]]}, "a char tokenizer needs 'itos', a list of single characters"),
 ])
