@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, given = configure_keys(TrainConfig(), sys.argv[1:] if argv is None else argv, __doc__)
     try:
         train(cfg, given)
-    except BaseException as e:  # a stop, also one that an error raised over it wraps (errors.stop_behind)
+    except BaseException as e:  # a stop, also one that an error raised from it wraps (errors.stop_behind)
         stop = stop_behind(e)
         if isinstance(stop, Stopped):  # a clean stop: 143 (SIGTERM) or 130 (SIGINT), for requeue scripts
             say(stop.message, stop.code)

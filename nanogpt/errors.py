@@ -50,11 +50,11 @@ class Stopped(SystemExit):
 
 
 def stop_behind(e: BaseException) -> Stopped | KeyboardInterrupt | None:
-    """The stop (a Stopped, or a Ctrl-C's KeyboardInterrupt) that `e` is or was raised over, along its __cause__ and
-    __context__; None if none, or if an exit (SystemExit) was decided after it (the stop's one line already said).
-    A signal handler's exception can come out wrapped: Python 3.11 turns one raised while a class body's names are
-    set into `RuntimeError: Error calling __set_name__ ...` (its __cause__ the stop), which a SIGTERM during
-    `import torch._dynamo` did."""
+    """The stop (a Stopped, or a Ctrl-C's KeyboardInterrupt) that `e` is, or was raised from (its __cause__, not an
+    error raised while a stop unwound: that one is a bug's, or a failed write's, and keeps its own message); None if
+    none, or if an exit (SystemExit) was decided after it. A signal handler's exception can come out wrapped: Python
+    3.11 turns one raised while a class body's names are set into `RuntimeError: Error calling __set_name__ ...` (its
+    __cause__ the stop), which a SIGTERM during `import torch._dynamo` did."""
     seen = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, (Stopped, KeyboardInterrupt)):
@@ -62,7 +62,7 @@ def stop_behind(e: BaseException) -> Stopped | KeyboardInterrupt | None:
         if isinstance(e, SystemExit):
             return None
         seen.add(id(e))
-        e = e.__cause__ if e.__cause__ is not None else e.__context__
+        e = e.__cause__
     return None
 
 

@@ -552,9 +552,11 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
     missing, so on the same file system), and only once every one is written and fsynced is each renamed over the
     file of its name in `folder`; other files there are untouched. Any failure (a full disk, no permission, a
     library's error raised from or naming one) is a WriteError naming `what`, `folder` and the cause, and leaves
-    `folder` as it was: the temporary folder removed, the files already renamed over put back, a `folder` this made
-    removed again. A kill leaves a set half renamed only in the moment of the renames, and the temporary folder.
+    `folder` as it was: the temporary folder removed, the files already renamed over put back (one that cannot be is
+    left in the temporary folder, and the error names it), a `folder` this made removed again. A kill leaves a set
+    half renamed only in the moment of the renames, and the temporary folder (its old/: the files renamed over).
     """
+    _warn_cut_short(folder)
     made, parent = [], os.path.abspath(folder)
     while not os.path.lexists(parent):  # the folders makedirs makes, innermost first
         made.append(parent)
@@ -582,20 +584,36 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
             if name not in aside:
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(folder, name))
+        stranded = []  # earlier files that could not be put back: their copies in `old` are kept
         for name in aside:
-            with contextlib.suppress(OSError):
+            try:
                 os.replace(os.path.join(old, name), os.path.join(folder, name))
-        if staging is not None:
+            except OSError:
+                stranded.append(name)
+        if staging is not None and not stranded:
             shutil.rmtree(staging, ignore_errors=True)
         for path in made:
             with contextlib.suppress(OSError):
                 os.rmdir(path)
         if not isinstance(e, Exception) or not caused_by_os_error(e):
             raise
-        kept = "nothing was written" if made else "the files there are as they were"
+        kept = ("nothing was written" if made else "the files there are as they were" if not stranded else
+                f"the earlier {', '.join(stranded)} could not be put back: kept in {old}")
         raise write_failed(folder, e, kept, what, fix) from None
     shutil.rmtree(staging, ignore_errors=True)  # the old files
     fsync_folder(folder)
+
+
+def _warn_cut_short(folder: str) -> None:
+    """Name, never remove, the temporary folders of a write_files that a kill cut short (its new/ and old/)."""
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.listdir(folder)):
+            path = os.path.join(folder, entry)
+            if entry.startswith(".tmp.") and os.path.isdir(os.path.join(path, "old")) and \
+                    os.path.isdir(os.path.join(path, "new")):
+                print(f"warning: {path} was left by a write that was cut short: its old/ holds the files it had "
+                      f"replaced ({', '.join(sorted(os.listdir(os.path.join(path, 'old')))) or 'none'}); move back "
+                      f"what you need, then remove it", file=sys.stderr, flush=True)
 
 
 def _fsync_file(path: str) -> None:
@@ -618,13 +636,16 @@ def write_text(path: str, text: str, what: str, fix: str = OUT_DIR_FIX) -> None:
 def append_line(path: str, line: str) -> None:
     """Append one line to `path` (made where missing), never through a symbolic link: whole or not at all. A disk
     that fills mid-line takes part of it (a short write); the rest is written until it is whole, or the part cut off
-    again, so that no later line is ever glued to a fragment. A failure is a WriteError."""
+    again, so that no later line is ever glued to a fragment (and a file this made removed again). A failure is a
+    WriteError."""
     check_target(path)
     data = line.encode("utf-8")
+    made = not os.path.lexists(path)
+    kept = "nothing was written" if made else "the lines before it are intact"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise write_failed(path, e, "the lines before it are intact") from None
+        raise write_failed(path, e, kept) from None
     try:
         end = os.fstat(fd).st_size  # one run writes here (the lock): nobody else appends meanwhile
         written = 0
@@ -633,7 +654,9 @@ def append_line(path: str, line: str) -> None:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, end)
-        raise write_failed(path, e, "the lines before it are intact") from None
+            if made:  # an empty file of the run's left behind would read as someone else's (check_entries)
+                os.unlink(path)
+        raise write_failed(path, e, kept) from None
     finally:
         os.close(fd)
 

@@ -122,7 +122,7 @@ def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=folder, no_dist=not torch_dist.is_initialized())
     except (*_READ_ERRORS, CheckpointException) as e:  # DCP gathers each rank's error into a CheckpointException
-        errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        errors = _errors_of(e)
         if not errors or not all(isinstance(exc, _READ_ERRORS) for exc in errors):
             raise
         exc = errors[0]  # torch.load's text for bytes that are not its own (weights_only's advice) would mislead
@@ -132,6 +132,13 @@ def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _errors_of(e: BaseException) -> list[BaseException]:
+    """The ranks' errors that DCP gathered into a CheckpointException, or [e] itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
 
 
 def _fault_point(stage: str) -> None:
@@ -149,7 +156,7 @@ def _write_errors(path: str):
     except (Exception, CheckpointException) as e:
         # DCP gathers each rank's error into a CheckpointException (torch's writer on a full disk: RuntimeError('unexpected
         # pos ...') raised over the OSError)
-        errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        errors = _errors_of(e)
         failed = next((exc for exc in errors if outdir.caused_by_os_error(exc)), None)
         if failed is None:
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_in_process
-from nanogpt.errors import Stopped, UserError, exit_on_user_error
+from nanogpt.errors import RunError, Stopped, UserError, exit_on_user_error
 
 
 def test_user_errors_exit_2_with_one_line(capsys):
@@ -63,9 +63,20 @@ def test_a_stop_that_another_exception_wraps_is_still_one_line(capsys):
         finally:
             raise OSError("a cleanup that failed on the way out")  # its __context__: the stop
 
-    with pytest.raises(SystemExit) as e:
-        exit_on_user_error(raised_while_stopping)
-    assert e.value.code == 130 and capsys.readouterr().err == "stopped by SIGINT during the start\n"
+    with pytest.raises(OSError, match="a cleanup that failed"):  # raised while the stop unwound: a bug's traceback,
+        exit_on_user_error(raised_while_stopping)                  # not hidden behind the stop's line
+
+    def failed_write_while_stopping():
+        try:
+            raise Stopped("stopped by SIGTERM after iter 6; checkpoint saved", 143)
+        finally:
+            raise RunError("could not write checkpoint out/ckpt.pt (No space left on device)")
+
+    for main in (failed_write_while_stopping, lambda: train_main_with(failed_write_while_stopping)):
+        with pytest.raises(SystemExit) as e:  # its own line and exit status: a requeue must not take it for a clean stop
+            exit_on_user_error(main)
+        assert e.value.code == 1 and capsys.readouterr().err.endswith("error: could not write checkpoint "
+                                                                      "out/ckpt.pt (No space left on device)\n")
 
     def broken():
         raise RuntimeError("a bug") from ValueError("its cause")
@@ -81,3 +92,15 @@ def test_a_config_file_that_raises_keyboard_interrupt_is_one_line(command, tmp_p
     config.write_text("raise KeyboardInterrupt\n")
     r = run_in_process([command, str(config)], capsys)
     assert (r.returncode, r.stderr) == (130, "interrupted (Ctrl-C)\n")
+
+
+def train_main_with(run):
+    """train.main with its train() replaced by `run`."""
+    import train
+
+    real = train.train
+    train.train = lambda cfg, given=None: run()
+    try:
+        train.main(["--device=cpu"])
+    finally:
+        train.train = real

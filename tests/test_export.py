@@ -263,3 +263,49 @@ def test_a_full_small_file_system_keeps_the_earlier_export_and_leaves_nothing_pa
         assert lines[-1] == "exit 2" and "Traceback" not in "\n".join(lines), lines[-12:]
     assert (tmp_path / "listing").read_text().split() == [f"{tmp_path / 'mnt'}:", "empty", "hf",
                                                            f"{tmp_path / 'mnt' / 'empty'}:"]
+
+
+def test_an_earlier_file_that_cannot_be_put_back_is_kept_and_named(tmp_path, monkeypatch):
+    """A review's reproduction: the new files' renames failed (EIO) and so did putting the earlier file back: the
+    temporary folder, holding the earlier file, was removed, and the line said 'the files there are as they were'.
+    Now the earlier file stays in the temporary folder, and the line names where."""
+    from nanogpt import outdir
+
+    to = tmp_path / "to"
+    to.mkdir()
+    (to / "model.safetensors").write_bytes(b"OLDWEIGHTS")
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if len(calls) >= 2:  # the earlier file moved aside, then every rename fails
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(src, dst)
+
+    def write(folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"NEWWEIGHTS")
+
+    monkeypatch.setattr(outdir.os, "replace", replace)
+    with pytest.raises(UserError) as e:
+        outdir.write_files(str(to), write, "the exported model into")
+    monkeypatch.undo()
+    (staging,) = [p for p in to.iterdir() if p.name.startswith(".tmp.")]
+    assert (staging / "old" / "model.safetensors").read_bytes() == b"OLDWEIGHTS"
+    assert f"the earlier model.safetensors could not be put back: kept in {staging / 'old'}" in str(e.value)
+
+
+def test_the_folder_of_a_killed_export_is_named_and_kept(tmp_path, capsys):
+    """A kill during an export's renames leaves its temporary folder (old/: the earlier files it had replaced).
+    The next export names it in a warning and leaves it alone: the user's earlier files may be there."""
+    from nanogpt import outdir
+
+    to = tmp_path / "to"
+    left = to / ".tmp.abc123"
+    (left / "new").mkdir(parents=True)
+    (left / "old").mkdir()
+    (left / "old" / "config.json").write_text("{}")
+    outdir.write_files(str(to), lambda folder: (Path(folder) / "config.json").write_text('{"n": 1}'), "the model into")
+    assert (to / "config.json").read_text() == '{"n": 1}' and (left / "old" / "config.json").read_text() == "{}"
+    assert capsys.readouterr().err == (f"warning: {left} was left by a write that was cut short: its old/ holds the "
+                                       f"files it had replaced (config.json); move back what you need, then remove "
+                                       f"it\n")

@@ -9,6 +9,7 @@ way a full disk does, where this machine can make one."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -332,3 +333,26 @@ def test_torchs_writer_finding_its_file_short_is_a_failed_write():
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     assert outdir.caused_by_os_error(short) and outdir.cause(short) == "a write was cut short (a full disk?)"
     assert not outdir.caused_by_os_error(RuntimeError("shape mismatch: unexpected pos"))
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS], ids=["ENOSPC", "EROFS"])
+def test_a_first_start_in_a_new_folder_fails_at_each_write_and_the_same_command_then_runs(data_dir, tmp_path,
+                                                                                         monkeypatch, capsys, err):
+    """A review's reproduction: the first start in an empty folder whose first metrics.jsonl line could not be
+    written left an empty metrics.jsonl (run.json removed again), which the next start refused as a file of no run.
+    Each write of such a start failed in turn: the folder holds nothing of it afterwards (or a whole checkpoint,
+    once one was saved), and the same command then runs."""
+    out = tmp_path / "out"
+    cfg = tiny_config(data_dir, out, max_iters=2, eval_interval=2)
+    disk, error, _ = faulty_start(cfg, out, monkeypatch, capsys)
+    assert error is None
+    points = len(disk.ops)
+    for i in range(points):
+        shutil.rmtree(out)
+        disk, error, stderr = faulty_start(cfg, out, monkeypatch, capsys, i, err)
+        assert disk.failed is not None, i
+        if error is not None and error.exit_code == 2:  # refused before the start was accepted: nothing of it stays
+            assert not out.exists() or os.listdir(out) == [], (disk.failed, os.listdir(out))
+        with contextlib.redirect_stdout(io.StringIO()):
+            train(dataclasses.replace(cfg, init_from="auto"))  # the same command again (auto: resumes a saved one)
+        assert (out / "ckpt.pt").exists(), disk.failed
