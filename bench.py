@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
@@ -78,13 +79,25 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
     problems = cfg.problems(world_size=1)  # StepConfig's: the declared values (BenchConfig's too), the machine
     if "RANK" in os.environ:
         problems.append("bench.py measures one process: run it with python, not torchrun")
-    if cfg.result_json and (why := outdir.target_problem(cfg.result_json)) is not None:  # before minutes of timing
-        problems.append(f"result_json={cfg.result_json!r}: {why}")
+    if cfg.result_json and (why := outdir.target_problem(cfg.result_json)
+                            or outdir.replaced_problem(cfg.result_json, _is_result, "a bench.py result")):
+        problems.append(f"result_json={cfg.result_json!r}: {why}")  # before minutes of timing
+    if cfg.profile and os.path.lexists(cfg.results_dir) and not os.path.isdir(cfg.results_dir):
+        problems.append(f"results_dir={cfg.results_dir!r} is {outdir.kind_of(cfg.results_dir)}, not a folder: give "
+                        f"a folder for the profiler's trace")
     check(problems)
     return cfg, argv
 
 
 # ----------------------------------------------------------------------------------------------- model and batches
+
+
+def _is_result(head: bytes) -> bool:
+    """Whether a file's bytes are a result this script wrote (a JSON object with the run's config)."""
+    try:
+        return isinstance(result := json.loads(head), dict) and isinstance(result.get("config"), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def build_model(cfg: BenchConfig, **changes) -> GPT:

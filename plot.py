@@ -18,7 +18,8 @@ import argparse
 import os
 
 from nanogpt.optional import pyplot
-from nanogpt.errors import exit_on_user_error
+from nanogpt import outdir
+from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.metrics import read_metrics
 from nanogpt.plot import draw
 
@@ -26,6 +27,8 @@ from nanogpt.plot import draw
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
     """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
     pyplot("plot.py")  # a missing matplotlib is named first, before any run is read
+    if (why := outdir.replaced_problem(out, lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"), "a PNG picture")):
+        raise UserError(f"--out={out}: {why}")
     return draw([(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in out_dirs], out,
                 fix="free disk space, or give another --out")
 

@@ -519,6 +519,22 @@ def target_problem(path: str) -> str | None:
     return None
 
 
+def replaced_problem(path: str, is_ours: Callable[[bytes], bool], what: str) -> str | None:
+    """Why a command must not write over the file at `path`: one there that is not `what` (what the command itself
+    writes, as `is_ours` tells from its first MiB), e.g. a run's checkpoint given as a picture's name. None where
+    nothing stands there, or a file of its own kind (a rerun's)."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None  # nothing there; a link or folder: target_problem's
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError:
+        return None  # the write then says why
+    if is_ours(head):
+        return None
+    return f"{path} exists and is not {what}: it is not written over; give another file name, or move it away first"
+
+
 def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
     """
     Write `path` whole or not at all: `write(tmp)` makes a temporary file beside it (flushed and fsynced by the

@@ -277,6 +277,22 @@ def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep
     outdir.remove_saves(out_dir, [e for e in os.listdir(out_dir) if _SHARDED_FOLDER.fullmatch(e) and e not in kept])
 
 
+def _check_convert_target(path: str, run_id: str | None) -> None:
+    """The file a conversion writes: new, or a checkpoint of the same run (a conversion again); never another run's
+    checkpoint or a file of another kind, which it would replace."""
+    if (why := outdir.target_problem(path)) is not None:
+        raise UserError(f"cannot write {path}: {why}")
+    if not os.path.isfile(path):
+        return
+    try:
+        there = load_checkpoint(path, mmap=True).get("run_id")
+    except UserError:
+        there = "?"
+    if there != run_id or run_id is None:
+        raise UserError(f"{path} exists and is not a checkpoint of this run ({run_id}): it is not written over; give "
+                        f"another file name (python convert_sharded.py FOLDER OUT_FILE), or move it away first")
+
+
 def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> tuple[GPT, dict[str, Any]]:
     """The whole model of a sharded checkpoint in one process (sample.py, conversion), and its train state.
     `overrides` as in model_from_checkpoint."""
@@ -294,6 +310,7 @@ def convert_to_single_file(folder: str, path: str | None = None) -> str:
     if not is_sharded(folder):
         raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED_NAME}")
     path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT_NAME)
+    _check_convert_target(path, read_train_state(folder).get("run_id"))
     model, state = load_sharded_as_full(folder)
     cfg = state["config"]
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),

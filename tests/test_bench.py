@@ -351,3 +351,18 @@ def test_a_floor_that_runs_out_of_gpu_memory_loses_no_timed_figure(tmp_path, mon
     assert len(saved["ms"]) == 3 and saved["tokens_per_s"] > 0 and saved["matmul_floor_ms"] is None
     assert saved["floor_multiple"] is None and "ms/iter: median" in out and "tokens/s:" in out
     assert "matmul floor: n/a (the GPU had no memory left for the eager step it replays (CUDA graphs keep theirs))" in out
+
+
+def test_a_file_of_another_kind_is_never_written_over_and_a_results_dir_that_is_a_file_is_refused(tmp_path):
+    """A review's reproduction: --result_json=RUN/ckpt.pt replaced the run's checkpoint with JSON, exit 0; and
+    --profile with results_dir naming a file ended in FileExistsError after the whole benchmark. Both are refused
+    before the timing; an earlier result of bench.py's is written over as before."""
+    (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04 a checkpoint")
+    with pytest.raises(UserError, match=re.escape(f"result_json='{tmp_path / 'ckpt.pt'}': {tmp_path / 'ckpt.pt'} exists "
+                                                  f"and is not a bench.py result: it is not written over")):
+        bench.load_config(["--device=cpu", f"--result_json={tmp_path / 'ckpt.pt'}"])
+    (tmp_path / "old.json").write_text(json.dumps({"config": {"batch_size": 4}, "ms_per_iter": 9.0}))
+    bench.load_config(["--device=cpu", f"--result_json={tmp_path / 'old.json'}"])  # a rerun's: accepted
+    with pytest.raises(UserError, match=re.escape(f"results_dir='{tmp_path / 'ckpt.pt'}' is a file, not a folder")):
+        bench.load_config(["--device=cpu", "--profile=True", f"--results_dir={tmp_path / 'ckpt.pt'}"])
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"PK\x03\x04 a checkpoint"

@@ -329,3 +329,22 @@ def test_a_damaged_shard_stops_every_rank_of_a_torchrun_resume(data_dir, tmp_pat
         assert len(errors) == 2 and errors[0] == errors[1] and what in errors[0], r.stderr[-3000:]
         assert r.returncode != 0 and "[rank" not in r.stderr, r.stderr[-3000:]  # no rank's traceback
         assert folder_state(out) == before
+
+
+def test_convert_never_writes_over_another_runs_checkpoint_or_a_foreign_file(fsdp_run, data_dir, tmp_path):
+    """A review's reproduction: `convert_sharded.py RUN/ckpt_sharded OTHER/ckpt.pt` replaced another run's checkpoint
+    (its resume then refused as another run's), exit 0; so too a user's file. Refused in one line before anything is
+    read; a conversion again over its own earlier output is written as before."""
+    from nanogpt.errors import UserError
+
+    _, run = fsdp_run
+    other = tmp_path / "other"
+    train(tiny_config(data_dir, other, max_iters=2, eval_interval=2))
+    before = (other / "ckpt.pt").read_bytes()
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for target in (other / "ckpt.pt", tmp_path / "notes.txt"):
+        with pytest.raises(UserError, match=re.escape(f"{target} exists and is not a checkpoint of this run (")):
+            sharded.convert_to_single_file(str(run / sharded.SHARDED_NAME), str(target))
+    assert (other / "ckpt.pt").read_bytes() == before and (tmp_path / "notes.txt").read_text() == "mine\n"
+    for _ in range(2):  # the second converts over the first's file: the same run's
+        sharded.convert_to_single_file(str(run / sharded.SHARDED_NAME), str(tmp_path / "converted.pt"))
