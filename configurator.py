@@ -69,7 +69,7 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
         arg = argv[i]
         i += 1
         if not arg.startswith("--"):
-            for key, value in _read_config_file(arg, problems).items():
+            for key, value in _read_config_file(arg, problems, set(field_types)).items():
                 if key not in field_types and not difflib.get_close_matches(key, list(field_types), n=1):
                     continue  # a helper name (`tokens = 64 * 1024`), as nanoGPT's exec'd config files have them
                 checked = _check(key, value, field_types, problems, where=f"{arg}: ")
@@ -289,13 +289,18 @@ def _class_source_docs(cls: type) -> tuple[str, list[tuple[str | None, list[tupl
 _INVALID: Any = object()
 
 
-def _read_config_file(path: str, problems: list[str]) -> dict[str, Any]:
-    """Run one config file in a fresh namespace and return the names it defines (see _is_config_name)."""
+def _read_config_file(path: str, problems: list[str], keys: set[str]) -> dict[str, Any]:
+    """Run one config file in a fresh namespace and return the names it defines (see _is_config_name), and every one
+    named exactly as a key, whatever it holds (`learning_rate = lambda: 1e-3` is refused by its type, not dropped)."""
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
     except FileNotFoundError:
         problems.append(f"config file not found: {path!r}")
+        return {}
+    except UnicodeDecodeError as e:
+        problems.append(f"config file {path!r} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset "
+                        f"{e.start}): save it as UTF-8")
         return {}
     except OSError as e:
         problems.append(f"config file {path!r} could not be read: {e.strerror or e}")
@@ -312,7 +317,7 @@ def _read_config_file(path: str, problems: list[str]) -> dict[str, Any]:
         message = " ".join(str(e).split())  # keep the whole report on one line
         problems.append(f"config file {path!r} failed: {type(e).__name__}: {message}{where}")
         return {}
-    return {k: v for k, v in namespace.items() if _is_config_name(k, v)}
+    return {k: v for k, v in namespace.items() if k in keys or _is_config_name(k, v)}
 
 
 def _is_config_name(name: str, value: object) -> bool:

@@ -406,3 +406,23 @@ def test_an_int_past_64_bits_is_refused_and_named_without_its_digits(tmp_path: P
                                 f"numpy hold); {path}: seed: 9223372036854775808 is past a 64-bit int (what torch and "
                                 f"numpy hold)")
     assert configure(TrainConfig(), ["--seed=9223372036854775807"]).seed == 2**63 - 1
+
+
+def test_a_config_file_that_is_not_utf8_or_binds_a_key_to_a_function_is_refused(tmp_path):
+    """A review's reproductions: a config file with a byte that is no UTF-8 was a UnicodeDecodeError traceback; and
+    `learning_rate = lambda: 1.0`, `class batch_size`, `import os as out_dir` were dropped as the file's own tools,
+    so the run trained on the defaults without a word. A name that is exactly a key is checked as the key."""
+    latin = tmp_path / "latin.py"
+    latin.write_bytes(b"batch_size = 4\nseed = \xff\n")
+    with pytest.raises(UserError, match=re.escape(f"config file {str(latin)!r} is not UTF-8 text (byte b'\\xff' at "
+                                                  f"offset 22): save it as UTF-8")):
+        configurator.configure(TrainConfig(), [str(latin)])
+    tools = tmp_path / "tools.py"
+    tools.write_text("learning_rate = lambda: 1.0\nclass batch_size: pass\nimport os as out_dir\n"
+                     "def _helper(): pass\nimport math\nseed = int(math.sqrt(16))\n")
+    with pytest.raises(UserError) as e:
+        configurator.configure(TrainConfig(), [str(tools)])
+    assert [p.split(": ")[1] for p in str(e.value).split("; ")] == ["learning_rate", "batch_size", "out_dir"], str(e.value)
+    plain = tmp_path / "plain.py"  # the file's own tools of other names are still its own
+    plain.write_text("import math\ndef helper():\n    return int(math.sqrt(16))\nseed = helper()\n")
+    assert configurator.configure(TrainConfig(), [str(plain)]).seed == 4
