@@ -28,11 +28,18 @@ def load_hf_gpt2(model_type: str):
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
     folder = "a local folder written by save_pretrained"
+    if os.path.isdir(model_type) and not os.path.isfile(os.path.join(model_type, "config.json")):
+        # transformers would build GPT-2 small's config and fail on the weights' sizes (RuntimeError)
+        raise UserError(f"could not load GPT-2 weights {model_type!r}: it has no config.json: pass {folder} (export.py "
+                        f"writes one)")
     try:  # the folder, or the HF cache: no network
         return GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-    except OSError as e:  # transformers' error for a folder without weights, or weights not in the cache
-        if os.path.isdir(model_type):
-            raise UserError(f"could not load GPT-2 weights {model_type!r} ({first_line(e)}): pass {folder}") from None
+    except Exception as e:  # noqa: BLE001 OSError: no weights there or in the cache; a folder's damaged files raise
+        if os.path.isdir(model_type):  # the readers' own errors (safetensors' SafetensorError, a RuntimeError)
+            raise UserError(f"could not load GPT-2 weights {model_type!r} ({type(e).__name__}: {first_line(e)[:160]}): "
+                            f"its files are damaged or not GPT-2's: pass {folder}") from None
+        if not isinstance(e, OSError):
+            raise
     cached = f"they are not in the HF cache {constants.HF_HUB_CACHE}"
     if constants.HF_HUB_OFFLINE:
         raise UserError(f"could not load GPT-2 weights {model_type!r} ({cached}, and HF_HUB_OFFLINE is set): "

@@ -80,3 +80,26 @@ def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> Non
     hf.transformer.h[1].mlp.c_fc.bias = nn.Parameter(torch.zeros(100))  # expected 4 * 64 = 256
     with pytest.raises(ValueError, match=r"key transformer\.h\.1\.mlp\.c_fc\.bias has shape \(100,\), expected \(256,\)"):
         GPT.from_hf_model(hf)
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("damage, said", [
+    ("weights cut short", "(SafetensorError: "),
+    ("no config.json", ": it has no config.json: pass a local folder written by save_pretrained (export.py writes one)"),
+])
+def test_a_damaged_hf_folder_is_one_line(tmp_path, damage, said) -> None:
+    """A review's reproduction: sample.py --init_from=FOLDER whose model.safetensors was cut short ended in
+    safetensors' SafetensorError traceback, and one without config.json in transformers' RuntimeError (it built GPT-2
+    small's config and the sizes differed). Both are one line naming the folder."""
+    import os
+
+    folder = tmp_path / "hf"
+    tiny_hf_gpt2().save_pretrained(folder)
+    if damage == "weights cut short":
+        weights = folder / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+    else:
+        (folder / "config.json").unlink()
+    with pytest.raises(UserError) as e:
+        pretrained_gpt2(str(folder))
+    assert str(e.value).startswith(f"could not load GPT-2 weights {str(folder)!r}") and said in str(e.value), str(e.value)
