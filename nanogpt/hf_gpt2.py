@@ -35,6 +35,8 @@ def load_hf_gpt2(model_type: str):
     try:  # the folder, or the HF cache: no network
         return GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
     except Exception as e:  # noqa: BLE001 OSError: no weights there or in the cache; a folder's damaged files raise
+        if os.path.isdir(model_type) and isinstance(e, OSError):  # no weights there
+            raise UserError(f"could not load GPT-2 weights {model_type!r} ({first_line(e)}): pass {folder}") from None
         if os.path.isdir(model_type):  # the readers' own errors (safetensors' SafetensorError, a RuntimeError)
             raise UserError(f"could not load GPT-2 weights {model_type!r} ({type(e).__name__}: {first_line(e)[:160]}): "
                             f"its files are damaged or not GPT-2's: pass {folder}") from None
