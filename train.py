@@ -43,8 +43,8 @@ from nanogpt import checkpoint, checkpoint_manager, dataio, float8, hellaswag, o
 from nanogpt.checkpoint_manager import CheckpointWriter
 from nanogpt.config import TrainConfig
 from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
-from nanogpt.distributed import (DDP_SETTINGS, Dist, SecondCtrlC, StopRequest, check_shared_out_dir, checkpoint_group,
-                                 run_in_group, setup_distributed)
+from nanogpt.distributed import (DDP_SETTINGS, Dist, SecondCtrlC, StopRequest, check_same_settings,
+                                 check_shared_out_dir, checkpoint_group, run_in_group, setup_distributed)
 from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
@@ -166,6 +166,7 @@ def setup(plan: StartPlan, dist: Dist, stop: StopRequest) -> Training:
     """
     cfg = plan.cfg
     cfg.check(dist.world_size)  # a resume's settings taken from its run, and the world size, checked too
+    check_same_settings(asdict(cfg), dist)  # and the same on every rank
     # the device and its precision
     kept_memory = setup_process(cfg, dist.device, dist.rank)  # seed + rank, deterministic algorithms, malloc
     device_type = dist.device.split(":")[0]

@@ -201,6 +201,22 @@ NO_BUFFER_SYNC = (
 DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 
+def check_same_settings(settings: dict, dist: Dist) -> None:
+    """Every rank's resolved settings are rank 0's (a config file that reads RANK, an environment that differs by
+    node): a rank with other settings would wait forever in a collective the others never make, or fail in DDP's
+    own check. One UserError on every rank, naming each key that differs and its values."""
+    if not dist.enabled:
+        return
+    everyone: list = [None] * dist.world_size
+    torch_dist.all_gather_object(everyone, settings)
+    differ = {k: sorted({repr(s.get(k)) for s in everyone}) for k in settings if any(s.get(k) != settings[k]
+                                                                                       for s in everyone)}
+    if differ:
+        keys = "; ".join(f"{k}: {' vs '.join(values)}" for k, values in differ.items())
+        raise UserError(f"the ranks' settings differ ({keys}): give every rank the same config files and --key=value "
+                        f"overrides")
+
+
 def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
     """
     Under DDP every rank must see rank 0's out_dir: only rank 0 writes checkpoints, and a resume reads

@@ -157,3 +157,22 @@ def test_a_torchrun_restart_keeps_its_process_groups_keys_apart_from_the_failed_
     seen.clear()
     distributed.setup_distributed("cpu")
     assert "store" not in seen and seen["backend"] == "gloo"
+
+
+def test_ranks_whose_settings_differ_are_refused_in_one_line_before_anything_changes(data_dir, tmp_path):
+    """A review's reproduction: a config file that reads RANK (max_iters 4 on rank 0, 6 on rank 1) left rank 1
+    waiting forever in a collective rank 0 never made; n_layer that differs ended in DDP's own RuntimeError. Every
+    rank now compares its resolved settings with the others' first: one line on each, naming the keys, and no
+    out_dir made."""
+    config = tmp_path / "by_rank.py"
+    config.write_text('import os\nmax_iters = 4 if os.environ.get("RANK") == "0" else 6\n'
+                      'n_layer = 2 if os.environ.get("RANK") == "0" else 3\n')
+    out = tmp_path / "out"
+    cfg = tiny_config(data_dir, out, gradient_accumulation_steps=2)
+    args = [a for a in config_args(cfg) if not a.startswith(("--max_iters=", "--n_layer="))]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                        *args, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert lines == ["error: the ranks' settings differ (n_layer: 2 vs 3; max_iters: 4 vs 6): give every rank the same "
+                     "config files and --key=value overrides"] * 2, r.stderr[-3000:]
+    assert not out.exists()
