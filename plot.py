@@ -27,6 +27,8 @@ from nanogpt.plot import draw
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
     """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
     pyplot("plot.py")  # a missing matplotlib is named first, before any run is read
+    if not out.lower().endswith(".png"):  # the picture is a PNG, whatever the name says
+        raise UserError(f"--out={out!r}: the picture is a PNG: give a name ending in .png")
     if (why := outdir.replaced_problem(out, lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"), "a PNG picture")):
         raise UserError(f"--out={out}: {why}")
     return draw([(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in out_dirs], out,

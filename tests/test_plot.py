@@ -65,10 +65,17 @@ def test_out_never_writes_over_a_file_that_is_not_a_picture(two_runs, tmp_path):
     """A review's reproduction: `plot.py RUN --out=RUN/ckpt.pt` replaced the run's checkpoint with a PNG, exit 0.
     A file there that is not a PNG is refused in one line; an earlier picture is written over as before."""
     (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04 a checkpoint")
-    r = run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'ckpt.pt'}"], timeout=120)
+    (tmp_path / "mine.png").write_bytes(b"my notes, named .png")
+    r = run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'mine.png'}"], timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == (
-        f"error: --out={tmp_path / 'ckpt.pt'}: {tmp_path / 'ckpt.pt'} exists and is not a PNG picture: it is not written "
-        f"over; give another file name, or move it away first"), r.stderr
+        f"error: --out={tmp_path / 'mine.png'}: {tmp_path / 'mine.png'} exists and is not a PNG picture: it is not "
+        f"written over; give another file name, or move it away first"), r.stderr
+    assert run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'ckpt.pt'}"], timeout=120).returncode == 2
     assert (tmp_path / "ckpt.pt").read_bytes() == b"PK\x03\x04 a checkpoint"
+    assert (tmp_path / "mine.png").read_bytes() == b"my notes, named .png"
     for _ in range(2):  # the second writes over the first's picture
         assert run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'p.png'}"], timeout=120).returncode == 0
+    for name in ("x.pdf", ""):  # PNG bytes under another name; an empty name ("free disk space" said before)
+        r = run_script(["plot.py", str(two_runs[0]), f"--out={name}"], timeout=120)
+        assert r.returncode == 2 and r.stderr.strip() == (
+            f"error: --out={name!r}: the picture is a PNG: give a name ending in .png"), r.stderr
