@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from nanogpt.distributed import Dist
 from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import check_attention_kernel, use_flash_impl
 from nanogpt.measure import (OptimizerTimer, OtherLoad, PeakMemory, allocator_line, detect_allocator, gpu_busy_share,
-                             machine_line, matmul_floor_or_why, step_profiler, write_json, write_profile)
+                             is_result, machine_line, matmul_floor_or_why, step_profiler, write_json, write_profile)
 from nanogpt.mfu import mfu_text, resolve_peak_flops
 from nanogpt.optim import build_optimizer
 from nanogpt.step import OneStepLate, batch_generator, get_batch, model_config, setup_process, train_step
@@ -80,7 +79,7 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
     if "RANK" in os.environ:
         problems.append("bench.py measures one process: run it with python, not torchrun")
     if cfg.result_json and (why := outdir.target_problem(cfg.result_json)
-                            or outdir.replaced_problem(cfg.result_json, _is_result, "a bench.py result")):
+                            or outdir.replaced_problem(cfg.result_json, is_result, "a bench.py result")):
         problems.append(f"result_json={cfg.result_json!r}: {why}")  # before minutes of timing
     if cfg.profile and os.path.lexists(cfg.results_dir) and not os.path.isdir(cfg.results_dir):
         problems.append(f"results_dir={cfg.results_dir!r} is {outdir.kind_of(cfg.results_dir)}, not a folder: give "
@@ -90,14 +89,6 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
 
 
 # ----------------------------------------------------------------------------------------------- model and batches
-
-
-def _is_result(head: bytes) -> bool:
-    """Whether a file's bytes are a result this script wrote (a JSON object with the run's config)."""
-    try:
-        return isinstance(result := json.loads(head), dict) and isinstance(result.get("config"), dict)
-    except (ValueError, RecursionError):
-        return False
 
 
 def build_model(cfg: BenchConfig, **changes) -> GPT:

@@ -199,6 +199,15 @@ def write_json(path: str, data: dict, fix: str = "free disk space, or give anoth
     outdir.write_text(path, json.dumps(data, indent=1), "the figures", fix)
 
 
+def is_result(head: bytes) -> bool:
+    """Whether a file's bytes are figures bench.py wrote (a JSON object with the run's config): a rerun writes over
+    them, never over a file of another kind (outdir.replaced_problem)."""
+    try:
+        return isinstance(result := json.loads(head), dict) and isinstance(result.get("config"), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 class OptimizerTimer:
     """The time of each optimizer's step (the AdamW and Muon of an optim.Optimizers) during the timed steps, in ms
     per step: their step methods are wrapped with DeviceClock marks around each call, so a GPU's kernels are counted
