@@ -75,7 +75,7 @@ def test_out_never_writes_over_a_file_that_is_not_a_picture(two_runs, tmp_path):
     assert (tmp_path / "mine.png").read_bytes() == b"my notes, named .png"
     for _ in range(2):  # the second writes over the first's picture
         assert run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'p.png'}"], timeout=120).returncode == 0
-    for name in ("x.pdf", ""):  # PNG bytes under another name; an empty name ("free disk space" said before)
+    for name in (str(tmp_path / "x.pdf"), ""):  # PNG bytes under another name; an empty name ("free disk space")
         r = run_script(["plot.py", str(two_runs[0]), f"--out={name}"], timeout=120)
         assert r.returncode == 2 and r.stderr.strip() == (
             f"error: --out={name!r}: the picture is a PNG: give a name ending in .png"), r.stderr

@@ -348,3 +348,31 @@ def test_convert_never_writes_over_another_runs_checkpoint_or_a_foreign_file(fsd
     assert (other / "ckpt.pt").read_bytes() == before and (tmp_path / "notes.txt").read_text() == "mine\n"
     for _ in range(2):  # the second converts over the first's file: the same run's
         sharded.convert_to_single_file(str(run / sharded.SHARDED_NAME), str(tmp_path / "converted.pt"))
+
+
+def test_a_sharded_save_whose_train_state_cannot_be_written_leaves_no_folder(data_dir, tmp_path):
+    """The shards written, the folder's completion mark (train_state.pt) refused by a full disk: the folder is never
+    complete and no link names it, so it goes (it held the disk's space); the run stops on the save before."""
+    import errno
+
+    from nanogpt import outdir
+    from nanogpt.errors import UserError
+
+    real, calls = sharded.save_checkpoint, []
+
+    def full_at_the_second(path, state):
+        calls.append(path)
+        if len(calls) >= 2:
+            raise outdir.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        return real(path, state)
+
+    out = tmp_path / "out"
+    sharded.save_checkpoint = full_at_the_second
+    try:
+        with pytest.raises(UserError) as e:
+            train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp"))
+    finally:
+        sharded.save_checkpoint = real
+    assert e.value.exit_code == 1 and "ckpt_sharded at iter 2 is intact" in str(e.value), str(e.value)
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_sharded")) == ["ckpt_sharded",
+                                                                                 "ckpt_sharded_0000002_0"]
