@@ -32,7 +32,7 @@ import torch
 
 from configurator import configure
 from model import GPT
-from nanogpt import dataio, float8, outdir
+from nanogpt import dataio, files, float8
 from nanogpt.config import AtLeast0, AtLeast1, StepConfig, check
 from nanogpt.device import (DeviceClock, autocast_context, dtype_reason, resolve_attention, resolve_device,
                             resolve_dtype, set_tf32, synchronize)
@@ -78,11 +78,11 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
     problems = cfg.problems(world_size=1)  # StepConfig's: the declared values (BenchConfig's too), the machine
     if "RANK" in os.environ:
         problems.append("bench.py measures one process: run it with python, not torchrun")
-    if cfg.result_json and (why := outdir.target_problem(cfg.result_json)
-                            or outdir.replaced_problem(cfg.result_json, is_result, "a bench.py result")):
+    if cfg.result_json and (why := files.target_problem(cfg.result_json)
+                            or files.replaced_problem(cfg.result_json, is_result, "a bench.py result")):
         problems.append(f"result_json={cfg.result_json!r}: {why}")  # before minutes of timing
     if cfg.profile and os.path.lexists(cfg.results_dir) and not os.path.isdir(cfg.results_dir):
-        problems.append(f"results_dir={cfg.results_dir!r} is {outdir.kind_of(cfg.results_dir)}, not a folder: give "
+        problems.append(f"results_dir={cfg.results_dir!r} is {files.kind_of(cfg.results_dir)}, not a folder: give "
                         f"a folder for the profiler's trace")
     check(problems)
     return cfg, argv

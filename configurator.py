@@ -6,9 +6,6 @@ defaults, and all problems are reported together in one ConfigError before anyth
 
 `--help` (or `-h`) anywhere prints the script's usage and every key with its type, default and the comment
 beside it in the dataclass's source, then exits 0 (help_text).
-
-Imports nanogpt/config.py (what a type admits: coerce, type_name, declared_problems), errors.py and text.py; the
-commands import this module, and it imports none of them.
 """
 from __future__ import annotations
 

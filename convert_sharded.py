@@ -13,7 +13,7 @@ import sys
 
 from configurator import exit_on_help
 from nanogpt.errors import UserError, exit_on_user_error
-from nanogpt.sharded import convert_to_single_file
+from nanogpt.checkpoint_sharded import convert_to_single_file
 
 
 def main(argv: list[str]) -> None:

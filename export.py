@@ -11,11 +11,11 @@ ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padde
 (50304 -> 50257); GELU "tanh" becomes HF's gelu_new, "erf" its gelu; a model without biases gets zero biases where
 GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
 The files are written into a temporary folder inside the target first and renamed into it once all are written
-(outdir.write_files): a write that fails (a full disk) is one line, exit status 2, and leaves the target as it was.
+(files.write_files): a write that fails (a full disk) is one line, exit status 2, and leaves the target as it was.
 
 Config: the ExportConfig defaults below, then config files and --key=value overrides in the order given.
 
-Reads checkpoints through checkpoint_manager.py; imports nothing from train.py or sample.py.
+Reads checkpoints through checkpoints.py; imports nothing from train.py or sample.py.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt import checkpoint_manager, dataio, outdir
-from nanogpt.checkpoint import checkpoint_model_config, clean_state_dict
+from nanogpt import checkpoints, files, tokenizers
+from nanogpt.checkpoint_file import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
 from nanogpt.errors import UserError, exit_on_user_error
 from configurator import configure
@@ -64,10 +64,10 @@ def check_expressible(model_args: dict) -> None:
                         f"model would compute something else; export.py must learn to map it first")
 
 
-def real_vocab_size(config: GPTConfig, tokenizer: dataio.Tokenizer | None) -> int:
+def real_vocab_size(config: GPTConfig, tokenizer: tokenizers.Tokenizer | None) -> int:
     """The number of real tokens: the config's vocab_size, except for nanoGPT's GPT-2-sized runs, whose
     vocab_size is 50304 rows for GPT-2 BPE's 50257 tokens."""
-    if isinstance(tokenizer, dataio.GPT2Tokenizer) and config.vocab_size > tokenizer.vocab_size:
+    if isinstance(tokenizer, tokenizers.GPT2Tokenizer) and config.vocab_size > tokenizer.vocab_size:
         return tokenizer.vocab_size
     return config.vocab_size
 
@@ -96,7 +96,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, vocab_size:
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def export(ckpt: dict, folder: str, tokenizer: dataio.Tokenizer | None) -> "GPT2LMHeadModel":  # noqa: F821
+def export(ckpt: dict, folder: str, tokenizer: tokenizers.Tokenizer | None) -> "GPT2LMHeadModel":  # noqa: F821
     """Write the checkpoint as a HF GPT-2 folder; returns the HF model that was saved."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -121,10 +121,10 @@ def export(ckpt: dict, folder: str, tokenizer: dataio.Tokenizer | None) -> "GPT2
     return hf_model
 
 
-def write_tokenizer(folder: str, tokenizer: dataio.Tokenizer | None, block_size: int, shown: str | None = None) -> str:
+def write_tokenizer(folder: str, tokenizer: tokenizers.Tokenizer | None, block_size: int, shown: str | None = None) -> str:
     """The HF tokenizer files for a GPT-2 BPE run; returns a note for the user either way, which names the folder
     as `shown` (the export's --to, where `folder` is where it is written first)."""
-    if not isinstance(tokenizer, dataio.GPT2Tokenizer):
+    if not isinstance(tokenizer, tokenizers.GPT2Tokenizer):
         return "no HF tokenizer fits this vocabulary (not GPT-2 BPE): the folder has no tokenizer files"
     import tiktoken.load
     from transformers import GPT2TokenizerFast
@@ -151,17 +151,17 @@ def main(argv: list[str] | None = None) -> None:
     check(declared_problems(cfg))
     if os.path.lexists(cfg.to) and not os.path.isdir(cfg.to):
         raise UserError(f"to={cfg.to!r} is a file, not a folder: give a folder to write the model in")
-    found = checkpoint_manager.find_checkpoint(cfg.out_dir, cfg.ckpt)
+    found = checkpoints.find_checkpoint(cfg.out_dir, cfg.ckpt)
     path = found.path
-    ckpt = checkpoint_manager.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
+    ckpt = checkpoints.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)
     check_expressible(ckpt["model_args"])
     log(f"checkpoint: {path} at iter {ckpt['iter_num']}")
-    tokenizer = dataio.checkpoint_tokenizer(ckpt, log)  # the tokenizer sample.py would use
+    tokenizer = tokenizers.checkpoint_tokenizer(ckpt, log)  # the tokenizer sample.py would use
     config = checkpoint_model_config(ckpt["model_args"])
-    if not isinstance(tokenizer, dataio.GPT2Tokenizer) and tokenizer.vocab_size != config.vocab_size:
+    if not isinstance(tokenizer, tokenizers.GPT2Tokenizer) and tokenizer.vocab_size != config.vocab_size:
         raise UserError(f"the run's tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                         f"{config.vocab_size}: export needs the meta.json of the dataset the model was trained on")
-    if isinstance(tokenizer, dataio.GPT2Tokenizer) and config.vocab_size < tokenizer.vocab_size:
+    if isinstance(tokenizer, tokenizers.GPT2Tokenizer) and config.vocab_size < tokenizer.vocab_size:
         tokenizer = None  # no meta.json found, and too few rows for GPT-2 BPE: a vocabulary we do not know
     written = {}
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         written["note"] = write_tokenizer(folder, tokenizer, config.block_size, shown=cfg.to)
 
     # written whole into a folder of its own first: a full disk leaves an earlier export in --to as it was
-    outdir.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
+    files.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
     hf_model, note = written["model"], written["note"]
     log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
         f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")

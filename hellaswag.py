@@ -15,7 +15,7 @@ or any file in its format: JSON lines with "ctx" (text), "endings" (4 texts) and
 Config: the HellaSwagConfig defaults below, then config files and --key=value overrides in the order given.
 
 The examples and their scoring are nanogpt/hellaswag.py's (train.py scores through it too); checkpoints are read
-through nanogpt/checkpoint_manager.py.
+through nanogpt/checkpoints.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-from nanogpt import checkpoint_manager
+from nanogpt import checkpoints
 from nanogpt.hellaswag import VAL_EXAMPLES, describe, encode, evaluate, load_examples
 from nanogpt.config import OneOf, Range, WeightsSource, check, declared_problems
 from nanogpt.device import DTYPES, autocast_context, resolve_dtype
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dtype = resolve_dtype(cfg.dtype, dist.device, training=False)
         examples = load_examples(cfg.path)[: cfg.max_examples or None]
         log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if dist.master else (lambda msg: None)
-        model, tokenizer = checkpoint_manager.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, dist.device, dtype, {},
+        model, tokenizer = checkpoints.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, dist.device, dtype, {},
                                                          log=log)
         t0 = time.time()
         result = evaluate(model, encode(examples, tokenizer, model.config.block_size), dist,

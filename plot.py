@@ -18,7 +18,7 @@ import argparse
 import os
 
 from nanogpt.optional import pyplot
-from nanogpt import outdir
+from nanogpt import files
 from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.metrics import read_metrics
 from nanogpt.plot import draw
@@ -29,7 +29,7 @@ def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
     pyplot("plot.py")  # a missing matplotlib is named first, before any run is read
     if not out.lower().endswith(".png"):  # the picture is a PNG, whatever the name says
         raise UserError(f"--out={out!r}: the picture is a PNG: give a name ending in .png")
-    if (why := outdir.replaced_problem(out, lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"), "a PNG picture")):
+    if (why := files.replaced_problem(out, lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"), "a PNG picture")):
         raise UserError(f"--out={out}: {why}")
     return draw([(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in out_dirs], out,
                 fix="free disk space, or give another --out")

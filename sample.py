@@ -12,7 +12,7 @@ last, one line to parse: `tokens/s: <float> (...)`, the new tokens over the gene
 
 Config: the SampleConfig defaults below, then config files and --key=value overrides in the order given.
 
-Reads checkpoints and GPT-2 weights through checkpoint_manager.py; imports nothing from train.py.
+Reads checkpoints and GPT-2 weights through checkpoints.py; imports nothing from train.py.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 
 from configurator import configure
 from model import GPT, SDPA_BACKENDS, GPTConfig
-from nanogpt import checkpoint_manager, dataio, engine
+from nanogpt import checkpoints, engine, tokenizers
 from nanogpt.config import (ATTENTIONS, AtLeast1, OneOf, Range, Seed, WeightsSource, check, declared_problems,
                             kernel_problem)
 from nanogpt.device import (DTYPES, autocast_context, keep_freed_memory, resolve_device, resolve_dtype,
@@ -117,7 +117,7 @@ def read_prompt(start: str) -> str:
         raise UserError(f"start={start!r}: cannot read the prompt file {path!r} ({e})") from None
 
 
-def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
+def load_model(cfg: SampleConfig) -> tuple[GPT, tokenizers.Tokenizer]:
     """The model for init_from, in eval mode on cfg.device and cfg.dtype (as check_config resolved them), and the
     tokenizer it was trained with; attention="auto" resolved for the model's block_size."""
     overrides = {k: v for k, v in (("attention", cfg.attention), ("sdpa_backend", cfg.sdpa_backend))
@@ -127,11 +127,11 @@ def load_model(cfg: SampleConfig) -> tuple[GPT, dataio.Tokenizer]:
         return resolve_sampling_attention("auto", cfg.device, cfg.window_dtype or cfg.dtype, config.block_size,
                                           cfg.sdpa_backend)[0]
 
-    return checkpoint_manager.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
+    return checkpoints.load_for_inference(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.device, cfg.dtype, overrides,
                                          cfg.compile, log, auto_attention if cfg.attention == "auto" else None)
 
 
-def encode_prompt(tokenizer: dataio.Tokenizer, prompt: str) -> tuple[list[int], int]:
+def encode_prompt(tokenizer: tokenizers.Tokenizer, prompt: str) -> tuple[list[int], int]:
     """The prompt's token ids to start from, and how many leading ids to leave out of the decoded text.
     An empty prompt starts from <|endoftext|> with GPT-2 BPE (unconditional samples, as GPT-2's own)."""
     ids = tokenizer.encode(prompt)
@@ -149,7 +149,7 @@ def sample_generators(seed: int, n: int, device: str) -> list[torch.Generator]:
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
-def sample(model: GPT, tokenizer: dataio.Tokenizer, prompt: str, cfg: SampleConfig) -> Generation:
+def sample(model: GPT, tokenizer: tokenizers.Tokenizer, prompt: str, cfg: SampleConfig) -> Generation:
     """num_samples continuations of `prompt`, generated together as one batch (each step reads the weights once
     for all of them; batch_size: at most that many at once), each from its own seeded stream: the same seed and
     settings give the same text, whatever batch_size. cfg.device and cfg.dtype: resolved (check_config)."""

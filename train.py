@@ -39,12 +39,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure_keys
 from model import GPT
-from nanogpt import checkpoint, checkpoint_manager, dataio, float8, hellaswag, outdir, parallel, report, start
-from nanogpt.checkpoint_manager import CheckpointWriter
+from nanogpt import checkpoint_file, checkpoints, dataio, float8, hellaswag, outdir, parallel, report, start
+from nanogpt.checkpoints import CheckpointWriter
 from nanogpt.config import TrainConfig
 from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
-from nanogpt.distributed import (DDP_SETTINGS, Dist, SecondCtrlC, StopRequest, check_same_settings,
-                                 check_shared_out_dir, checkpoint_group, run_in_group, setup_distributed)
+from nanogpt.distributed import (DDP_SETTINGS, Dist, check_same_settings, check_shared_out_dir, checkpoint_group,
+                                 run_in_group, setup_distributed)
+from nanogpt.signals import SecondCtrlC, StopRequest
 from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
@@ -293,7 +294,7 @@ class StepReports:
 
 class SaveSchedule:
     """
-    When a run saves, and the save (checkpoint_manager.CheckpointWriter writes it): at evals, every
+    When a run saves, and the save (checkpoints.CheckpointWriter writes it): at evals, every
     checkpoint_interval steps or checkpoint_minutes between them (the cadence counts from the last save begun), and
     on a stop. Under async_save a save is written in the background while training goes on, except the last, which
     is written before the run ends.
@@ -310,7 +311,7 @@ class SaveSchedule:
         """Save the run at iter_num: in the background under async_save, unless it is the last save (the end, or a
         stop's), which is written before the run ends."""
         t, cfg = self.training, self.training.cfg
-        state = checkpoint.train_state(t.raw_model, t.scaler, iter_num, best_val_loss, asdict(cfg), t.dist,
+        state = checkpoint_file.train_state(t.raw_model, t.scaler, iter_num, best_val_loss, asdict(cfg), t.dist,
                                        t.log.elapsed(), t.meta, t.run_id)
         background = cfg.async_save and iter_num < cfg.max_iters and not stopping
         for line in self.writer.save(t.raw_model, t.optimizer, state, improved, background):
@@ -444,7 +445,7 @@ class Loop:
 def newest_checkpoint(out_dir: str) -> str | None:
     """What a resume would continue from, in words ('ckpt.pt at iter 6'), or None."""
     try:
-        found = checkpoint_manager.find_checkpoint(out_dir)
+        found = checkpoints.find_checkpoint(out_dir)
     except UserError:
         return None
     return f"{found.name} at iter {found.iter_num}"

@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: model.py and nanogpt/
 
 from nanogpt import engine  # noqa: E402
-from nanogpt.checkpoint import save_checkpoint  # noqa: E402
+from nanogpt.checkpoint_file import save_checkpoint  # noqa: E402
 from nanogpt.device import keep_freed_memory, resolve_device, resolve_sampling_attention, synchronize  # noqa: E402
 from nanogpt.hardware import cpu_has_native_bf16  # noqa: E402
 from nanogpt.measure import replayed_matmuls  # noqa: E402

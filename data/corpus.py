@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from nanogpt.errors import UserError
-from nanogpt.dataio import GPT2_EOT, gpt2_tokenizer
+from nanogpt.dataio import GPT2_EOT
+from nanogpt.tokenizers import gpt2_tokenizer
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 

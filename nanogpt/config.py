@@ -6,9 +6,6 @@ before anything slow runs and before out_dir is touched (TrainConfig.check).
 
 The commands' own configs (sample.py's, bench.py's, ...) declare their ranges the same way and check them with
 declared_problems. configurator.py reads the types (Annotated's extras stripped) and --help shows the ranges.
-
-Imports the model (GPTConfig's defaults and choices), device.py, errors.py, float8.py, hardware.py, hf_gpt2.py (GPT-2's
-names) and optional.py.
 """
 from __future__ import annotations
 

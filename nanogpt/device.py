@@ -3,8 +3,6 @@ The device and its precision, for training, sampling and benchmarks alike: which
 else the CPU), which dtype ("auto": bf16 where it is fast and exact enough), which attention path and loss path
 ("auto": the one measured fastest there), autocast, TF32, deterministic algorithms, glibc malloc's freed memory,
 and time on the device's own timeline (DeviceClock).
-
-Imports errors.py and hardware.py only.
 """
 from __future__ import annotations
 

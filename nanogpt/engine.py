@@ -5,7 +5,7 @@ token's logits into a token (temperature, the top-k and top-p filters, a draw, o
 temperature 0). sample.py, report.py and the benchmarks decode through GPT.generate.
 
 The model is an argument, never imported: its attention fills the KVCache it is given (GPT.forward's kv_cache), and
-GPT.generate is the plain loop this engine is tested against. Imports errors.py only.
+GPT.generate is the plain loop this engine is tested against.
 """
 from __future__ import annotations
 

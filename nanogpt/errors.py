@@ -92,3 +92,8 @@ def say(msg: str, code: int) -> NoReturn:
 def fail(msg: str, code: int = 2) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(code)
+
+
+class Interrupted(Stopped):
+    """A stop by a signal during the start, before anything was saved: exits 128 + the signal, as a stop does, and the
+    ranks do not wait for each other (some may never get the signal)."""

@@ -11,8 +11,6 @@ scales it adds: with fp8_layers="auto" (the default) a block's linear layer is c
 at least MIN_FEATURES[recipe] on both sides (benchmarks/float8_layers.py times each layer both ways: the rule is
 what it found on an H100, docs/gpu.md); fp8_layers="all" converts every block linear layer whose sizes are
 multiples of 16, which the float8 kernels need.
-
-Imports torch, and torchao where fp8 is on; nothing of the project's. The checks of fp8=True are the config's.
 """
 from __future__ import annotations
 

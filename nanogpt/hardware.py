@@ -3,7 +3,7 @@ What this machine and the installed PyTorch can do, and what they are: bf16 matm
 SDPA kernel (compiled, and why PyTorch refused one), the implementation behind SDPA's flash kernel (and putting it
 there), and the description a run logs (versions, device, commit).
 
-Probes, and the switch behind flash_impl. Imports errors.py only.
+Probes, and the switch behind flash_impl.
 """
 from __future__ import annotations
 

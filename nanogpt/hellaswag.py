@@ -4,8 +4,6 @@ endings, and the ending whose tokens the model finds most likely wins. acc: the 
 tokens; acc_norm: the lowest mean loss per token (it does not favour short endings). The examples (the validation
 set, downloaded once to data/hellaswag/, or any file in its format), their tokens, and the scoring, over DDP ranks
 too: train.py scores at evals with hellaswag=True, hellaswag.py scores a checkpoint.
-
-Imports dataio.py, distributed.py, errors.py and text.py.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
-from nanogpt import dataio
+from nanogpt import tokenizers
 from nanogpt.distributed import Dist
 from nanogpt.errors import UserError
 from nanogpt.text import plural
@@ -106,7 +104,7 @@ def download(dest: str, url: str | None = None) -> None:
             os.remove(tmp)
 
 
-def encode(examples: list[Example], tokenizer: dataio.Tokenizer, block_size: int) -> list[Encoded]:
+def encode(examples: list[Example], tokenizer: tokenizers.Tokenizer, block_size: int) -> list[Encoded]:
     """Per example: the 4 token rows (context + " " + ending), how many tokens each row's ending has, and the label.
     A row longer than block_size keeps its last block_size tokens (the ending must fit whole)."""
     out = []
@@ -173,5 +171,5 @@ def describe(result: dict[str, float]) -> str:
 def encoded_examples(path: str | None, meta: dict | None, block_size: int) -> list[Encoded]:
     """The examples of `path` (None: the validation set) encoded once, for train.py's evals, with the dataset's
     tokenizer (`meta`; None: GPT-2 BPE, for GPT-2's weights on data without a meta.json)."""
-    tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+    tokenizer = tokenizers.get_tokenizer(meta) if meta is not None else tokenizers.gpt2_tokenizer()
     return encode(load_examples(path), tokenizer, block_size)

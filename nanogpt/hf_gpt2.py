@@ -2,8 +2,6 @@
 GPT-2's weights from HF transformers, as the project loads them: a GPT2LMHeadModel (a GPT-2 name or a local folder)
 from HF's cache first, failing in seconds without the network, then converted by GPT.from_hf_model (model.py), with
 every failure one line. export.py goes the other way.
-
-Imports the model and errors.py; transformers only when a model is loaded.
 """
 from __future__ import annotations
 

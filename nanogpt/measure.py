@@ -2,8 +2,6 @@
 What bench.py measures with, and the studies in benchmarks/ too: the machine's description (versions, allocator,
 load), the CPU share other processes took while it ran, the peak memory of a run, the optimizer's time, the profiler,
 and a step's matmul floor. The training path never imports it.
-
-Imports device.py, hardware.py and outdir.py (the figures' files).
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanogpt import outdir
+from nanogpt import files
 from nanogpt.hardware import system_info
 from nanogpt.device import DeviceClock, synchronize
 
@@ -195,13 +193,13 @@ def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -
 
 
 def write_json(path: str, data: dict, fix: str = "free disk space, or give another path") -> None:
-    """Figures written whole (outdir.atomic_write: a reader never sees half a file); a failure is one line."""
-    outdir.write_text(path, json.dumps(data, indent=1), "the figures", fix)
+    """Figures written whole (files.atomic_write: a reader never sees half a file); a failure is one line."""
+    files.write_text(path, json.dumps(data, indent=1), "the figures", fix)
 
 
 def is_result(head: bytes) -> bool:
     """Whether a file's bytes are figures bench.py wrote (a JSON object with the run's config): a rerun writes over
-    them, never over a file of another kind (outdir.replaced_problem)."""
+    them, never over a file of another kind (files.replaced_problem)."""
     try:
         return isinstance(result := json.loads(head), dict) and isinstance(result.get("config"), dict)
     except (ValueError, RecursionError):

@@ -4,8 +4,6 @@ time, which continues across resumes, and a line per start of the run), written 
 also prints on rank 0 and logs to wandb when asked) and read by plot.py and report.py. A line cut short (a kill or a
 full disk during the append) or one that is no record (edited by hand) is skipped by the readers with one warning,
 and the next append starts a new line.
-
-Imports distributed.py, errors.py and outdir.py (every write) only.
 """
 from __future__ import annotations
 
@@ -15,11 +13,11 @@ import sys
 import time
 from typing import NamedTuple
 
-from nanogpt import outdir
+from nanogpt import files
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
+from nanogpt.outdir import METRICS
 
-METRICS_NAME = "metrics.jsonl"
 
 
 class Logger:
@@ -63,7 +61,7 @@ class Logger:
         if not self.master:
             return
         if saves:
-            self.path = os.path.join(self.out_dir, METRICS_NAME)
+            self.path = os.path.join(self.out_dir, METRICS)
             _end_torn_line(self.path)
             self._append({"start": {"run_id": run_id, "iter": iter_num, "init_from": init_from,
                                     "changes": changes or [], "command": " ".join(["python", *sys.argv]),
@@ -75,7 +73,7 @@ class Logger:
             self.wandb = wandb.init(**self.wandb_init)
 
     def _append(self, record: dict) -> None:
-        outdir.append_line(self.path, json.dumps(record) + "\n")
+        files.append_line(self.path, json.dumps(record) + "\n")
 
 
 def _end_torn_line(path: str) -> None:
@@ -87,9 +85,9 @@ def _end_torn_line(path: str) -> None:
     except FileNotFoundError:
         return
     except OSError as e:
-        raise outdir.write_failed(path, e) from None
+        raise files.write_failed(path, e) from None
     if torn:
-        outdir.append_line(path, "\n")
+        files.append_line(path, "\n")
 
 
 _NUMBER = (int, float)
@@ -158,7 +156,7 @@ class MetricsLog(NamedTuple):
 
 def read_metrics(out_dir: str) -> MetricsLog:
     """The run's metrics.jsonl, read (and any unreadable line warned of) once."""
-    path = os.path.join(out_dir, METRICS_NAME)
+    path = os.path.join(out_dir, METRICS)
     if not os.path.isfile(path):
         raise UserError(f"no {path}: give the out_dir of a train.py run")
     records = read_records(path)

@@ -2,8 +2,6 @@
 The peak FLOP/s that MFU (model FLOPs utilisation) divides by: a known GPU's from its datasheet (PEAK_FLOPS), a CPU's
 measured (its best matmul in the run's dtype, kept per machine in ~/.cache/nanogpt/), or the --peak_flops given; and
 an MFU as printed.
-
-Imports device.py and hardware.py only.
 """
 from __future__ import annotations
 

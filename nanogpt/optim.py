@@ -11,8 +11,6 @@ Both are held by one `Optimizers` object, which looks like a torch optimizer to 
 (param_groups, step, zero_grad, state_dict, load_state_dict), so the grad scaler, gradient clipping, the
 non-finite guard, accumulation, DDP and checkpoints treat it as one. Under DDP the gradients are all-reduced
 in backward, before the step, so every rank orthogonalises the same full gradient and the ranks stay equal.
-
-Imports errors.py, hardware.py and text.py only; GPT.configure_optimizers builds the AdamW.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """
 The packages only some features use (matplotlib, wandb, transformers, torchao): imported when the feature is asked for,
 and missing, one line that names the pip command to install it.
-
-Imports errors.py only.
 """
 from __future__ import annotations
 

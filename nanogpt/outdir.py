@@ -1,32 +1,16 @@
 """
-The run folder: an out_dir holds one run. A start decides whether it continues the run there or begins a new one,
-and a new run never destroys an earlier one: its files are moved aside (renamed) into out_dir/previous/<time>/.
+The run folder: an out_dir holds one run, and this module names every file a run writes there (the one place they
+are named), holds the folder for its live run, and decides how a start treats what it finds.
 
-- init_from="auto" continues the run in out_dir when it holds a checkpoint, else starts from scratch: the same
-  command works for the first start, a rerun, and a scheduler's requeue.
-- A torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) of the run that its own job started or continued (out_dir's
-  run.json records the job's id, distributed.torchrun_job) continues from its checkpoint, whatever init_from says:
-  torchrun restarts every worker with the same arguments, and init_from=scratch must not begin the run again. A
-  restart of another job follows init_from (torchrun's TORCHELASTIC_RUN_ID is no job's own: "none" by default).
-- Every run gets an id, written in out_dir/run.json at its first start and recorded in each checkpoint and in
-  metrics.jsonl; finding a checkpoint to resume, sample or export skips one of another run (checkpoint_manager.py).
-
-- A live run holds its out_dir (hold(): an OS lock on out_dir/run.lock, which ends with its process, a SIGKILL
-  too): a second start there is refused in one line naming the holder (pid, host) before it reads or changes
-  anything in the folder. Only rank 0 of a torchrun job holds it, for all its ranks; an evaluation-only start
-  changes nothing there and holds nothing.
-
-- Every write in out_dir goes through this module (the lock, run.json, metrics.jsonl's lines, checkpoints, the report,
-  the move to previous/): each refuses a symbolic link or a foreign type where it would write (check_entries looks
-  over the folder before a start changes anything), and turns an OSError, or a library's error caused by one (torch's
-  writer on a full disk), into a WriteError: one line naming the path and the cause.
-
-Moving aside instead of refusing: a nanoGPT user reruns the same command and expects a fresh run (nanoGPT would
-overwrite); a team's long run continues through init_from=auto; and a mistaken new start loses nothing either
-way: the previous run's folder still resumes (`--out_dir=out/previous/<time>`).
-
-Imports errors.py only. Every module that writes in out_dir writes through it (start, checkpoint, sharded, metrics,
-report, plot, distributed), and measure's figures too.
+- A live run holds its out_dir (hold(): an OS lock on out_dir/run.lock, which ends with its process, a SIGKILL too):
+  a second start there is refused in one line naming the holder before it reads or changes anything. Only rank 0 of
+  a torchrun job holds it, for all its ranks; an evaluation-only start changes nothing there and holds nothing.
+- Every run gets an id, written in run.json at its first start and recorded in each checkpoint and in metrics.jsonl,
+  so that a checkpoint of another run is never resumed, sampled or exported as this one's.
+- init_from="auto" resumes when out_dir holds a checkpoint, else starts from scratch; a torchrun restart of the job
+  that started the run (run.json records the job) resumes whatever init_from says.
+- A new run never destroys an earlier one: its files are moved aside (renamed) into out_dir/previous/<time>/, from
+  where it still resumes. A nanoGPT user reruns the same command and expects a fresh run; nothing is lost either way.
 """
 from __future__ import annotations
 
@@ -41,25 +25,37 @@ import signal
 import socket
 import stat
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Callable
 
 from nanogpt.errors import UserError, WriteError
+from nanogpt.files import cause, kind_of, write_text
 
-RUN_FILE = "run.json"
-LOCK_FILE = "run.lock"  # held by the live run (hold); never moved aside
-PREVIOUS = "previous"
-# what a run writes in out_dir, and so what a new run moves aside (nothing else in the folder is touched)
-_NAMES = (r"ckpt(_best)?\.pt|ckpt_\d{7,}\.pt|ckpt_sharded(_best)?|ckpt_sharded_\d{7,}_\d+|metrics(\.\d+)?\.jsonl"
-          r"|report\.md|loss\.png|run\.json")
-RUN_FILES = re.compile(rf"({_NAMES})(\.tmp\.\d+)?")  # and the temporary names their atomic writes use
+# Every file a run writes in out_dir
+RUN_FILE, LOCK_FILE, PREVIOUS = "run.json", "run.lock", "previous"  # run.lock: held by the live run, never moved
+CKPT, BEST = "ckpt.pt", "ckpt_best.pt"  # the latest save; the best val loss's weights (always_save_checkpoint=False)
+SHARDED, SHARDED_BEST = "ckpt_sharded", "ckpt_sharded_best"  # FSDP's: links to save folders beside them
+METRICS, REPORT, LOSS_PNG = "metrics.jsonl", "report.md", "loss.png"
+KEPT = re.compile(r"ckpt_(\d{7,})\.pt")  # keep_last's saves (kept_name)
+SHARDED_FOLDER = re.compile(r"ckpt_sharded_(\d{7,})_\d+")  # a sharded save's folder (sharded_folder)
+
+
+def kept_name(iter_num: int) -> str:
+    return f"ckpt_{iter_num:07d}.pt"
+
+
+def sharded_folder(iter_num: int, n: int) -> str:
+    return f"{SHARDED}_{iter_num:07d}_{n}"
+
+
+_CHECKPOINTS = rf"{re.escape(CKPT)}|{re.escape(BEST)}|{KEPT.pattern}|{SHARDED}(_best)?|{SHARDED_FOLDER.pattern}"
+# what a new run moves aside (nothing else in the folder is touched), with the temporary names of atomic writes
+RUN_FILES = re.compile(rf"({_CHECKPOINTS}|metrics(\.\d+)?\.jsonl|{re.escape(REPORT)}|{re.escape(LOSS_PNG)}"
+                       rf"|{re.escape(RUN_FILE)})(\.tmp\.\d+)?")
 _TEMPORARY = re.compile(r"\.tmp\.\d+$")
-# what only a run writes: run.json (at its start) and checkpoints (nanoGPT's ckpt.pt too); report.md, metrics.jsonl and
-# loss.png alone are any program's names
-_A_RUNS = re.compile(r"run\.json|ckpt(_best)?\.pt|ckpt_\d{7,}\.pt|ckpt_sharded(_best)?|ckpt_sharded_\d{7,}_\d+")
+# what only a run writes (report.md, metrics.jsonl and loss.png alone are any program's names)
+_A_RUNS = re.compile(rf"{re.escape(RUN_FILE)}|{_CHECKPOINTS}")
 
 
 # ----------------------------------------------------------------------------------------------- the live run's hold
@@ -273,7 +269,7 @@ def run_id_of(out_dir: str) -> str | None:
 
 
 def has_checkpoint(out_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(out_dir, name)) for name in ("ckpt.pt", "ckpt_sharded"))
+    return any(os.path.exists(os.path.join(out_dir, name)) for name in (CKPT, SHARDED))
 
 
 def resolve_init_from(init_from: str, out_dir: str, restart: int = 0, job: str | None = None) -> tuple[str, str]:
@@ -356,7 +352,7 @@ def disk_usage(folder: str) -> int:
 
 
 def _write_run(out_dir: str, run: dict) -> None:
-    atomic_write(os.path.join(out_dir, RUN_FILE), lambda tmp: _write_text(tmp, json.dumps(run)), "the run's id")
+    write_text(os.path.join(out_dir, RUN_FILE), json.dumps(run), "the run's id")
 
 
 def begin_run(out_dir: str, job: str | None = None) -> str:
@@ -393,13 +389,9 @@ def restore_run(out_dir: str, run: dict | None) -> None:
 
 # What a run writes in out_dir and reads back, and what each must be where it exists: a regular file, a folder, or one
 # of the run's own links (ckpt_sharded names a folder of its own saves).
-ENTRIES = {"run.lock": "file", RUN_FILE: "file", "metrics.jsonl": "file", "ckpt.pt": "file", "ckpt_best.pt": "file",
-           "report.md": "file", "loss.png": "file", PREVIOUS: "folder", "ckpt_sharded": "link",
-           "ckpt_sharded_best": "link"}
-
-
-# keep_last's saves, one per iteration: a file (ckpt_0000600.pt), or a folder of DCP's shards (ckpt_sharded_0000600_1)
-KEPT_SAVES = {re.compile(r"ckpt_\d{7,}\.pt"): "file", re.compile(r"ckpt_sharded_\d{7,}_\d+"): "folder"}
+ENTRIES = {LOCK_FILE: "file", RUN_FILE: "file", METRICS: "file", CKPT: "file", BEST: "file", REPORT: "file",
+           LOSS_PNG: "file", PREVIOUS: "folder", SHARDED: "link", SHARDED_BEST: "link"}
+KEPT_SAVES = {KEPT: "file", SHARDED_FOLDER: "folder"}  # one per kept iteration: ckpt_0000600.pt, ckpt_sharded_0000600_1
 
 
 def check_entries(out_dir: str) -> None:
@@ -433,265 +425,6 @@ def _is_kind(path: str, kind: str) -> bool:
     return os.path.isdir(path) if kind == "folder" else stat.S_ISREG(os.lstat(path).st_mode)
 
 
-def kind_of(path: str) -> str:
-    """What is at `path`, in words: 'a symbolic link to X', 'a folder', 'a file', 'a FIFO', ..."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return "missing"
-    if stat.S_ISLNK(st.st_mode):
-        return f"a symbolic link (to {os.readlink(path)})"
-    if stat.S_ISDIR(st.st_mode):
-        return "a folder"
-    if stat.S_ISREG(st.st_mode):
-        return "a file"
-    return "a special file (a FIFO, socket or device)"
-
-
-def _os_error(e: BaseException | None) -> OSError | None:
-    """The OSError that raised `e` or that `e` was raised from; for an error of a library written in Rust
-    (safetensors' SafetensorError on a full disk: '... No space left on device (os error 28)'), the OSError its text
-    names, which Python never saw."""
-    while e is not None:
-        if isinstance(e, OSError):
-            return e
-        if code := _RUST_OS_ERROR.search(str(e)):
-            return OSError(int(code[1]), os.strerror(int(code[1])))
-        if isinstance(e, RuntimeError) and _SHORT_WRITE.search(str(e)) and e.__cause__ is e.__context__ is None:
-            # torch's zip writer found its file shorter than what it wrote, the OSError not kept (DCP's writer)
-            return OSError(errno.EIO, "a write was cut short (a full disk?)")
-        e = e.__cause__ or e.__context__
-    return None
-
-
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends its text
-_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos \d+ vs \d+")  # torch's writer's own check
-
-
-def cause(e: BaseException) -> str:
-    """An OSError's cause in words ("No space left on device"), or a library's error caused by one (torch's writer
-    raises RuntimeError('unexpected pos ...') from the OSError of a full disk; safetensors names it in its text)."""
-    first, e = e, _os_error(e)
-    if e is None:  # a library's error that names its cause only in its text (DCP's CheckpointException)
-        return (str(first).strip().splitlines() or [type(first).__name__])[0][:200]
-    if isinstance(e, FileExistsError) and e.filename:  # os.makedirs where a file stands
-        return f"{e.filename} is a file, not a folder"
-    return e.strerror or str(e) or type(e).__name__
-
-
-def caused_by_os_error(e: BaseException) -> bool:
-    """Whether an OSError is what raised `e`, or what it was raised from (torch's writer, matplotlib's savefig), or
-    what a Rust library's error names (safetensors')."""
-    return _os_error(e) is not None
-
-
-OUT_DIR_FIX = "free disk space, make the folder writable, or choose another out_dir"
-
-
-def write_failed(path: str, e: BaseException, kept: str = "", what: str = "", fix: str = OUT_DIR_FIX) -> WriteError:
-    """The one line of a failed write: what and where, the cause, what was kept, and what to do."""
-    kept = f"; {kept}" if kept else ""
-    what = f"{what} " if what else ""
-    return WriteError(f"could not write {what}{path} ({cause(e)}){kept}: {fix}")
-
-
-def check_target(path: str) -> None:
-    """A file is written at `path` (replaced whole, or appended to): refused where a symbolic link or anything but a
-    regular file stands there, since writing would go through the link into a file the run did not make, or
-    replace what is not the run's."""
-    if os.path.lexists(path) and (os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode)):
-        raise WriteError(f"could not write {path}: it is {kind_of(path)}, not a file of the run's: move it away (a run "
-                         f"never writes through a link or over a foreign file)")
-
-
-def target_problem(path: str) -> str | None:
-    """Why a file cannot be written at `path`, asked before slow work (a benchmark's minutes) rather than found after
-    it: a folder or link stands there, or the nearest existing folder above it is a file or not writable."""
-    if os.path.isdir(path) or os.path.islink(path):
-        return f"{path} is {kind_of(path)}, not a file"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK):
-        return f"{parent} is not writable"
-    return None
-
-
-def replaced_problem(path: str, is_ours: Callable[[bytes], bool], what: str) -> str | None:
-    """Why a command must not write over the file at `path`: one there that is not `what` (what the command itself
-    writes, as `is_ours` tells from its first MiB), e.g. a run's checkpoint given as a picture's name. None where
-    nothing stands there, or a file of its own kind (a rerun's)."""
-    if not os.path.isfile(path) or os.path.islink(path):
-        return None  # nothing there; a link or folder: target_problem's
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 20)
-    except OSError:
-        return None  # the write then says why
-    if is_ours(head):
-        return None
-    return f"{path} exists and is not {what}: it is not written over; give another file name, or move it away first"
-
-
-def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
-    """
-    Write `path` whole or not at all: `write(tmp)` makes a temporary file beside it (flushed and fsynced by the
-    writer), which is renamed over `path`, and the rename made durable. A crash at any moment leaves either the old
-    file or the new one, never a torn one. Any failure (a full disk, no permission, a library's error raised from
-    one) is a WriteError naming `what` and `path` and saying what to do (`fix`), and the old file stays as it was.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    check_target(path)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        write(tmp)
-        os.replace(tmp, path)
-    except Exception as e:
-        if not caused_by_os_error(e):
-            raise
-        kept = f"the previous {what} is intact" if os.path.exists(path) else f"{what} was not written"
-        raise write_failed(path, e, kept, what, fix) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-    fsync_folder(folder)
-
-
-def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
-    """
-    atomic_write for several files: `write(tmp)` writes them into a new temporary folder inside `folder` (made where
-    missing, so on the same file system), and only once every one is written and fsynced is each renamed over the
-    file of its name in `folder`; other files there are untouched. Any failure (a full disk, no permission, a
-    library's error raised from or naming one) is a WriteError naming `what`, `folder` and the cause, and leaves
-    `folder` as it was: the temporary folder removed, the files already renamed over put back (one that cannot be is
-    left in the temporary folder, and the error names it), a `folder` this made removed again. A kill leaves a set
-    half renamed only in the moment of the renames, and the temporary folder (its old/: the files renamed over).
-    """
-    _warn_cut_short(folder)
-    made, parent = [], os.path.abspath(folder)
-    while not os.path.lexists(parent):  # the folders makedirs makes, innermost first
-        made.append(parent)
-        parent = os.path.dirname(parent)
-    staging, aside, placed = None, [], []  # the old files moved aside, the new ones renamed into folder
-    try:
-        os.makedirs(folder, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".tmp.", dir=folder)
-        new, old = os.path.join(staging, "new"), os.path.join(staging, "old")
-        os.mkdir(new)
-        os.mkdir(old)
-        write(new)
-        names = sorted(os.listdir(new))
-        for name in names:  # a link or folder of another's where a file goes is refused before anything moves
-            check_target(os.path.join(folder, name))
-            _fsync_file(os.path.join(new, name))
-        for name in names:
-            if os.path.lexists(os.path.join(folder, name)):
-                os.replace(os.path.join(folder, name), os.path.join(old, name))
-                aside.append(name)
-            os.replace(os.path.join(new, name), os.path.join(folder, name))
-            placed.append(name)
-    except BaseException as e:
-        for name in placed:
-            if name not in aside:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(folder, name))
-        stranded = []  # earlier files that could not be put back: their copies in `old` are kept
-        for name in aside:
-            try:
-                os.replace(os.path.join(old, name), os.path.join(folder, name))
-            except OSError:
-                stranded.append(name)
-        if staging is not None and not stranded:
-            shutil.rmtree(staging, ignore_errors=True)
-        for path in made:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
-        if not isinstance(e, Exception) or not caused_by_os_error(e):
-            raise
-        kept = ("nothing was written" if made else "the files there are as they were" if not stranded else
-                f"the earlier {', '.join(stranded)} could not be put back: kept in {old}")
-        raise write_failed(folder, e, kept, what, fix) from None
-    shutil.rmtree(staging, ignore_errors=True)  # the old files
-    fsync_folder(folder)
-
-
-def _warn_cut_short(folder: str) -> None:
-    """Name, never remove, the temporary folders of a write_files that a kill cut short (its new/ and old/)."""
-    with contextlib.suppress(OSError):
-        for entry in sorted(os.listdir(folder)):
-            path = os.path.join(folder, entry)
-            if entry.startswith(".tmp.") and os.path.isdir(os.path.join(path, "old")) and \
-                    os.path.isdir(os.path.join(path, "new")):
-                print(f"warning: {path} was left by a write that was cut short: its old/ holds the files it had "
-                      f"replaced ({', '.join(sorted(os.listdir(os.path.join(path, 'old')))) or 'none'}); move back "
-                      f"what you need, then remove it", file=sys.stderr, flush=True)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_text(path: str, text: str, what: str, fix: str = OUT_DIR_FIX) -> None:
-    """A text file written whole (atomic_write)."""
-    atomic_write(path, lambda tmp: _write_text(tmp, text), what, fix)
-
-
-def append_line(path: str, line: str) -> None:
-    """Append one line to `path` (made where missing), never through a symbolic link: whole or not at all. A disk
-    that fills mid-line takes part of it (a short write); the rest is written until it is whole, or the part cut off
-    again, so that no later line is ever glued to a fragment (and a file this made removed again). A failure is a
-    WriteError."""
-    check_target(path)
-    data = line.encode("utf-8")
-    made = not os.path.lexists(path)
-    kept = "nothing was written" if made else "the lines before it are intact"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise write_failed(path, e, kept) from None
-    try:
-        end = os.fstat(fd).st_size  # one run writes here (the lock): nobody else appends meanwhile
-        written = 0
-        while written < len(data):
-            written += os.write(fd, data[written:])
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, end)
-            if made:  # an empty file of the run's left behind would read as someone else's (check_entries)
-                os.unlink(path)
-        raise write_failed(path, e, kept) from None
-    finally:
-        os.close(fd)
-
-
-def replace_link(path: str, target: str) -> None:
-    """Point the symbolic link `path` at `target` (relative to its folder, so the run folder can move) with one rename:
-    a reader sees the old target or the new one. A failure is a WriteError; the old link stays."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        os.symlink(target, tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise write_failed(path, e, "the previous link is intact", "the link") from None
-
-
 def remove_saves(out_dir: str, names: list[str]) -> None:
     """Remove save folders the run wrote and no longer keeps (an older sharded save, one a kill left half written).
     Best effort: what cannot be removed now is removed by the next save."""
@@ -699,20 +432,3 @@ def remove_saves(out_dir: str, names: list[str]) -> None:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
-def remove_file(path: str, what: str) -> None:
-    """Remove a file the run wrote (a checkpoint keep_last no longer keeps); a failure is a WriteError."""
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise WriteError(f"could not remove {what} {path} ({cause(e)}): make the folder writable") from None
-
-
-def fsync_folder(folder: str) -> None:
-    with contextlib.suppress(OSError):  # make a rename durable (not possible on every OS)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)

@@ -4,13 +4,11 @@ Training beyond one GPU's memory: FSDP2 sharding, activation checkpointing, shar
 With parallelism="fsdp" every rank keeps only its 1/N shard of the parameters, gradients and AdamW state
 (PyTorch's own `torch.distributed.fsdp.fully_shard`, FSDP2): each transformer block and then the whole model is
 a unit whose full parameters are all-gathered just before its forward (and backward) and freed after; gradients
-are reduce-scattered. Checkpoints are written with `torch.distributed.checkpoint` (DCP, see checkpoint.py): each
+are reduce-scattered. Checkpoints are written with `torch.distributed.checkpoint` (DCP, see checkpoint_file.py): each
 rank writes its own shards into a folder, so no rank ever holds the whole model; any number of ranks can load it.
 
 sample.py, export.py, hellaswag.py and init_from read a sharded folder as they read a ckpt.pt; convert_sharded.py
 writes one as a ckpt.pt.
-
-Imports distributed.py, errors.py and the model.
 """
 from __future__ import annotations
 

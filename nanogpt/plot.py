@@ -1,18 +1,16 @@
 """
 The loss picture of runs: train and val loss against steps and against wall time, one colour per run, drawn into a
 PNG. plot.py (the command) and the run report (report.py) draw through it.
-
-Imports metrics.py (the runs' records), outdir.py (the write) and matplotlib, optional (optional.py).
 """
 from __future__ import annotations
 
 
-from nanogpt import outdir
+from nanogpt import files
 from nanogpt.metrics import MetricsLog
 from nanogpt.optional import pyplot
 
 
-def draw(runs: list[tuple[str, MetricsLog]], out: str, fix: str = outdir.OUT_DIR_FIX) -> str:
+def draw(runs: list[tuple[str, MetricsLog]], out: str, fix: str = files.OUT_DIR_FIX) -> str:
     """Draw (name, metrics) runs into the PNG `out`; returns `out`. `fix`: what a failed write's line says to do."""
     plt = pyplot("plot.py")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -31,7 +29,7 @@ def draw(runs: list[tuple[str, MetricsLog]], out: str, fix: str = outdir.OUT_DIR
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     try:
-        outdir.atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"), "loss picture", fix)
+        files.atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"), "loss picture", fix)
     finally:
         plt.close(fig)
     return out

@@ -5,8 +5,6 @@ PNG), the best val loss, HellaSwag when it was scored, and a short sample from t
 
 Reads the run's metrics.jsonl (what train.py logged, across resumes) through metrics.py; draws the picture with
 plot.py (when matplotlib is installed); the sample comes from engine.py's decoding.
-
-Imports config.py, dataio.py, engine.py, errors.py, metrics.py, mfu.py, outdir.py and plot.py.
 """
 from __future__ import annotations
 
@@ -21,14 +19,14 @@ from typing import Any, Callable
 
 import torch
 
-from nanogpt import dataio, engine, outdir
+from nanogpt import engine, files, tokenizers
 from nanogpt.config import TrainConfig
 from nanogpt import plot
 from nanogpt.mfu import mfu_text
 from nanogpt.errors import UserError
 from nanogpt.metrics import MetricsLog, read_metrics
+from nanogpt.outdir import LOSS_PNG, REPORT
 
-REPORT_NAME, PLOT_NAME = "report.md", "loss.png"
 
 
 def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
@@ -37,7 +35,7 @@ def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
             if getattr(cfg, f.name) != getattr(defaults, f.name)]
 
 
-def sample_text(model, tokenizer: dataio.Tokenizer, device: str, ctx=contextlib.nullcontext(), n_tokens: int = 200,
+def sample_text(model, tokenizer: tokenizers.Tokenizer, device: str, ctx=contextlib.nullcontext(), n_tokens: int = 200,
                 seed: int = 1337) -> str:
     """A short sample from the final weights (temperature 0.8, top-k 200, as sample.py's defaults), from a newline
     for a char-level model or from <|endoftext|> for BPE, under the run's autocast context `ctx` (the attention
@@ -98,17 +96,17 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     lines.append(_loss_picture(out_dir, run))
     if sample is not None:
         lines += ["", "## A sample from the final weights", "", "```text", sample.strip("\n"), "```"]
-    path = os.path.join(out_dir, REPORT_NAME)
-    outdir.write_text(path, "\n".join(lines) + "\n", "report")
+    path = os.path.join(out_dir, REPORT)
+    files.write_text(path, "\n".join(lines) + "\n", "report")
     return path
 
 
 def _loss_picture(out_dir: str, run: MetricsLog) -> str:
     try:
-        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, PLOT_NAME))
+        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, LOSS_PNG))
     except UserError as e:  # matplotlib is optional: the report goes without the picture
         return f"(no picture: {e}; then `python plot.py {out_dir}`)"
-    return f"![train and val loss against steps and wall time]({PLOT_NAME})"
+    return f"![train and val loss against steps and wall time]({LOSS_PNG})"
 
 
 def write_run_report(cfg: TrainConfig, model, meta: dict | None, info: dict[str, str], log: Callable[[str], None],
@@ -120,7 +118,7 @@ def write_run_report(cfg: TrainConfig, model, meta: dict | None, info: dict[str,
     sample = None
     if cfg.parallelism != "fsdp":
         try:
-            tokenizer = dataio.get_tokenizer(meta) if meta is not None else dataio.gpt2_tokenizer()
+            tokenizer = tokenizers.get_tokenizer(meta) if meta is not None else tokenizers.gpt2_tokenizer()
             sample = sample_text(model, tokenizer, info["device"], ctx)
         except UserError as e:  # e.g. no GPT-2 BPE files offline: the report goes without a sample
             log(f"report: no sample ({e})")

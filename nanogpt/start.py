@@ -8,9 +8,6 @@ run), or keeps its run's (a resume). train.py calls them in that order.
 
 A resume's rules live here too: which settings it takes from its run (settings_of_the_run), and which it cannot
 change (resume_changes: the model's shape, its GELU, the optimizer).
-
-Imports the model, config.py, checkpoint.py, checkpoint_manager.py, dataio.py, device.py, distributed.py, errors.py,
-hardware.py, hf_gpt2.py, metrics.py, mfu.py, optim.py, outdir.py, parallel.py, step.py and text.py.
 """
 from __future__ import annotations
 
@@ -23,9 +20,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from model import GPT
-from nanogpt import checkpoint, checkpoint_manager, dataio, outdir, parallel
-from nanogpt.checkpoint import checkpoint_model_config
-from nanogpt.checkpoint_manager import FoundCheckpoint
+from nanogpt import checkpoint_file, checkpoints, dataio, outdir, parallel, tokenizers
+from nanogpt.checkpoint_file import checkpoint_model_config
+from nanogpt.checkpoints import FoundCheckpoint
 from nanogpt.config import TrainConfig, coerce, config_summary, declared_problems, type_name
 from nanogpt.device import dtype_reason, resolve_device, resolve_dtype
 from nanogpt.hardware import system_info
@@ -78,13 +75,13 @@ def decide(cfg: TrainConfig, given: set[str] | None = None) -> StartPlan:
     notes = [why] if why else []
     if init_from != "resume":
         return StartPlan(cfg, notes, None, job)
-    found = checkpoint_manager.find_checkpoint(cfg.out_dir)
+    found = checkpoints.find_checkpoint(cfg.out_dir)
     if given is not None:
         cfg, taken = settings_of_the_run(cfg, given, found.read().get("config") or {})
         if taken:
             notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
     if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
-        found = checkpoint_manager.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+        found = checkpoints.find_checkpoint(cfg.out_dir, prefer_sharded=True)
     return StartPlan(cfg, notes, found, job)
 
 
@@ -227,7 +224,7 @@ def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
-        dataio.check_tokenizer(*checkpoint_manager.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
+        tokenizers.check_tokenizer(*checkpoints.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     try:
         with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
             model = init_model(cfg, meta, ckpt)
@@ -259,12 +256,12 @@ def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         # every weight is the checkpoint's: here for ckpt.pt, a sharded checkpoint's once the model is sharded
         model = GPT.uninitialized(checkpoint_model_config(ckpt["model_args"], **settings))
         if "model" in ckpt:
-            checkpoint.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
+            checkpoint_file.load_model_state(model, ckpt["model"], source=os.path.join(cfg.out_dir, outdir.CKPT))
         return model
-    path = checkpoint_manager.checkpoint_path(cfg.init_from)
+    path = checkpoints.checkpoint_path(cfg.init_from)
     if path is not None:  # a checkpoint's weights (not its optimizer or iteration) start this run
-        weights = checkpoint_manager.read_weights(path)
-        return fit_pretrained(checkpoint.model_from_checkpoint(weights, **settings), cfg)
+        weights = checkpoints.read_weights(path)
+        return fit_pretrained(checkpoint_file.model_from_checkpoint(weights, **settings), cfg)
     if cfg.init_from in GPT2_MODELS or os.path.isdir(cfg.init_from):
         model = pretrained_gpt2(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
@@ -298,10 +295,10 @@ def restore_training_state(model: GPT, optimizer: Optimizers, scaler: torch.amp.
     """What a resume continues besides the weights: the optimizer's state (a sharded checkpoint's weights too: they
     load into the sharded model), the grad scaler's and the dropout RNG."""
     ckpt = resumed.ckpt
-    checkpoint_manager.load_training_state(model, optimizer, ckpt)
+    checkpoints.load_training_state(model, optimizer, ckpt)
     if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
         scaler.load_state_dict(ckpt["scaler"])
-    checkpoint.restore_rng(ckpt, seed, dist, resumed.iter_num)
+    checkpoint_file.restore_rng(ckpt, seed, dist, resumed.iter_num)
 
 
 def shape_of(model: GPT) -> dict[str, int]:

@@ -2,8 +2,6 @@
 One training step and what it needs, for train.py's loop and bench.py's timing alike: the model a step's settings
 (config.StepConfig) make, the process's setup, the micro-batches of a step, train_step itself (queued without waiting
 for the device), the guard that skips a non-finite step on the device, and the figures read one step late.
-
-Imports the model, config.py, dataio.py, device.py, distributed.py, errors.py, optim.py and parallel.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
 """How figures read in the messages and logs: counts with their noun, sizes in bytes, values of any size.
-
-Imports nothing of the project's.
 """
 from __future__ import annotations
 

@@ -38,13 +38,13 @@ GPT2_BPE_URLS = (  # the files tiktoken's "gpt2" encoding reads, cached under sh
 @pytest.fixture()
 def gpt2_bpe():
     """The GPT-2 BPE tokenizer from a tiktoken cache; skips (with the reason) where there is none."""
-    from nanogpt import dataio
+    from nanogpt import tokenizers
 
     cache = os.environ.get("TIKTOKEN_CACHE_DIR", "")
     names = [hashlib.sha1(url.encode()).hexdigest() for url in GPT2_BPE_URLS]
     if not cache or not all(os.path.isfile(os.path.join(cache, n)) for n in names):
         pytest.skip("GPT-2 BPE unavailable offline: set TIKTOKEN_CACHE_DIR to a folder with tiktoken's gpt2 files")
-    return dataio.gpt2_tokenizer()
+    return tokenizers.gpt2_tokenizer()
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""checkpoint.py: one checkpoint file. save_checkpoint writes it atomically (a kill at any point of the write, a crash
+"""checkpoint_file.py: one checkpoint file. save_checkpoint writes it atomically (a kill at any point of the write, a crash
 before the rename or a full disk leaves the previous checkpoint whole), save_run_checkpoint keeps the best val loss's
 weights across stops and resumes and the last K saves by iteration (keep_last), load_checkpoint runs nothing a
 pickle names (weights_only), and checkpoint_model_config fills the gelu of older checkpoints. A run's checkpoints in
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt import checkpoint, outdir
-from nanogpt.checkpoint import load_checkpoint, save_checkpoint, save_run_checkpoint
+from nanogpt import checkpoint_file, files
+from nanogpt.checkpoint_file import load_checkpoint, save_checkpoint, save_run_checkpoint
 from nanogpt.errors import UserError
 from helpers import tiny_config
 from sample import SampleConfig, load_model
@@ -68,7 +68,7 @@ def _save_and_stop_at(path: str, point: str, ready_w: int) -> None:
     elif point == "synced, not renamed":
         os.replace = stop
     elif point == "renamed, folder not synced":
-        outdir.fsync_folder = stop
+        files.fsync_folder = stop
     save_checkpoint(path, {"model": {"w": torch.from_numpy(np.arange(2_000_000, dtype=np.float32) + 2)},
                            "model_args": ARGS, "iter_num": 2})
 
@@ -144,7 +144,7 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
     def crash(*args):
         raise SystemExit("killed")
 
-    monkeypatch.setattr("nanogpt.checkpoint.keep_as", crash)
+    monkeypatch.setattr("nanogpt.checkpoint_file.keep_as", crash)
     with pytest.raises(SystemExit):
         save(20, True, "ckpt_best.pt")
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_keep_last_orders_the_snapshots_by_iteration_not_by_name(tmp_path):
     """ckpt_9999999.pt sorts after ckpt_10000000.pt by name: pruning must keep the newest iteration."""
     state = {"model": {}, "model_args": ARGS, "iter_num": 0}
     for it in (9_999_998, 9_999_999, 10_000_000):
-        checkpoint.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
+        checkpoint_file.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_10000000.pt", "ckpt_9999999.pt"]
 
 
@@ -205,7 +205,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(da
 
 
 def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
-    from nanogpt.checkpoint import checkpoint_model_config
+    from nanogpt.checkpoint_file import checkpoint_model_config
 
     ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
             "vocab_padding_multiple": 64, "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}
@@ -225,7 +225,7 @@ def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_us
     from hypothesis import strategies as st
 
     from helpers import json_values
-    from nanogpt import checkpoint_manager, dataio, start
+    from nanogpt import checkpoints, dataio, start
     from nanogpt.distributed import Dist
     from nanogpt.metrics import Logger
     from nanogpt.optim import build_optimizer
@@ -255,7 +255,7 @@ def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_us
         optimizer = build_optimizer(model, plan.cfg, "cpu", verbose=False)
         start.restore_training_state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), resumed,
                                      plan.cfg.seed, dist)
-        checkpoint_manager.load_for_inference("resume", str(out), None, "cpu", "float32", {}, log=lambda line: None)
+        checkpoints.load_for_inference("resume", str(out), None, "cpu", "float32", {}, log=lambda line: None)
 
     reads()  # the checkpoint as written reads whole
 

@@ -1,4 +1,4 @@
-"""checkpoint_manager.py: a run's checkpoints in either format (ckpt.pt or FSDP's sharded folder). A resume reads the
+"""checkpoints.py: a run's checkpoints in either format (ckpt.pt or FSDP's sharded folder). A resume reads the
 newest by iteration whatever the format and says which it read; no checkpoint names what the folder holds; a stop
 before the first step resumes exactly (DDP and FSDP, AdamW and Muon); saves in either format remove only the names
 they write; a sharded folder is read wherever a file is (sample.py, export.py, init_from); weights of another
@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from nanogpt import checkpoint
-from nanogpt import checkpoint_manager, start
+from nanogpt import checkpoint_file
+from nanogpt import checkpoints, start
 import export
 import convert_sharded
 import train as train_module
@@ -36,7 +36,7 @@ def metrics(out_dir, key: str) -> list[dict]:
 
 
 def params_of(path: str) -> dict[str, torch.Tensor]:
-    return checkpoint_manager.read_weights(path)["model"]
+    return checkpoints.read_weights(path)["model"]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -65,17 +65,17 @@ def test_resume_reads_the_newest_checkpoint_by_iteration_whatever_the_format(dat
     assert f"checkpoint: {out / 'ckpt_sharded'} at iter 8\n" in capsys.readouterr().err
     # at the same iteration (a converted folder) an FSDP run reads the folder, any other the file, and says so
     convert_sharded.main([str(out / "ckpt_sharded")])
-    fsdp = checkpoint_manager.find_checkpoint(str(out), prefer_sharded=True)
+    fsdp = checkpoints.find_checkpoint(str(out), prefer_sharded=True)
     assert fsdp.describe("resuming from") == (f"resuming from {out / 'ckpt_sharded'} at iter 8 (ckpt.pt is at the "
                                               f"same iteration: an FSDP run reads the sharded one)")
-    assert checkpoint_manager.find_checkpoint(str(out)).path == str(out / "ckpt.pt")
+    assert checkpoints.find_checkpoint(str(out)).path == str(out / "ckpt.pt")
 
 
 def test_no_checkpoint_names_what_the_folder_holds(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(UserError) as e:
-        checkpoint_manager.find_checkpoint(str(tmp_path / "run"))
+        checkpoints.find_checkpoint(str(tmp_path / "run"))
     assert str(e.value) == (f"no checkpoint in {tmp_path / 'run'} (neither ckpt.pt nor ckpt_sharded; "
                             f"{tmp_path / 'run'} holds metrics.jsonl): train first, or set --out_dir to the run's folder")
 
@@ -113,11 +113,11 @@ def test_a_stop_before_the_first_step_resumes_exactly(data_dir, tmp_path, monkey
         stop_at(m, stage)
         with pytest.raises(SystemExit, match="stopped by SIGTERM after iter 0; checkpoint saved"):
             train(tiny_config(data_dir, tmp_path / "run", **run))
-    found = checkpoint_manager.find_checkpoint(str(tmp_path / "run"))
+    found = checkpoints.find_checkpoint(str(tmp_path / "run"))
     assert found.iter_num == 0 and found.name == ("ckpt_sharded" if parallelism == "fsdp" else "ckpt.pt")
     resumed = train(tiny_config(data_dir, tmp_path / "run", **run, init_from="resume"))
     assert resumed["last_loss"] == reference["last_loss"]
-    saved = [params_of(checkpoint_manager.find_checkpoint(str(tmp_path / name)).path) for name in ("ref", "run")]
+    saved = [params_of(checkpoints.find_checkpoint(str(tmp_path / name)).path) for name in ("ref", "run")]
     assert max_diff(*saved) == 0.0  # from the saves: a sharded run returns no model (its group is gone)
 
 
@@ -198,9 +198,9 @@ def test_weights_of_another_tokenizer_are_refused_at_start(data_dir, other_char_
 READ_RSS = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from nanogpt import checkpoint_manager
+from nanogpt import checkpoints
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-weights = checkpoint_manager.read_weights({path!r})
+weights = checkpoints.read_weights({path!r})
 total = sum(t.float().sum().item() for t in weights["model"].values())  # every weight read
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
@@ -215,7 +215,7 @@ def test_reading_weights_maps_the_file_and_never_reads_the_optimizer_state(tmp_p
     moments = {"exp_avg": torch.ones(100_000_000 // 4 // 2), "exp_avg_sq": torch.ones(100_000_000 // 4 // 2)}
     state = {"model": model.state_dict(), "model_args": {**vars(model.config)}, "iter_num": 3,
              "optimizer": {"state": {0: moments}, "param_groups": []}}
-    checkpoint.save_checkpoint(str(tmp_path / "ckpt.pt"), state)
+    checkpoint_file.save_checkpoint(str(tmp_path / "ckpt.pt"), state)
     r = subprocess.run([sys.executable, "-c", READ_RSS.format(root=ROOT, path=str(tmp_path / "ckpt.pt"))],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -261,6 +261,6 @@ def test_a_damaged_model_args_value_is_named_as_the_checkpoints(data_dir, tmp_pa
     with pytest.raises(UserError, match=message):
         load_model(SampleConfig(out_dir=str(out), device="cpu", dtype="float32"))
     with pytest.raises(UserError, match=message):
-        checkpoint.checkpoint_model_config(ckpt["model_args"], dropout=0.1)  # a setting given beside it: still its
+        checkpoint_file.checkpoint_model_config(ckpt["model_args"], dropout=0.1)  # a setting given beside it: still its
     with pytest.raises(UserError, match=r"^dropout=2.0 must be in \[0, 1\)"):  # a bad setting given: the setting's
-        checkpoint.checkpoint_model_config({**ckpt["model_args"], "attention": "sdpa"}, dropout=2.0)
+        checkpoint_file.checkpoint_model_config({**ckpt["model_args"], "attention": "sdpa"}, dropout=2.0)

@@ -26,19 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 sys.path.insert(0, str(REPO))
 
-from nanogpt import dataio  # noqa: E402
+from nanogpt import dataio, tokenizers  # noqa: E402
 from nanogpt.errors import UserError  # noqa: E402
 from data import shakespeare_text  # noqa: E402
-from nanogpt.dataio import (  # noqa: E402
-    CharTokenizer,
-    TokenWriter,
-    get_tokenizer,
-    gpt2_tokenizer,
-    load_meta,
-    open_tokens,
-    write_meta,
-    write_tokens,
-)
+from nanogpt.dataio import TokenWriter, load_meta, open_tokens, write_meta, write_tokens  # noqa: E402
+from nanogpt.tokenizers import CharTokenizer, get_tokenizer, gpt2_tokenizer  # noqa: E402
 
 
 def _default_env(name: str, path: Path) -> None:
@@ -78,7 +70,7 @@ def shakespeare_txt() -> Path:
 
 
 @pytest.fixture
-def gpt2() -> dataio.GPT2Tokenizer:
+def gpt2() -> tokenizers.GPT2Tokenizer:
     try:
         return gpt2_tokenizer()
     except UserError as e:
@@ -115,7 +107,7 @@ def test_shakespeare_char_matches_nanogpt(tmp_path: Path, shakespeare_txt: Path)
     assert tok.decode(val) == text[n:]
 
 
-def test_shakespeare_bpe_matches_nanogpt(tmp_path: Path, shakespeare_txt: Path, gpt2: dataio.GPT2Tokenizer) -> None:
+def test_shakespeare_bpe_matches_nanogpt(tmp_path: Path, shakespeare_txt: Path, gpt2: tokenizers.GPT2Tokenizer) -> None:
     text = shakespeare_txt.read_text(encoding="utf-8")
     meta = bpe_prepare.main(["--input", str(shakespeare_txt), "--out_dir", str(tmp_path)])
 
@@ -353,7 +345,7 @@ def _make_documents(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 20))) + f" doc {i}" for i in range(n)]
 
 
-def _split_documents(ids: np.ndarray, tok: dataio.GPT2Tokenizer) -> list[str]:
+def _split_documents(ids: np.ndarray, tok: tokenizers.GPT2Tokenizer) -> list[str]:
     """Decode each <|endoftext|>-terminated run of tokens on its own."""
     assert len(ids) and ids[-1] == dataio.GPT2_EOT
     ends = np.flatnonzero(ids == dataio.GPT2_EOT)
@@ -362,7 +354,7 @@ def _split_documents(ids: np.ndarray, tok: dataio.GPT2Tokenizer) -> list[str]:
 
 
 def test_openwebtext_prepare_recovers_every_document(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: dataio.GPT2Tokenizer
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: tokenizers.GPT2Tokenizer
 ) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = _make_documents(200)
@@ -387,7 +379,7 @@ def test_openwebtext_prepare_recovers_every_document(
     assert gpt2.decode(val) == "".join(d + "<|endoftext|>" for d in val_docs)
 
 
-def test_openwebtext_bad_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: dataio.GPT2Tokenizer) -> None:
+def test_openwebtext_bad_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: tokenizers.GPT2Tokenizer) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(UserError, match=r"--source .*missing\.jsonl: no such file"):
         owt_prepare.prepare(str(tmp_path / "missing.jsonl"), tmp_path / "out", num_proc=1)
@@ -524,7 +516,7 @@ def test_a_hand_written_meta_json_is_refused_before_training_in_one_line(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_gpt2_tokenizer(gpt2: dataio.GPT2Tokenizer) -> None:
+def test_gpt2_tokenizer(gpt2: tokenizers.GPT2Tokenizer) -> None:
     assert (gpt2.vocab_size, gpt2.eot) == (50257, 50256)
     assert gpt2.encode("Hello world") == [15496, 995]
     assert gpt2.encode("hi<|endoftext|>")[-1] == 50256  # prompts may hold the special token
@@ -535,7 +527,7 @@ def test_gpt2_tokenizer(gpt2: dataio.GPT2Tokenizer) -> None:
 
 @pytest.mark.parametrize("fmt", ["parquet", "txt"])
 def test_openwebtext_prepare_reads_local_folders(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: dataio.GPT2Tokenizer, fmt: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: tokenizers.GPT2Tokenizer, fmt: str
 ) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = [d.replace("\n", " ") for d in _make_documents(20, seed=1)]  # .txt holds one document per line
@@ -555,7 +547,7 @@ def test_openwebtext_prepare_reads_local_folders(
 
 
 def test_openwebtext_prepare_warns_of_a_val_split_shorter_than_a_window_and_draws_no_bars_into_a_log(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, gpt2: dataio.GPT2Tokenizer
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, gpt2: tokenizers.GPT2Tokenizer
 ) -> None:
     """Bug: --source on a user's own text gave a 45-token val split silently (val_fraction=0.0005); progress bars
     were drawn into logs."""

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, tiny_config
 
 WRAPPER = """
@@ -16,7 +16,7 @@ import os, sys, time, hashlib
 sys.path.insert(0, {root!r})
 import torch
 import train
-from nanogpt import checkpoint
+from nanogpt import checkpoint_file
 from nanogpt.errors import exit_on_user_error
 rank = int(os.environ["RANK"])
 what = os.environ["OBSERVE"]
@@ -43,7 +43,7 @@ if what == "allreduce":  # count the gradient all-reduces DDP runs
 
     train.DDP = CountingDDP
 if what == "slow_save" and rank == 0:  # rank 0's save takes seconds, as a big model's does
-    real_save = checkpoint.save_run_checkpoint
+    real_save = checkpoint_file.save_run_checkpoint
 
     def slow(*args, **kwargs):
         time.sleep(2)
@@ -51,7 +51,7 @@ if what == "slow_save" and rank == 0:  # rank 0's save takes seconds, as a big m
         say(f"rank 0 saved at {{time.time()}}")
         return out
 
-    checkpoint.save_run_checkpoint = slow
+    checkpoint_file.save_run_checkpoint = slow
 if what in ("slow_save",) and rank == 1:  # SIGTERM to rank 1 alone, during its 3rd step
     import signal
     real_step, n = train.train_step, [0]

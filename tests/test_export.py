@@ -14,7 +14,7 @@ import torch
 
 import export
 from nanogpt.errors import UserError
-from nanogpt.checkpoint import save_checkpoint
+from nanogpt.checkpoint_file import save_checkpoint
 from faulty_disk import FaultyDisk, small_file_system
 from helpers import make_char_dataset, run_in_process, run_script
 from model import GPT, GPTConfig
@@ -139,13 +139,13 @@ def test_without_the_gpt2_bpe_files_the_folder_gets_no_tokenizer_and_a_note(tmp_
     """No tiktoken cache and no network (the read fails as requests' errors do, with an OSError)."""
     import tiktoken.load
 
-    from nanogpt import dataio
+    from nanogpt import tokenizers
 
     def offline(url, expected_hash=None):
         raise OSError(f"no network for {url}")
 
     monkeypatch.setattr(tiktoken.load, "read_file_cached", offline)
-    note = export.write_tokenizer(str(tmp_path), object.__new__(dataio.GPT2Tokenizer), block_size=32)
+    note = export.write_tokenizer(str(tmp_path), object.__new__(tokenizers.GPT2Tokenizer), block_size=32)
     assert note == (f"GPT-2 BPE files not available (OSError), so the folder has no tokenizer: add it with python -c "
                     f"\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('gpt2')"
                     f".save_pretrained('{tmp_path}')\"")
@@ -269,7 +269,7 @@ def test_an_earlier_file_that_cannot_be_put_back_is_kept_and_named(tmp_path, mon
     """A review's reproduction: the new files' renames failed (EIO) and so did putting the earlier file back: the
     temporary folder, holding the earlier file, was removed, and the line said 'the files there are as they were'.
     Now the earlier file stays in the temporary folder, and the line names where."""
-    from nanogpt import outdir
+    from nanogpt import files
 
     to = tmp_path / "to"
     to.mkdir()
@@ -285,9 +285,9 @@ def test_an_earlier_file_that_cannot_be_put_back_is_kept_and_named(tmp_path, mon
     def write(folder):
         (Path(folder) / "model.safetensors").write_bytes(b"NEWWEIGHTS")
 
-    monkeypatch.setattr(outdir.os, "replace", replace)
+    monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(UserError) as e:
-        outdir.write_files(str(to), write, "the exported model into")
+        files.write_files(str(to), write, "the exported model into")
     monkeypatch.undo()
     (staging,) = [p for p in to.iterdir() if p.name.startswith(".tmp.")]
     assert (staging / "old" / "model.safetensors").read_bytes() == b"OLDWEIGHTS"
@@ -297,14 +297,14 @@ def test_an_earlier_file_that_cannot_be_put_back_is_kept_and_named(tmp_path, mon
 def test_the_folder_of_a_killed_export_is_named_and_kept(tmp_path, capsys):
     """A kill during an export's renames leaves its temporary folder (old/: the earlier files it had replaced).
     The next export names it in a warning and leaves it alone: the user's earlier files may be there."""
-    from nanogpt import outdir
+    from nanogpt import files
 
     to = tmp_path / "to"
     left = to / ".tmp.abc123"
     (left / "new").mkdir(parents=True)
     (left / "old").mkdir()
     (left / "old" / "config.json").write_text("{}")
-    outdir.write_files(str(to), lambda folder: (Path(folder) / "config.json").write_text('{"n": 1}'), "the model into")
+    files.write_files(str(to), lambda folder: (Path(folder) / "config.json").write_text('{"n": 1}'), "the model into")
     assert (to / "config.json").read_text() == '{"n": 1}' and (left / "old" / "config.json").read_text() == "{}"
     assert capsys.readouterr().err == (f"warning: {left} was left by a write that was cut short: its old/ holds the "
                                        f"files it had replaced (config.json); move back what you need, then remove "

@@ -16,11 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanogpt import checkpoint_manager
-from nanogpt import distributed
+from nanogpt import checkpoints
+from nanogpt import errors, signals
 from nanogpt import outdir
 from nanogpt.errors import UserError
-from nanogpt.checkpoint import load_checkpoint, save_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint, save_checkpoint
 from helpers import (
     HANG_S,
     ROOT,
@@ -245,14 +245,14 @@ def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, mon
     run = dict(max_iters=2, eval_interval=2, optimizer=optimizer, dropout=0.0)
     train(tiny_config(data_dir, tmp_path / "out", **run))
     seen = []
-    real = checkpoint_manager.load_training_state
+    real = checkpoints.load_training_state
 
     def spy(model, optim, ckpt):
         real(model, optim, ckpt)
         seen.append([{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups])
         seen.append({id(p): s for opt in optim.optimizers.values() for p, s in opt.state.items()})
 
-    monkeypatch.setattr(checkpoint_manager, "load_training_state", spy)
+    monkeypatch.setattr(checkpoints, "load_training_state", spy)
     changed = CHANGED_OPTIMIZER[optimizer]
     out = {}
     for name, changes in (("same", {}), ("changed", changed)):
@@ -399,8 +399,8 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
     """StopRequest's rule, on a clock the test sets: a SIGINT within 1 s of the first is the same Ctrl-C (torchrun
     forwards the terminal's to workers that already got it); a later one exits at once; SIGTERMs never do."""
     now = {"t": 100.0}
-    monkeypatch.setattr(distributed.time, "monotonic", lambda: now["t"])
-    with distributed.StopRequest() as stop:
+    monkeypatch.setattr(signals.time, "monotonic", lambda: now["t"])
+    with signals.StopRequest() as stop:
         stop.arm()  # the start accepted: signals ask for a stop with a checkpoint
         assert not stop.requested()
         stop._handle(signal.SIGINT, None)
@@ -410,7 +410,7 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
         now["t"] += 1.4
         with pytest.raises(KeyboardInterrupt, match="second Ctrl-C: exiting without a checkpoint"):
             stop._handle(signal.SIGINT, None)
-    with distributed.StopRequest() as stop:
+    with signals.StopRequest() as stop:
         stop.arm()
         stop._handle(signal.SIGTERM, None)
         now["t"] += 5
@@ -420,7 +420,7 @@ def test_a_second_ctrl_c_exits_at_once_and_a_forwarded_duplicate_does_not(monkey
 
 def test_train_py_exits_1_on_a_second_ctrl_c(monkeypatch, capsys):
     def interrupted(cfg, given=None):
-        raise distributed.SecondCtrlC("second Ctrl-C: exiting without a checkpoint")
+        raise signals.SecondCtrlC("second Ctrl-C: exiting without a checkpoint")
 
     monkeypatch.setattr(train_module, "train", interrupted)
     with pytest.raises(SystemExit) as e:
@@ -463,10 +463,10 @@ def test_a_signal_whose_exception_was_swallowed_during_the_start_still_stops_it(
     short, then used: numpy.linalg's RecursionError) was a traceback: the signal's doing, it stops the start too."""
     from nanogpt import start
 
-    with distributed.StopRequest() as stop:
-        with pytest.raises(distributed.Interrupted):
+    with signals.StopRequest() as stop:
+        with pytest.raises(errors.Interrupted):
             stop._handle(signal.SIGTERM, None)  # the exception a caller then swallows
-        with pytest.raises(distributed.Interrupted, match="stopped by SIGTERM during the start"):
+        with pytest.raises(errors.Interrupted, match="stopped by SIGTERM during the start"):
             stop.arm()
         assert not stop.armed
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt import dataio
+from nanogpt import dataio, tokenizers
 import train as train_module
 from nanogpt.device import resolve_attention, resolve_device, resolve_dtype
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from configurator import configure
 from helpers import ROOT, run_script, run_script_waiting, tiny_config
 from model import GPT
@@ -30,7 +30,7 @@ from train import train
 
 
 
-def make_bpe_dataset(data_dir, tokenizer: dataio.GPT2Tokenizer, n_lines: int = 1500, seed: int = 0) -> dict:
+def make_bpe_dataset(data_dir, tokenizer: tokenizers.GPT2Tokenizer, n_lines: int = 1500, seed: int = 0) -> dict:
     """Short sentences over a dozen words, GPT-2 BPE tokens, written as prepare.py does (train/val.bin, meta.json)."""
     rng = np.random.default_rng(seed)
     words = ["the", "king", "queen", "speaks", "to", "his", "her", "lord", "and", "lady", "of", "york", "hath"]
@@ -77,7 +77,7 @@ def test_finetune_from_a_local_hf_gpt2_folder_lowers_the_loss(tmp_path, gpt2_bpe
 
     # sample.py finds the dataset's meta.json through the checkpoint and picks the GPT-2 BPE
     _, tokenizer = load_model(SampleConfig(out_dir=str(out_dir), device="cpu", dtype="float32"))
-    assert isinstance(tokenizer, dataio.GPT2Tokenizer)
+    assert isinstance(tokenizer, tokenizers.GPT2Tokenizer)
 
 
 @pytest.mark.parametrize("activation, gelu, other", [("gelu_new", "tanh", "erf"), ("gelu", "erf", "tanh")])

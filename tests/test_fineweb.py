@@ -15,7 +15,7 @@ import torch
 
 from nanogpt import dataio
 from nanogpt.errors import UserError, exit_on_user_error
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import ROOT, config_args, make_char_dataset, run_script, tiny_config
 from train import train
 from nanogpt.step import batch_generator, get_batch, train_batches

@@ -1,6 +1,6 @@
 """FSDP2 (parallelism="fsdp") on the CPU: 2 gloo processes under torchrun against one process, sharded checkpoints,
 activation checkpointing. Expected values come from the plain one-process run (no FSDP, no recompute), and the
-memory line's from the bytes each rank's tensors hold. parallel.py's own tests: tests/test_parallel.py; sharded.py's:
+memory line's from the bytes each rank's tensors hold. parallel.py's own tests: tests/test_parallel.py; checkpoint_sharded.py's:
 tests/test_sharded.py."""
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nanogpt import checkpoint_manager
-from nanogpt import sharded
+from nanogpt import checkpoints
+from nanogpt import checkpoint_sharded, outdir
 import convert_sharded
 from nanogpt import parallel
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, run_script, tiny_config
 from test_sharded import KILL_CHILD
 from train import train
@@ -100,7 +100,7 @@ def measuring_train(tmp_path) -> str:
 
 
 def sharded_params(out_dir) -> dict[str, torch.Tensor]:
-    model, _ = sharded.load_sharded_as_full(str(out_dir / sharded.SHARDED_NAME))
+    model, _ = checkpoint_sharded.load_sharded_as_full(str(out_dir / outdir.SHARDED))
     return model.state_dict()
 
 
@@ -156,16 +156,16 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
     print(f"resume 1 -> 2 ranks: max |param diff| {diff:.2e}")
     assert diff < TOL
     # the conversion to one ckpt.pt: logits equal the sharded model's, and the uninterrupted run's within TOL
-    convert_sharded.main([str(tmp_path / "run" / sharded.SHARDED_NAME)])  # python convert_sharded.py OUT_DIR/ckpt_sharded
+    convert_sharded.main([str(tmp_path / "run" / outdir.SHARDED)])  # python convert_sharded.py OUT_DIR/ckpt_sharded
     converted = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     assert converted["iter_num"] == 8 and converted["optimizer"]["state"]
     idx = torch.randint(converted["model_args"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
-    gathered, _ = sharded.load_sharded_as_full(str(tmp_path / "run" / sharded.SHARDED_NAME))
-    from nanogpt.checkpoint import model_from_checkpoint
+    gathered, _ = checkpoint_sharded.load_sharded_as_full(str(tmp_path / "run" / outdir.SHARDED))
+    from nanogpt.checkpoint_file import model_from_checkpoint
 
     from sample import SampleConfig, load_model
 
-    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=sharded.SHARDED_NAME, device="cpu"))
+    sampled, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt=outdir.SHARDED, device="cpu"))
     models = (model_from_checkpoint(converted), gathered, sampled, reference["model"].eval())
     # the last position's logits and the loss over all positions (training's fused path)
     logits = [torch.cat([m.eval()(idx)[0].flatten(), m(idx, idx)[1].view(1)]) for m in models]
@@ -190,8 +190,8 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
     err = r.stderr
     assert r.returncode != 0
     assert "checkpoint saved: resume with --init_from=resume" in err
-    folder = tmp_path / "run" / sharded.SHARDED_NAME
-    stopped_at = sharded.read_train_state(str(folder))["iter_num"]
+    folder = tmp_path / "run" / outdir.SHARDED
+    stopped_at = checkpoint_sharded.read_train_state(str(folder))["iter_num"]
     assert stopped_at == 4, err[-2000:]
     assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # saved on 2 ranks, resumed in one process (FSDP with a group of one)
@@ -243,7 +243,7 @@ def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_d
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     # training went on while the save was written: the step of iter 4 (the 5th) ran before the save was linked
     assert int(re.search(r"steps run: (\d+)", r.stdout).group(1)) > 4, r.stdout[-2000:]
-    assert checkpoint_manager.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
+    assert checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()["iter_num"] == 4
     resumed = train(tiny_config(data_dir, out, **ASYNC, parallelism="fsdp", async_save=True, init_from="resume"))
     assert resumed["iter_num"] == 8
     diff = max_diff(reference["model"].state_dict(), sharded_params(out))

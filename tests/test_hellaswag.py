@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt import dataio
+from nanogpt import dataio, tokenizers
 import hellaswag
 import nanogpt.hellaswag
 from nanogpt.errors import UserError, exit_on_user_error
@@ -66,7 +66,7 @@ def test_batched_scores_equal_a_brute_force_loss_per_example(tmp_path):
     rows.append({"ctx": "A", "endings": ["b", "the king rides to the sea and far away", "c", "of"], "label": 1})
     (tmp_path / "hs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     meta = make_dataset(tmp_path, rows, n_lines=10)
-    tok = dataio.get_tokenizer(meta)
+    tok = tokenizers.get_tokenizer(meta)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=meta["vocab_size"], n_layer=2, n_head=2, n_embd=32, bias=True))
     reference = GPT(model.config)

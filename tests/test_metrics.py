@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from nanogpt.metrics import read_metrics
 from test_checkpoint_manager import metrics

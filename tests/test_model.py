@@ -374,7 +374,7 @@ def test_a_model_built_for_loading_draws_no_random_init_and_loads_whole():
     the random init a load would throw away: the global RNG is where it was, as after no init at all. A checkpoint
     loaded into it is the saved model exactly, its head tied to the token embedding; and GPT(config) after it
     initialises as before (the skipping ends with the build)."""
-    from nanogpt.checkpoint import model_from_checkpoint
+    from nanogpt.checkpoint_file import model_from_checkpoint
 
     torch.manual_seed(0)
     saved = GPT(tiny_config())

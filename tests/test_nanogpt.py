@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from nanogpt import dataio
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model, sample

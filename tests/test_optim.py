@@ -8,7 +8,7 @@ import torch
 
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from model import GPT, GPTConfig
 from nanogpt.optim import build_optimizer

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt import checkpoint
-from nanogpt import checkpoint_manager
-from nanogpt import sharded
+from nanogpt import checkpoint_file, files
+from nanogpt import checkpoints
+from nanogpt import checkpoint_sharded
 from nanogpt import outdir
 import train as train_module
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from helpers import (
     HANG_S,
     ROOT,
@@ -90,10 +90,10 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     out = tmp_path / "mixed"
     train(tiny_config(data_dir, out, max_iters=20, eval_interval=10))
     train(tiny_config(data_dir, out, max_iters=10, eval_interval=10, parallelism="fsdp", n_layer=1))
-    found = checkpoint_manager.find_checkpoint(str(out))
+    found = checkpoints.find_checkpoint(str(out))
     assert (found.name, found.iter_num, found.state["model_args"]["n_layer"]) == ("ckpt_sharded", 10, 1)
     (previous,) = previous_runs(out)
-    assert checkpoint_manager.find_checkpoint(str(previous)).iter_num == 20
+    assert checkpoints.find_checkpoint(str(previous)).iter_num == 20
     r = run_in_process(["sample.py", f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5", "--device=cpu"],
                        capsys)
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
@@ -123,7 +123,7 @@ def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     out = tmp_path / "used"
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=4))
     before = sorted(os.listdir(out))
-    with pytest.raises(checkpoint.UserError, match="the model's shape is its weights'"):
+    with pytest.raises(checkpoint_file.UserError, match="the model's shape is its weights'"):
         train(tiny_config(data_dir, out, init_from=str(out / "ckpt.pt"), n_embd=64))
     assert sorted(os.listdir(out)) == before and not previous_runs(out)
 
@@ -250,11 +250,11 @@ def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=4, parallelism="fsdp"))
     train(tiny_config(data_dir, other, max_iters=8, eval_interval=8))
     os.link(other / "ckpt.pt", out / "ckpt.pt")
-    found = checkpoint_manager.find_checkpoint(str(out))
+    found = checkpoints.find_checkpoint(str(out))
     assert (found.name, found.iter_num) == ("ckpt_sharded", 4) and "ckpt.pt belongs to another run" in found.note
     os.remove(out / "ckpt_sharded")
-    with pytest.raises(checkpoint.UserError, match="ckpt.pt is a checkpoint of another run"):
-        checkpoint_manager.find_checkpoint(str(out))
+    with pytest.raises(checkpoint_file.UserError, match="ckpt.pt is a checkpoint of another run"):
+        checkpoints.find_checkpoint(str(out))
 
 
 def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(data_dir, tmp_path, capsys):
@@ -396,14 +396,14 @@ def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warn
             in r.stderr), r.stderr
     assert outdir.run_id_of(str(out)) == load_checkpoint(str(out / "ckpt.pt"))["run_id"]
     assert run_in_process(["plot.py", str(out), f"--out={tmp_path / 'p.png'}"], capsys).returncode == 0
-    write_text = outdir.write_text
+    write_text = files.write_text
 
     def report_fails(path, text, what):  # the disk fills up as the run ends: the report cannot be written
         if what == "report":
-            raise outdir.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), what=what)
+            raise files.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), what=what)
         write_text(path, text, what)
 
-    monkeypatch.setattr(outdir, "write_text", report_fails)
+    monkeypatch.setattr(files, "write_text", report_fails)
     r = run_in_process([*args, "--init_from=resume", "--max_iters=8", "--report=True"], capsys)
     assert r.returncode == 0 and "warning: no report (could not write report " in r.stderr, r.stderr[-2000:]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 8
@@ -591,14 +591,14 @@ def test_two_agents_train_fsdp_at_a_world_of_4_that_resumes_at_worlds_of_2_and_1
     out = tmp_path / "nodes"
     results = _agents(config_args(tiny_config(data_dir, out, **run)), _free_port())
     assert all(r.returncode == 0 for r in results), results[0].stderr[-3000:] + results[1].stderr[-3000:]
-    assert sharded.read_train_state(str(out / "ckpt_sharded"))["world_size"] == 4
+    assert checkpoint_sharded.read_train_state(str(out / "ckpt_sharded"))["world_size"] == 4
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train.py", *config_args(tiny_config(data_dir, out, **{**run, "max_iters": 6},
                                                              init_from="auto"))],
                        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "world_size: 4 -> 2" in r.stdout, r.stderr[-3000:]
     train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, init_from="auto"))
-    model, state = sharded.load_sharded_as_full(str(out / "ckpt_sharded"))
+    model, state = checkpoint_sharded.load_sharded_as_full(str(out / "ckpt_sharded"))
     assert state["iter_num"] == 8
     ref = single["model"].state_dict()
     got = model.state_dict()
@@ -673,7 +673,7 @@ def test_a_refused_start_leaves_no_folder_it_made(data_dir, tmp_path, capsys):
     assert r.returncode == 2 and sorted(os.listdir(tmp_path)) == ["tinychar"]
     cfg = dataclasses.replace(tiny_config(data_dir, tmp_path / "x" / "y", init_from="auto"),
                               data_dir=str(tmp_path / "no_data"))
-    with pytest.raises(checkpoint.UserError, match="no_data"):  # refused inside the hold: no dataset there
+    with pytest.raises(checkpoint_file.UserError, match="no_data"):  # refused inside the hold: no dataset there
         train(cfg)
     assert sorted(os.listdir(tmp_path)) == ["tinychar"]
 
@@ -728,8 +728,8 @@ def test_the_starts_lines_say_what_is_true(data_dir, tmp_path, capsys):
     (no_ckpt / "metrics.jsonl").write_text('{"iter": 0, "train_loss": 3.4, "val_loss": 3.4, "elapsed_s": 1.0}\n')
     r = run_in_process(["train.py", *config_args(tiny_config(data_dir, no_ckpt, max_iters=1))], capsys)
     assert r.returncode == 0 and "it saved no checkpoint" in r.stdout and "resumes from there" not in r.stdout
-    with pytest.raises(checkpoint.UserError) as e:
-        checkpoint.load_checkpoint(str(out))
+    with pytest.raises(checkpoint_file.UserError) as e:
+        checkpoint_file.load_checkpoint(str(out))
     assert "read_weights" not in str(e.value) and "is a folder, not a checkpoint file" in str(e.value)
 
 
@@ -754,7 +754,7 @@ def test_the_lock_looks_again_when_its_holder_removed_the_file_between_open_and_
     with outdir.hold(str(out)):
         assert removed and (out / outdir.LOCK_FILE).exists()
         monkeypatch.setattr(fcntl, "flock", real_flock)
-        with pytest.raises(checkpoint.UserError, match="is in use by a live run"):
+        with pytest.raises(checkpoint_file.UserError, match="is in use by a live run"):
             with outdir.hold(str(out)):
                 pass
 
@@ -807,10 +807,10 @@ def test_run_json_of_any_content_is_read_as_one_line_or_used(tmp_path):
         (out / "ckpt.pt").write_bytes(b"not read here")
         for read in (lambda: outdir.read_run(str(out)), lambda: outdir.run_id_of(str(out)),
                      lambda: outdir.resolve_init_from("auto", str(out), restart=1, job="job"),
-                     lambda: outdir.move_previous_run(str(out)), lambda: checkpoint_manager.find_checkpoint(str(out))):
+                     lambda: outdir.move_previous_run(str(out)), lambda: checkpoints.find_checkpoint(str(out))):
             try:
                 read()
-            except checkpoint.UserError as e:
+            except checkpoint_file.UserError as e:
                 assert "\n" not in str(e)
 
     reads()

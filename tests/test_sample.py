@@ -13,7 +13,7 @@ import torch
 
 from nanogpt import engine
 from nanogpt.errors import UserError
-from nanogpt.checkpoint import load_checkpoint, save_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint, save_checkpoint
 from helpers import make_char_dataset, run_in_process, run_script, tiny_config
 from sample import SEPARATOR, SampleConfig, check_config, load_model, sample
 from train import train
@@ -403,7 +403,7 @@ FAULT_PROBE = """
 import dataclasses, os, resource, sys
 sys.path.insert(0, ".")
 import sample
-from nanogpt.checkpoint import save_checkpoint
+from nanogpt.checkpoint_file import save_checkpoint
 from model import GPT, GPTConfig
 out_dir, keep = sys.argv[1], sys.argv[2]
 if not os.path.exists(os.path.join(out_dir, "ckpt.pt")):

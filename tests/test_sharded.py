@@ -1,4 +1,4 @@
-"""sharded.py: FSDP's sharded folders, in processes of one (FSDP over a process group of one). A SIGKILL at any stage
+"""checkpoint_sharded.py: FSDP's sharded folders, in processes of one (FSDP over a process group of one). A SIGKILL at any stage
 of a save (every shard written but not DCP's metadata; all written but not yet linked) leaves the previous folder
 loadable, and the next save removes the killed one's; a save in the background (start_sharded_save) keeps the
 weights and optimizer state of its step while training changes them, and is linked only once written; the best val
@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from nanogpt import parallel
-from nanogpt import checkpoint_manager
-from nanogpt import sharded
+from nanogpt import files, parallel
+from nanogpt import checkpoints
+from nanogpt import checkpoint_sharded, outdir
 import train as train_module
 from helpers import HANG_S, ROOT, tiny_config
 from model import GPT, GPTConfig
@@ -31,7 +31,7 @@ from train import train
 KILL_CHILD = """
 import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-from nanogpt import sharded
+from nanogpt import checkpoint_sharded
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from helpers import tiny_config
 from train import train
@@ -52,9 +52,9 @@ def counted(save):
         saves.append(1)
         return save(*args, **kwargs)
     return count
-sharded.save_sharded = counted(sharded.save_sharded)
-sharded.start_sharded_save = counted(sharded.start_sharded_save)  # async_save
-sharded._fault_point = kill
+checkpoint_sharded.save_sharded = counted(checkpoint_sharded.save_sharded)
+checkpoint_sharded.start_sharded_save = counted(checkpoint_sharded.start_sharded_save)  # async_save
+checkpoint_sharded._fault_point = kill
 finish = FileSystemWriter.finish
 def finish_or_die(self, *args, **kwargs):  # every shard written, DCP's metadata not yet
     kill("dcp_finish")
@@ -70,10 +70,10 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     code = KILL_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), data=str(data_dir), out=str(out))
     r = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    assert len([f for f in os.listdir(out) if f.startswith(sharded.SHARDED_NAME + "_")]) == 2  # the killed save's too
-    ckpt = checkpoint_manager.find_checkpoint(str(out), prefer_sharded=True).read()
+    assert len([f for f in os.listdir(out) if f.startswith(outdir.SHARDED + "_")]) == 2  # the killed save's too
+    ckpt = checkpoints.find_checkpoint(str(out), prefer_sharded=True).read()
     assert ckpt["iter_num"] == 2
-    model, _ = sharded.load_sharded_as_full(ckpt["sharded"])
+    model, _ = checkpoint_sharded.load_sharded_as_full(ckpt["sharded"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # the next save removes the killed save's folder
     train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp", init_from="resume"))
@@ -108,23 +108,23 @@ def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_o
         group = checkpoint_group(dist)
         FileSystemWriter.write_data = slow_write
         state = {"iter_num": 1, "model_args": model.config.__dict__, "config": {}}
-        pending = sharded.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
+        pending = checkpoint_sharded.start_sharded_save(str(tmp_path), model, optimizer, state, dist, group)
         with torch.no_grad():  # the next step
             for p in model.parameters():
                 p.add_(1.0)
                 optimizer.state[p]["exp_avg"].add_(1.0)
-        assert not os.path.exists(tmp_path / sharded.SHARDED_NAME)  # nothing linked while the shards are written
+        assert not os.path.exists(tmp_path / outdir.SHARDED)  # nothing linked while the shards are written
         torch.distributed.barrier(group=group)
         pending.finish()
-        assert started and os.readlink(tmp_path / sharded.SHARDED_NAME) == "ckpt_sharded_0000001_0"
-        saved, _ = sharded.load_sharded_as_full(str(tmp_path / sharded.SHARDED_NAME))
+        assert started and os.readlink(tmp_path / outdir.SHARDED) == "ckpt_sharded_0000001_0"
+        saved, _ = checkpoint_sharded.load_sharded_as_full(str(tmp_path / outdir.SHARDED))
         assert all(torch.equal(saved.state_dict()[k], expected[k]) for k in expected)
         fresh = parallel.shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11)),
                                      dist, "float32", compile=False)
         fresh_opt = torch.optim.AdamW(fresh.parameters())
         fresh(idx, idx)[1].backward()
         fresh_opt.step()
-        sharded.load_sharded(str(tmp_path / sharded.SHARDED_NAME), fresh, fresh_opt)
+        checkpoint_sharded.load_sharded(str(tmp_path / outdir.SHARDED), fresh, fresh_opt)
         assert all(torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), e)
                    for p, e in zip(fresh.parameters(), exp_avg))
     finally:
@@ -156,8 +156,8 @@ def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_p
             train(tiny_config(data_dir, out, **{**run, "max_iters": 8}, gradient_accumulation_steps=2,
                               init_from="resume"))
     assert "the best val loss's weights stay in ckpt_sharded_best" in capsys.readouterr().out
-    assert checkpoint_manager.find_checkpoint(str(out)).iter_num == 5
-    assert checkpoint_manager.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
+    assert checkpoints.find_checkpoint(str(out)).iter_num == 5
+    assert checkpoints.find_checkpoint(str(out), "ckpt_sharded_best").iter_num == 4
     assert max_diff(best_weights, params_of(str(out / "ckpt_sharded_best"))) == 0.0
     assert sorted(e for e in os.listdir(out) if e.startswith("ckpt")) == [
         "ckpt_sharded", "ckpt_sharded_0000004_0", "ckpt_sharded_0000005_0", "ckpt_sharded_best"]
@@ -178,7 +178,7 @@ import torch
 import torch.distributed as td
 import torch.distributed.checkpoint as dcp
 from model import GPT, GPTConfig
-from nanogpt import parallel, sharded
+from nanogpt import checkpoint_sharded, parallel
 from nanogpt.distributed import cleanup_distributed, setup_distributed
 
 out = {out!r}
@@ -202,11 +202,11 @@ else:  # rank 0 links only once rank 1 is past its shards: a rank 1 that returne
             if os.path.exists(flag):
                 break
             time.sleep(0.001)
-    sharded._fault_point = before_link
+    checkpoint_sharded._fault_point = before_link
 os.makedirs(out, exist_ok=True)
-folder = sharded.save_sharded(out, model, optimizer, {{"iter_num": 1, "model_args": {{}}, "config": {{}}}}, dist)
+folder = checkpoint_sharded.save_sharded(out, model, optimizer, {{"iter_num": 1, "model_args": {{}}, "config": {{}}}}, dist)
 if dist.rank == 1:
-    link = os.path.join(out, sharded.SHARDED_NAME)
+    link = os.path.join(out, outdir.SHARDED)
     print("linked:", os.path.islink(link) and os.readlink(link) == os.path.basename(folder), flush=True)
     open(flag, "w").close()
 cleanup_distributed(dist, barrier=True)
@@ -229,10 +229,10 @@ def test_convert_names_a_missing_folder_and_a_folder_that_is_no_sharded_checkpoi
     from nanogpt.errors import UserError
 
     with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'nowhere'} does not exist: give an FSDP run's "
-                                                  f"out_dir/{sharded.SHARDED_NAME}")):
-        sharded.convert_to_single_file(str(tmp_path / "nowhere"))
+                                                  f"out_dir/{outdir.SHARDED}")):
+        checkpoint_sharded.convert_to_single_file(str(tmp_path / "nowhere"))
     with pytest.raises(UserError, match=re.escape(f"{tmp_path} is not a sharded checkpoint folder")):
-        sharded.convert_to_single_file(str(tmp_path))
+        checkpoint_sharded.convert_to_single_file(str(tmp_path))
     assert os.listdir(tmp_path) == []  # nothing written
 
 
@@ -281,10 +281,10 @@ def test_a_damaged_sharded_folder_is_one_line_for_every_command_that_reads_it(fs
     out = tmp_path / "run"
     shutil.copytree(run, out, symlinks=True)
     damage_folder, what = DAMAGE[damage]
-    damage_folder(out / os.readlink(out / sharded.SHARDED_NAME))
+    damage_folder(out / os.readlink(out / outdir.SHARDED))
     before = folder_state(out)
     (tmp_path / "hs.jsonl").write_text('{"ctx": "The cat", "endings": ["sat.", "ran.", "hid.", "swam."], "label": 0}\n')
-    expected = (f"error: sharded checkpoint {out / sharded.SHARDED_NAME} (-> {os.readlink(out / sharded.SHARDED_NAME)}"
+    expected = (f"error: sharded checkpoint {out / outdir.SHARDED} (-> {os.readlink(out / outdir.SHARDED)}"
                 f") is damaged: {what}")
     resume = tiny_config(data, out, max_iters=6, eval_interval=2, init_from="resume")
     commands = {
@@ -293,7 +293,7 @@ def test_a_damaged_sharded_folder_is_one_line_for_every_command_that_reads_it(fs
         "sample": ["sample.py", f"--out_dir={out}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1"],
         "export": ["export.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"],
         "hellaswag": ["hellaswag.py", f"--out_dir={out}", "--device=cpu", f"--path={tmp_path / 'hs.jsonl'}"],
-        "convert": ["convert_sharded.py", str(out / sharded.SHARDED_NAME)],
+        "convert": ["convert_sharded.py", str(out / outdir.SHARDED)],
     }
     for name, args in commands.items():
         r = run_in_process(args, capsys)
@@ -321,7 +321,7 @@ def test_a_damaged_shard_stops_every_rank_of_a_torchrun_resume(data_dir, tmp_pat
                          (garbled, "a shard file does not read as DCP wrote it (UnpicklingError)")]:
         out = tmp_path / f"damaged{len(what)}"
         shutil.copytree(cfg.out_dir, out, symlinks=True)
-        damage(out / os.readlink(out / sharded.SHARDED_NAME) / "__1_0.distcp")
+        damage(out / os.readlink(out / outdir.SHARDED) / "__1_0.distcp")
         before = folder_state(out)
         resume = dataclasses.replace(cfg, out_dir=str(out), max_iters=6, init_from="resume")
         r = run_script([*torchrun, *config_args(resume)])
@@ -344,10 +344,10 @@ def test_convert_never_writes_over_another_runs_checkpoint_or_a_foreign_file(fsd
     (tmp_path / "notes.txt").write_text("mine\n")
     for target in (other / "ckpt.pt", tmp_path / "notes.txt"):
         with pytest.raises(UserError, match=re.escape(f"{target} exists and is not a checkpoint of this run (")):
-            sharded.convert_to_single_file(str(run / sharded.SHARDED_NAME), str(target))
+            checkpoint_sharded.convert_to_single_file(str(run / outdir.SHARDED), str(target))
     assert (other / "ckpt.pt").read_bytes() == before and (tmp_path / "notes.txt").read_text() == "mine\n"
     for _ in range(2):  # the second converts over the first's file: the same run's
-        sharded.convert_to_single_file(str(run / sharded.SHARDED_NAME), str(tmp_path / "converted.pt"))
+        checkpoint_sharded.convert_to_single_file(str(run / outdir.SHARDED), str(tmp_path / "converted.pt"))
 
 
 def test_a_sharded_save_whose_train_state_cannot_be_written_leaves_no_folder(data_dir, tmp_path):
@@ -355,24 +355,23 @@ def test_a_sharded_save_whose_train_state_cannot_be_written_leaves_no_folder(dat
     complete and no link names it, so it goes (it held the disk's space); the run stops on the save before."""
     import errno
 
-    from nanogpt import outdir
     from nanogpt.errors import UserError
 
-    real, calls = sharded.save_checkpoint, []
+    real, calls = checkpoint_sharded.save_checkpoint, []
 
     def full_at_the_second(path, state):
         calls.append(path)
         if len(calls) >= 2:
-            raise outdir.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+            raise files.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         return real(path, state)
 
     out = tmp_path / "out"
-    sharded.save_checkpoint = full_at_the_second
+    checkpoint_sharded.save_checkpoint = full_at_the_second
     try:
         with pytest.raises(UserError) as e:
             train(tiny_config(data_dir, out, max_iters=4, eval_interval=2, parallelism="fsdp"))
     finally:
-        sharded.save_checkpoint = real
+        checkpoint_sharded.save_checkpoint = real
     assert e.value.exit_code == 1 and "ckpt_sharded at iter 2 is intact" in str(e.value), str(e.value)
     assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_sharded")) == ["ckpt_sharded",
                                                                                  "ckpt_sharded_0000002_0"]

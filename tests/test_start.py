@@ -162,7 +162,7 @@ def test_a_setting_of_the_run_this_machine_cannot_run_is_named_as_the_runs():
 def test_init_from_a_folder_without_weights_says_what_it_lacks(finished_run, tmp_path):
     """Bug: a folder holding only ckpt_best.pt (or nothing) as init_from said its weights 'were trained with another
     tokenizer (gpt2, 50257 tokens)'. Now the line says what the folder lacks, and names a checkpoint file it holds."""
-    from nanogpt import checkpoint_manager
+    from nanogpt import checkpoints
 
     data_dir, out = finished_run
     (tmp_path / "best").mkdir()
@@ -170,10 +170,10 @@ def test_init_from_a_folder_without_weights_says_what_it_lacks(finished_run, tmp
     with pytest.raises(UserError, match=r"is a folder without a run's checkpoint \(ckpt.pt, ckpt_sharded\) or a HF "
                                         rf"GPT-2 model \(config.json\): give one of its checkpoint files, e\.g\. "
                                         rf"--init_from={re.escape(str(tmp_path / 'best' / 'ckpt_best.pt'))}$"):
-        checkpoint_manager.weights_tokenizer(str(tmp_path / "best"))
+        checkpoints.weights_tokenizer(str(tmp_path / "best"))
     with pytest.raises(UserError, match=r"a HF GPT-2 model \(config.json\)$"):
-        checkpoint_manager.weights_tokenizer(str(tmp_path))  # nothing of a checkpoint in it at all
-    vocab, meta = checkpoint_manager.weights_tokenizer(str(tmp_path / "best" / "ckpt_best.pt"))  # the file: read
+        checkpoints.weights_tokenizer(str(tmp_path))  # nothing of a checkpoint in it at all
+    vocab, meta = checkpoints.weights_tokenizer(str(tmp_path / "best" / "ckpt_best.pt"))  # the file: read
     assert meta is not None and vocab == meta["vocab_size"]
 
 

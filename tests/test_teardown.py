@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from nanogpt import sharded
+from nanogpt import checkpoint_sharded
 from helpers import HANG_S, ROOT, config_args, make_char_dataset, run_script, tiny_config
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc (Linux)")
@@ -92,4 +92,4 @@ def test_every_end_of_a_2_rank_run_frees_the_process_group_and_exits_cleanly(bus
     r = run_to_the_end(probe, tiny_config(data, out, **{**run, "max_iters": 50}), "--sigterm_at_step=3")
     assert r.returncode == 1 and "stopped by SIGTERM after iter 3; checkpoint saved" in r.stderr, r.stderr[-3000:]
     assert re.search(r"exitcode\s*:\s*143", r.stderr), r.stderr[-3000:]
-    assert sharded.read_train_state(str(out / ckpt))["iter_num"] == 3
+    assert checkpoint_sharded.read_train_state(str(out / ckpt))["iter_num"] == 3

@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from nanogpt import dataio
+from nanogpt import dataio, tokenizers
 from nanogpt.device import set_deterministic
-from nanogpt.checkpoint import load_checkpoint, model_from_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint, model_from_checkpoint
 from helpers import (HANG_S, config_args, hide_module, make_char_dataset, run_in_process, run_script,
                      tiny_config)
 from model import GPT, GPTConfig
@@ -51,7 +51,7 @@ def test_tiny_run_learns_and_writes_checkpoint_and_metrics(data_dir, tmp_path):
     assert ckpt["iter_num"] == 60 and ckpt["best_val_loss"] == pytest.approx(result["best_val_loss"])
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     model = model_from_checkpoint(ckpt)
-    tok = dataio.get_tokenizer(meta)
+    tok = tokenizers.get_tokenizer(meta)
     start = torch.tensor([tok.encode("The ")])
     out = model.generate(start, 40, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(0))
     text = tok.decode(out[0].tolist())

@@ -22,8 +22,8 @@ import pytest
 
 from faulty_disk import FaultyDisk, small_file_system
 from helpers import ROOT, config_args, folder_state, tiny_config
-from nanogpt.checkpoint import load_checkpoint
-from nanogpt.checkpoint_manager import find_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
+from nanogpt.checkpoints import find_checkpoint
 from nanogpt.errors import UserError
 from train import train
 
@@ -203,12 +203,12 @@ def test_a_link_or_folder_put_in_a_files_place_mid_run_stops_it_saving_what_it_c
                                                                                    capsys, name, kind):
     """The file replaced by a link or a folder while the run goes on (after the start's checks): the next write there
     refuses it, the run stops with one line and exit status 1, and the link's target is untouched."""
-    from nanogpt import outdir
+    from nanogpt import files
 
     out = tmp_path / "out"
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
-    check_target, seen = outdir.check_target, []
+    check_target, seen = files.check_target, []
 
     def planted(path):
         if os.path.basename(path) == name and os.path.exists(path) and not seen:
@@ -217,7 +217,7 @@ def test_a_link_or_folder_put_in_a_files_place_mid_run_stops_it_saving_what_it_c
             os.symlink(notes, path) if kind == "link" else os.mkdir(path)
         check_target(path)
 
-    monkeypatch.setattr(outdir, "check_target", planted)
+    monkeypatch.setattr(files, "check_target", planted)
     with pytest.raises(UserError) as e:
         with contextlib.redirect_stdout(io.StringIO()):
             train(tiny_config(data_dir, out, **NEW_RUN))
@@ -233,8 +233,8 @@ SMALL_DISK = """
 echo "exit $?" >> {log}
 {python} -c "
 import sys; sys.path.insert(0, '{root}')
-from nanogpt.checkpoint import load_checkpoint
-from nanogpt.checkpoint_manager import find_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
+from nanogpt.checkpoints import find_checkpoint
 try:
     print('checkpoint', load_checkpoint('{mnt}/out/ckpt.pt')['iter_num'])
 except Exception as e:
@@ -270,16 +270,16 @@ def test_a_first_run_that_can_save_no_checkpoint_does_not_say_to_resume(data_dir
     """Bug: a new run whose every checkpoint write failed (a disk full from its first save) ended with "no checkpoint
     was saved (resume with --init_from=resume)", and that resume then found no checkpoint. The line says there is
     nothing to resume."""
-    from nanogpt import checkpoint, outdir
+    from nanogpt import checkpoint_file, files
 
-    write = outdir.atomic_write
+    write = files.atomic_write
 
     def full_for_checkpoints(path, *args, **kwargs):
         if os.path.basename(path).startswith("ckpt"):
-            raise outdir.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+            raise files.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         return write(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.outdir, "atomic_write", full_for_checkpoints)
+    monkeypatch.setattr(checkpoint_file.files, "atomic_write", full_for_checkpoints)
     out = tmp_path / "out"
     with pytest.raises(UserError) as e:
         train(tiny_config(data_dir, out, max_iters=4, eval_interval=2))
@@ -295,7 +295,7 @@ echo "exit $?" >> {log}
 ls {mnt}/out >> {log}
 {python} -c "
 import sys; sys.path.insert(0, '{root}')
-from nanogpt.checkpoint_manager import find_checkpoint
+from nanogpt.checkpoints import find_checkpoint
 found = find_checkpoint('{mnt}/out')
 print('checkpoint', found.name, found.iter_num)
 " >> {log} 2>&1
@@ -328,11 +328,11 @@ def test_torchs_writer_finding_its_file_short_is_a_failed_write():
     """DCP's writer on a full tmpfs: torch's zip writer raises RuntimeError('[enforce fail at inline_container.cc:672]
     . unexpected pos 704 vs 598') with no OSError behind it (seen on a 800 KB tmpfs, FSDP, the second save): a
     failed write, one line, not a traceback. Any other RuntimeError stays a bug's."""
-    from nanogpt import outdir
+    from nanogpt import files
 
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    assert outdir.caused_by_os_error(short) and outdir.cause(short) == "a write was cut short (a full disk?)"
-    assert not outdir.caused_by_os_error(RuntimeError("shape mismatch: unexpected pos"))
+    assert files.caused_by_os_error(short) and files.cause(short) == "a write was cut short (a full disk?)"
+    assert not files.caused_by_os_error(RuntimeError("shape mismatch: unexpected pos"))
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS], ids=["ENOSPC", "EROFS"])

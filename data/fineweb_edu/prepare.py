@@ -30,9 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for nanogpt/ and data/
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from data.corpus import corpus_parser, eot_then_tokens, local_data_files, no_bars_in_logs, progress  # noqa: E402
-from nanogpt.dataio import (  # noqa: E402
-    GPT2_EOT, MAX_TOKEN_ID, gpt2_tokenizer, load_meta, shard_info, sidecar_path, write_meta, write_shard,
-)
+from nanogpt.dataio import GPT2_EOT, MAX_TOKEN_ID, load_meta, shard_info, sidecar_path, write_meta, write_shard  # noqa: E402
+from nanogpt.tokenizers import gpt2_tokenizer  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_SOURCE, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"

@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for nanogpt/ and data/
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from data.corpus import corpus_parser, local_data_files, no_bars_in_logs, progress  # noqa: E402
-from nanogpt.dataio import GPT2_EOT, TokenWriter, gpt2_tokenizer, write_meta  # noqa: E402
+from nanogpt.dataio import GPT2_EOT, TokenWriter, write_meta
+from nanogpt.tokenizers import gpt2_tokenizer  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_SOURCE = "Skylion007/openwebtext"

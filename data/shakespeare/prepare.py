@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for nanogpt/ and data/
 from nanogpt.errors import exit_on_user_error  # noqa: E402
 from data.shakespeare_text import prepare_main, write_split  # noqa: E402
-from nanogpt.dataio import gpt2_tokenizer  # noqa: E402
+from nanogpt.tokenizers import gpt2_tokenizer  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 

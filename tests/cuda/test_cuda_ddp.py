@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from cuda_helpers import requires_cuda, requires_gpus, torchrun
 from helpers import config_args, tiny_config, wait_for_iter
 from model import GPT, GPTConfig

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nanogpt import parallel
-from nanogpt import sharded
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt import checkpoint_sharded, outdir
+from nanogpt.checkpoint_file import load_checkpoint
 from cuda_helpers import MODEL_TOL, requires_cuda, requires_gpus, torchrun
 from helpers import config_args, tiny_config
 from train import train
@@ -20,7 +20,7 @@ RUN = dict(device="cuda", dtype="float32", tf32=False, max_iters=6, lr_decay_ite
 
 
 def fsdp_params(out_dir) -> dict[str, torch.Tensor]:
-    model, _ = sharded.load_sharded_as_full(str(out_dir / sharded.SHARDED_NAME))
+    model, _ = checkpoint_sharded.load_sharded_as_full(str(out_dir / outdir.SHARDED))
     return model.state_dict()
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from cuda_helpers import has_bf16, requires_cuda
 from helpers import run_script, tiny_config
 from nanogpt import engine

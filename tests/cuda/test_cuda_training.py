@@ -14,7 +14,7 @@ import torch
 
 from nanogpt.device import autocast_context
 from nanogpt.distributed import Dist
-from nanogpt.checkpoint import load_checkpoint
+from nanogpt.checkpoint_file import load_checkpoint
 from cuda_helpers import MODEL_TOL, relative_error, requires_cuda
 from helpers import tiny_config
 from model import GPT, GPTConfig

@@ -8,16 +8,12 @@ Its functions:
   write        save_sharded, start_sharded_save (-> ShardedSave: written in the background, linked by finish())
   read         is_sharded, read_train_state, check_sharded, load_sharded, load_sharded_as_full
   convert      convert_to_single_file
-
-Imports checkpoint.py (the train state is written as a checkpoint file), distributed.py, errors.py, outdir.py and the
-model.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import pickle
-import re
 import shutil
 import time
 import warnings
@@ -26,17 +22,16 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from nanogpt.checkpoint import CKPT_NAME, checkpoint_model_config, load_checkpoint, save_checkpoint
-from nanogpt import outdir
-from nanogpt.outdir import fsync_folder
+from nanogpt.checkpoint_file import checkpoint_model_config, load_checkpoint, save_checkpoint
+from nanogpt import files, outdir
+from nanogpt.files import fsync_folder
 from nanogpt.errors import UserError, WriteError
 from nanogpt.distributed import Dist
+from nanogpt.outdir import CKPT, SHARDED, SHARDED_BEST, SHARDED_FOLDER, sharded_folder
 from model import GPT
 
-SHARDED_NAME, SHARDED_BEST_NAME = "ckpt_sharded", "ckpt_sharded_best"
 STATE_FILE = "train_state.pt"  # in a sharded folder: everything but the tensors (iteration, config, RNG), written last
 METADATA_FILE = ".metadata"  # DCP's index of the tensors: which shard file holds each one's bytes, and where
-_SHARDED_FOLDER = re.compile(rf"{SHARDED_NAME}_\d{{7,}}_\d+")  # the folders save_sharded writes, and removes
 # torch.distributed.checkpoint is imported where it is used: its import is slow, and runs without sharded
 # checkpoints (and sample.py on a ckpt.pt) need not pay for it.
 
@@ -157,12 +152,12 @@ def _write_errors(path: str):
         # DCP gathers each rank's error into a CheckpointException (torch's writer on a full disk: RuntimeError('unexpected
         # pos ...') raised over the OSError)
         errors = _errors_of(e)
-        failed = next((exc for exc in errors if outdir.caused_by_os_error(exc)), None)
+        failed = next((exc for exc in errors if files.caused_by_os_error(exc)), None)
         if failed is None:
             raise
         shutil.rmtree(path, ignore_errors=True)  # this save's part-written folder: no link names it, and it holds space
-        earlier = os.path.islink(os.path.join(os.path.dirname(path), SHARDED_NAME))
-        raise outdir.write_failed(path, failed, "the previous sharded checkpoint is intact" if earlier else
+        earlier = os.path.islink(os.path.join(os.path.dirname(path), SHARDED))
+        raise files.write_failed(path, failed, "the previous sharded checkpoint is intact" if earlier else
                                   "its part-written folder removed", "sharded checkpoint") from None
 
 
@@ -239,9 +234,9 @@ def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimi
     name = [None]
     if dist.master:
         n = 0
-        while os.path.exists(os.path.join(out_dir, f"{SHARDED_NAME}_{state['iter_num']:07d}_{n}")):
+        while os.path.exists(os.path.join(out_dir, sharded_folder(state['iter_num'], n))):
             n += 1
-        name = [f"{SHARDED_NAME}_{state['iter_num']:07d}_{n}"]
+        name = [sharded_folder(state['iter_num'], n)]
     if dist.enabled:
         torch_dist.broadcast_object_list(name, src=0)
     stepped = bool(optimizer.state)
@@ -255,10 +250,10 @@ def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimi
 def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep_best: bool) -> None:
     """Rank 0, every shard written: train_state.pt marks the folder complete, the links move, older folders go."""
     folder = os.path.join(out_dir, name)
-    best = _target(out_dir, SHARDED_BEST_NAME) if keep_best else None
-    if keep_best and (improved or best is None and state.get("best_file") == SHARDED_NAME):
+    best = _target(out_dir, SHARDED_BEST) if keep_best else None
+    if keep_best and (improved or best is None and state.get("best_file") == SHARDED):
         best = name
-    best_file = SHARDED_NAME if best == name else SHARDED_BEST_NAME if best else None
+    best_file = SHARDED if best == name else SHARDED_BEST if best else None
     try:
         save_checkpoint(os.path.join(folder, STATE_FILE), {**state, "best_file": best_file})
         fsync_folder(folder)
@@ -266,21 +261,21 @@ def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep
         shutil.rmtree(folder, ignore_errors=True)  # never complete: no link names it, and it holds the disk's space
         raise
     _fault_point("before_link")
-    if best is not None and best != _target(out_dir, SHARDED_BEST_NAME):
-        outdir.replace_link(os.path.join(out_dir, SHARDED_BEST_NAME), best)
-    outdir.replace_link(os.path.join(out_dir, SHARDED_NAME), name)
+    if best is not None and best != _target(out_dir, SHARDED_BEST):
+        files.replace_link(os.path.join(out_dir, SHARDED_BEST), best)
+    files.replace_link(os.path.join(out_dir, SHARDED), name)
     fsync_folder(out_dir)
     _fault_point("after_link")
     if not keep_best:
-        outdir.remove_file(os.path.join(out_dir, SHARDED_BEST_NAME), "the best save's link")
+        files.remove_file(os.path.join(out_dir, SHARDED_BEST), "the best save's link")
     kept = {name, best}  # the previous save, and folders of killed saves, go: never a user's file
-    outdir.remove_saves(out_dir, [e for e in os.listdir(out_dir) if _SHARDED_FOLDER.fullmatch(e) and e not in kept])
+    outdir.remove_saves(out_dir, [e for e in os.listdir(out_dir) if SHARDED_FOLDER.fullmatch(e) and e not in kept])
 
 
 def _check_convert_target(path: str, run_id: str | None) -> None:
     """The file a conversion writes: new, or a checkpoint of the same run (a conversion again); never another run's
     checkpoint or a file of another kind, which it would replace."""
-    if (why := outdir.target_problem(path)) is not None:
+    if (why := files.target_problem(path)) is not None:
         raise UserError(f"cannot write {path}: {why}")
     if not os.path.isfile(path):
         return
@@ -306,10 +301,10 @@ def convert_to_single_file(folder: str, path: str | None = None) -> str:
     """Write a sharded checkpoint as one ckpt.pt (default: beside the folder) in the format train.py writes
     without FSDP: the model, the optimizer state (torch's format), and the train state. Returns the file."""
     if not os.path.exists(folder):
-        raise UserError(f"{folder} does not exist: give an FSDP run's out_dir/{SHARDED_NAME}")
+        raise UserError(f"{folder} does not exist: give an FSDP run's out_dir/{SHARDED}")
     if not is_sharded(folder):
-        raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED_NAME}")
-    path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT_NAME)
+        raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED}")
+    path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT)
     _check_convert_target(path, read_train_state(folder).get("run_id"))
     model, state = load_sharded_as_full(folder)
     cfg = state["config"]
@@ -318,9 +313,9 @@ def convert_to_single_file(folder: str, path: str | None = None) -> str:
     if state.get("optimizer_saved", True):  # else: saved before the first step, an empty state as torch saves it
         load_sharded(folder, model, optimizer)
     state = {k: v for k, v in state.items() if k not in ("sharded", "optimizer_saved")}
-    if state.get("best_file") == SHARDED_NAME:  # the folder held the best weights: now this file does
+    if state.get("best_file") == SHARDED:  # the folder held the best weights: now this file does
         state["best_file"] = os.path.basename(path)
-    elif state.get("best_file") == SHARDED_BEST_NAME:  # kept in the other folder, which this file does not copy
+    elif state.get("best_file") == SHARDED_BEST:  # kept in the other folder, which this file does not copy
         state["best_file"] = None
     save_checkpoint(path, {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
     return path

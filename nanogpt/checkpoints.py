@@ -4,10 +4,10 @@ background too), finding the newest of a run folder, and reading one to resume o
 sample.py, export.py and hellaswag.py find and read checkpoints through this module.
 
 A run's folder (out_dir) holds:
-  ckpt.pt              the latest save of a one-process or DDP run: model, optimizer and train state (checkpoint.py)
+  ckpt.pt              the latest save of a one-process or DDP run: model, optimizer and train state (checkpoint_file.py)
   ckpt_best.pt         always_save_checkpoint=False: the best val loss's weights, once a stop saved later ones
   ckpt_<iter>.pt       keep_last=K: the last K saves (hard links to ckpt.pt as it was)
-  ckpt_sharded         an FSDP run's latest save: a link to a folder ckpt_sharded_<iter>_<n> (sharded.py)
+  ckpt_sharded         an FSDP run's latest save: a link to a folder ckpt_sharded_<iter>_<n> (checkpoint_sharded.py)
   ckpt_sharded_best    always_save_checkpoint=False under FSDP: a link to the best val loss's folder
 A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records (not by its format): any run
 resumes from either, with any number of ranks. Everything that reads weights (sample.py, export.py, hellaswag.py,
@@ -20,9 +20,6 @@ Its functions:
   resume       load_training_state (model, optimizer)
   weights      load_for_inference (sample.py, hellaswag.py), read_weights, weights_tokenizer
 What a resume takes of the run's settings is start.py's; a checkpoint's tokenizer is dataio.py's.
-
-Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), outdir.py (the run's
-id), hf_gpt2.py, the model, dataio.py, device.py, distributed.py, errors.py and hardware.py.
 """
 from __future__ import annotations
 
@@ -35,25 +32,16 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from nanogpt import checkpoint
-from nanogpt import dataio
-from nanogpt.hf_gpt2 import pretrained_gpt2
-from nanogpt import outdir
-from nanogpt import sharded
-from nanogpt.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint, model_from_checkpoint
+from model import GPT, GPTConfig
+from nanogpt import checkpoint_file, checkpoint_sharded, outdir, tokenizers
+from nanogpt.checkpoint_file import load_checkpoint, model_from_checkpoint
+from nanogpt.checkpoint_sharded import is_sharded, load_sharded, load_sharded_as_full, read_train_state
 from nanogpt.device import autocast_context, resolve_dtype
+from nanogpt.distributed import Dist, is_dtensor
 from nanogpt.errors import UserError
 from nanogpt.hardware import check_attention_kernel
-from nanogpt.distributed import Dist, is_dtensor
-from model import GPT, GPTConfig
-from nanogpt.sharded import (
-    SHARDED_BEST_NAME,
-    SHARDED_NAME,
-    is_sharded,
-    load_sharded,
-    load_sharded_as_full,
-    read_train_state,
-)
+from nanogpt.hf_gpt2 import pretrained_gpt2
+from nanogpt.outdir import BEST, CKPT, SHARDED, SHARDED_BEST
 
 
 # ----------------------------------------------------------------------------------------------- saving
@@ -72,7 +60,7 @@ class CheckpointWriter:
         self.out_dir, self.dist, self.sharded = out_dir, dist, fsdp
         self.always_save, self.keep_last, self.best_file = always_save_checkpoint, keep_last, best_file
         self.group = background_group  # distributed.checkpoint_group(): background saves only
-        self.in_flight: tuple[sharded.ShardedSave, str] | None = None
+        self.in_flight: tuple[checkpoint_sharded.ShardedSave, str] | None = None
 
     def save(self, model: nn.Module, optimizer, state: dict, improved: bool, background: bool = False) -> list[str]:
         """Save the model, the optimizer (optim.Optimizers) and the train state `state`, once a save still written
@@ -80,25 +68,25 @@ class CheckpointWriter:
         lines = [line] if (line := self.finish()) is not None else []
         t0 = time.time()
         best_note = "" if improved or self.always_save else (
-            f" (the best val loss's weights stay in {SHARDED_BEST_NAME if self.sharded else BEST_NAME})")
+            f" (the best val loss's weights stay in {SHARDED_BEST if self.sharded else BEST})")
         if self.sharded and background and self.group is not None:
-            pending = sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist, self.group,
+            pending = checkpoint_sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist, self.group,
                                          improved, keep_best=not self.always_save)
-            self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME}{best_note}"
+            self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED}{best_note}"
             return lines + [f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in "
                             f"{time.time() - t0:.1f} s)"]
         if self.sharded:
-            sharded.save_sharded(self.out_dir, model, optimizer.as_torch(), state, self.dist, improved,
+            checkpoint_sharded.save_sharded(self.out_dir, model, optimizer.as_torch(), state, self.dist, improved,
                          keep_best=not self.always_save)
-            return lines + [f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED_NAME} "
+            return lines + [f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED} "
                             f"in {time.time() - t0:.1f} s{best_note}"]
         if not self.dist.master:
             return lines
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}
-        self.best_file = checkpoint.save_run_checkpoint(state, self.out_dir, improved, self.best_file, self.always_save,
+        self.best_file = checkpoint_file.save_run_checkpoint(state, self.out_dir, improved, self.best_file, self.always_save,
                                              self.keep_last)
         return lines + [f"saved checkpoint at iter {state['iter_num']} to {self.out_dir} in {time.time() - t0:.1f} s"
-                        + (best_note if self.best_file == BEST_NAME else "")]
+                        + (best_note if self.best_file == BEST else "")]
 
     def finish(self, if_done: bool = False) -> str | None:
         """Link the save written in the background once its shards are on disk (if_done: only if they already
@@ -160,9 +148,9 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
     if name is not None:
         path = os.path.join(out_dir, name)
         if not os.path.exists(path):
-            hint = {BEST_NAME: f"{BEST_NAME} exists only after a run with always_save_checkpoint=False was stopped "
-                               f"between evals; otherwise {CKPT_NAME} holds the best weights",
-                    SHARDED_BEST_NAME: f"{SHARDED_BEST_NAME} exists only after an FSDP run with "
+            hint = {BEST: f"{BEST} exists only after a run with always_save_checkpoint=False was stopped "
+                               f"between evals; otherwise {CKPT} holds the best weights",
+                    SHARDED_BEST: f"{SHARDED_BEST} exists only after an FSDP run with "
                                        f"always_save_checkpoint=False saved weights later than its best"}.get(name)
             raise UserError(f"no checkpoint {path} ({_listing(out_dir)}): "
                             + (hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder "
@@ -170,7 +158,7 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
         return _found(path)
     found, foreign = [], []
     run_id = outdir.run_id_of(out_dir)
-    for candidate in (SHARDED_NAME, CKPT_NAME) if prefer_sharded else (CKPT_NAME, SHARDED_NAME):
+    for candidate in (SHARDED, CKPT) if prefer_sharded else (CKPT, SHARDED):
         path = os.path.join(out_dir, candidate)
         if os.path.exists(path):
             f = _found(path)
@@ -183,7 +171,7 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
             f"names ({run_id}), and a resume continues only its own run: move it out of {out_dir} (to resume it, into "
             f"a folder of its own), or start a new run from its weights with --init_from=PATH")
     if not found:
-        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT_NAME} nor {SHARDED_NAME}; {_listing(out_dir)}): "
+        raise UserError(f"no checkpoint in {out_dir} (neither {CKPT} nor {SHARDED}; {_listing(out_dir)}): "
                         f"train first, or set --out_dir to the run's folder")
     for f in found:
         if foreign:
@@ -231,7 +219,7 @@ def checkpoint_path(path: str) -> str | None:
     if os.path.isfile(path) or is_sharded(path):
         return path
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")) and any(
-            os.path.exists(os.path.join(path, name)) for name in (CKPT_NAME, SHARDED_NAME)):
+            os.path.exists(os.path.join(path, name)) for name in (CKPT, SHARDED)):
         return find_checkpoint(path).path
     return None
 
@@ -245,7 +233,7 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
     if ckpt is None and (path := checkpoint_path(init_from)) is not None:
         ckpt = _read_state(path)
     if ckpt is not None:
-        return int(ckpt["model_args"]["vocab_size"]), dataio.recorded_meta(ckpt)[0]
+        return int(ckpt["model_args"]["vocab_size"]), tokenizers.recorded_meta(ckpt)[0]
     config = os.path.join(init_from, "config.json")
     if os.path.isfile(config):  # a HF folder
         with open(config) as f:
@@ -262,7 +250,7 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
 def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,
                        overrides: dict[str, Any], compile: bool = False,
                        log: Callable[[str], None] = print,
-                       attention_for: Callable[[GPTConfig], str] | None = None) -> tuple[GPT, dataio.Tokenizer]:
+                       attention_for: Callable[[GPTConfig], str] | None = None) -> tuple[GPT, tokenizers.Tokenizer]:
     """
     The model to sample or score with (sample.py, hellaswag.py), in eval mode on `device`, and the tokenizer it was
     trained with. init_from: "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded
@@ -276,16 +264,16 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
         weights = read_weights(path, found.state if found is not None else None)
         log(f"checkpoint: {path} at iter {weights['iter_num']}")
         model = model_from_checkpoint(weights, **overrides)
-        tokenizer = dataio.checkpoint_tokenizer(weights, log)
+        tokenizer = tokenizers.checkpoint_tokenizer(weights, log)
         source = f"the tokenizer of {path}"
         del weights
     else:
         model = pretrained_gpt2(init_from, overrides)
         log(f"tokenizer: GPT-2 BPE (init_from={init_from})")
-        tokenizer, source = dataio.gpt2_tokenizer(), "GPT-2 BPE"
+        tokenizer, source = tokenizers.gpt2_tokenizer(), "GPT-2 BPE"
     # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there,
     # sampling never draws the ids past the tokenizer's
-    padded_bpe = isinstance(tokenizer, dataio.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
+    padded_bpe = isinstance(tokenizer, tokenizers.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
     if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
         raise UserError(
             f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "

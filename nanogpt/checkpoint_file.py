@@ -7,15 +7,13 @@ model_args, the run's config and id, the dataset's tokenizer, the RNG). nanoGPT'
 (model_args, model, optimizer, iter_num, best_val_loss; their compiled and DDP prefixes and pre-2.0 masks dropped).
 
 Its functions:
-  write        save_checkpoint (atomic: outdir.atomic_write), save_run_checkpoint (a run's ckpt.pt, its best and its
+  write        save_checkpoint (atomic: files.atomic_write), save_run_checkpoint (a run's ckpt.pt, its best and its
                last K), keep_as,
                train_state
   read         load_checkpoint, checkpoint_model_config, model_from_checkpoint, load_model_state, clean_state_dict,
                restore_rng
-The sharded format (FSDP's folders) is sharded.py's; a run's checkpoints in either format (saving in the run's,
-finding the newest, reading to resume or for inference) are checkpoint_manager.py's.
-
-Imports the model, dataio.py, distributed.py, errors.py, outdir.py (every write) and text.py.
+The sharded format (FSDP's folders) is checkpoint_sharded.py's; a run's checkpoints in either format (saving in the run's,
+finding the newest, reading to resume or for inference) are checkpoints.py's.
 """
 from __future__ import annotations
 
@@ -32,14 +30,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanogpt import dataio, outdir
+from nanogpt import dataio, files
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
 from nanogpt.text import shown
+from nanogpt.outdir import BEST, CKPT, KEPT, SHARDED, SHARDED_BEST, kept_name
 from model import GPT, GPTConfig
 
-CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
-_KEEP_LAST = re.compile(r"ckpt_(\d{7,})\.pt")  # the names keep_last writes, and the only ones it removes
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -47,7 +44,7 @@ _KEEP_LAST = re.compile(r"ckpt_(\d{7,})\.pt")  # the names keep_last writes, and
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """
-    Write atomically (outdir.atomic_write: a temporary file in the same folder, flushed and fsynced, then renamed over
+    Write atomically (files.atomic_write: a temporary file in the same folder, flushed and fsynced, then renamed over
     `path`): a crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
     (a full disk, no permission, a link in its place) is a WriteError, and the old checkpoint stays as it was.
     """
@@ -64,7 +61,7 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    outdir.atomic_write(path, write, "checkpoint")
+    files.atomic_write(path, write, "checkpoint")
 
 
 def keep_as(path: str, other: str) -> None:
@@ -79,7 +76,7 @@ def keep_as(path: str, other: str) -> None:
                 raise
             shutil.copyfile(path, tmp)
 
-    outdir.atomic_write(other, link, "checkpoint")
+    files.atomic_write(other, link, "checkpoint")
 
 
 def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: str | None,
@@ -94,26 +91,26 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
     ckpt.pt to it and removes ckpt_best.pt, so at every moment of a crash the best weights have a name.
     keep_last > 0 also keeps the newest checkpoints as ckpt_<iter>.pt.
     """
-    path, best_path = os.path.join(out_dir, CKPT_NAME), os.path.join(out_dir, BEST_NAME)
+    path, best_path = os.path.join(out_dir, CKPT), os.path.join(out_dir, BEST)
     if improved:
-        best_file = CKPT_NAME
-    elif best_file == CKPT_NAME:  # ckpt.pt holds the best, and this save overwrites it
+        best_file = CKPT
+    elif best_file == CKPT:  # ckpt.pt holds the best, and this save overwrites it
         keep = not always_save_checkpoint and os.path.exists(path)
         if keep:
             keep_as(path, best_path)
-        best_file = BEST_NAME if keep else None
+        best_file = BEST if keep else None
     state = {**state, "best_file": best_file}
     if improved and os.path.exists(best_path):
         save_checkpoint(best_path, state)
         keep_as(best_path, path)
-        outdir.remove_file(best_path, "checkpoint")
+        files.remove_file(best_path, "checkpoint")
     else:
         save_checkpoint(path, state)
     if keep_last > 0:
-        keep_as(path, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}.pt"))
-        kept = sorted((int(m.group(1)), f) for f in os.listdir(out_dir) if (m := _KEEP_LAST.fullmatch(f)))
+        keep_as(path, os.path.join(out_dir, kept_name(state["iter_num"])))
+        kept = sorted((int(m.group(1)), f) for f in os.listdir(out_dir) if (m := KEPT.fullmatch(f)))
         for _, f in kept[:-keep_last]:
-            outdir.remove_file(os.path.join(out_dir, f), "checkpoint")
+            files.remove_file(os.path.join(out_dir, f), "checkpoint")
     return best_file
 
 
@@ -210,7 +207,7 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: b
     return ckpt
 
 
-BEST_FILES = (None, CKPT_NAME, BEST_NAME, "ckpt_sharded", "ckpt_sharded_best")
+BEST_FILES = (None, CKPT, BEST, SHARDED, SHARDED_BEST)
 
 
 def check_train_state(ckpt: dict[str, Any], path: str) -> None:

@@ -1,0 +1,320 @@
+"""
+Writes that are whole or not at all, and a failed write as one line. Every file the project writes goes through here:
+a file is written to a temporary name beside it, flushed, fsynced and renamed over its place (atomic_write,
+write_files for a set), a line is appended whole (append_line), a link is replaced in one rename. A symbolic link or
+anything but a regular file where a file goes is refused, and an OSError (or a library's error caused by one: torch's
+writer on a full disk, safetensors' Rust error) becomes a WriteError naming the path, the cause and what was kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import stat
+import sys
+import tempfile
+from typing import Callable
+
+from nanogpt.errors import WriteError
+
+
+def kind_of(path: str) -> str:
+    """What is at `path`, in words: 'a symbolic link to X', 'a folder', 'a file', 'a FIFO', ..."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return "missing"
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link (to {os.readlink(path)})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    if stat.S_ISREG(st.st_mode):
+        return "a file"
+    return "a special file (a FIFO, socket or device)"
+
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError that raised `e` or that `e` was raised from; for an error of a library written in Rust
+    (safetensors' SafetensorError on a full disk: '... No space left on device (os error 28)'), the OSError its text
+    names, which Python never saw."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        if code := _RUST_OS_ERROR.search(str(e)):
+            return OSError(int(code[1]), os.strerror(int(code[1])))
+        if isinstance(e, RuntimeError) and _SHORT_WRITE.search(str(e)) and e.__cause__ is e.__context__ is None:
+            # torch's zip writer found its file shorter than what it wrote, the OSError not kept (DCP's writer)
+            return OSError(errno.EIO, "a write was cut short (a full disk?)")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends its text
+
+
+
+_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos \d+ vs \d+")  # torch's writer's own check
+
+
+
+def cause(e: BaseException) -> str:
+    """An OSError's cause in words ("No space left on device"), or a library's error caused by one (torch's writer
+    raises RuntimeError('unexpected pos ...') from the OSError of a full disk; safetensors names it in its text)."""
+    first, e = e, _os_error(e)
+    if e is None:  # a library's error that names its cause only in its text (DCP's CheckpointException)
+        return (str(first).strip().splitlines() or [type(first).__name__])[0][:200]
+    if isinstance(e, FileExistsError) and e.filename:  # os.makedirs where a file stands
+        return f"{e.filename} is a file, not a folder"
+    return e.strerror or str(e) or type(e).__name__
+
+
+
+def caused_by_os_error(e: BaseException) -> bool:
+    """Whether an OSError is what raised `e`, or what it was raised from (torch's writer, matplotlib's savefig), or
+    what a Rust library's error names (safetensors')."""
+    return _os_error(e) is not None
+
+
+
+OUT_DIR_FIX = "free disk space, make the folder writable, or choose another out_dir"
+
+
+
+def write_failed(path: str, e: BaseException, kept: str = "", what: str = "", fix: str = OUT_DIR_FIX) -> WriteError:
+    """The one line of a failed write: what and where, the cause, what was kept, and what to do."""
+    kept = f"; {kept}" if kept else ""
+    what = f"{what} " if what else ""
+    return WriteError(f"could not write {what}{path} ({cause(e)}){kept}: {fix}")
+
+
+
+def check_target(path: str) -> None:
+    """A file is written at `path` (replaced whole, or appended to): refused where a symbolic link or anything but a
+    regular file stands there, since writing would go through the link into a file the run did not make, or
+    replace what is not the run's."""
+    if os.path.lexists(path) and (os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode)):
+        raise WriteError(f"could not write {path}: it is {kind_of(path)}, not a file of the run's: move it away (a run "
+                         f"never writes through a link or over a foreign file)")
+
+
+
+def target_problem(path: str) -> str | None:
+    """Why a file cannot be written at `path`, asked before slow work (a benchmark's minutes) rather than found after
+    it: a folder or link stands there, or the nearest existing folder above it is a file or not writable."""
+    if os.path.isdir(path) or os.path.islink(path):
+        return f"{path} is {kind_of(path)}, not a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"{parent} is not writable"
+    return None
+
+
+
+def replaced_problem(path: str, is_ours: Callable[[bytes], bool], what: str) -> str | None:
+    """Why a command must not write over the file at `path`: one there that is not `what` (what the command itself
+    writes, as `is_ours` tells from its first MiB), e.g. a run's checkpoint given as a picture's name. None where
+    nothing stands there, or a file of its own kind (a rerun's)."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None  # nothing there; a link or folder: target_problem's
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError:
+        return None  # the write then says why
+    if is_ours(head):
+        return None
+    return f"{path} exists and is not {what}: it is not written over; give another file name, or move it away first"
+
+
+
+def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
+    """
+    Write `path` whole or not at all: `write(tmp)` makes a temporary file beside it (flushed and fsynced by the
+    writer), which is renamed over `path`, and the rename made durable. A crash at any moment leaves either the old
+    file or the new one, never a torn one. Any failure (a full disk, no permission, a library's error raised from
+    one) is a WriteError naming `what` and `path` and saying what to do (`fix`), and the old file stays as it was.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    check_target(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        write(tmp)
+        os.replace(tmp, path)
+    except Exception as e:
+        if not caused_by_os_error(e):
+            raise
+        kept = f"the previous {what} is intact" if os.path.exists(path) else f"{what} was not written"
+        raise write_failed(path, e, kept, what, fix) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    fsync_folder(folder)
+
+
+
+def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
+    """
+    atomic_write for several files: `write(tmp)` writes them into a new temporary folder inside `folder` (made where
+    missing, so on the same file system), and only once every one is written and fsynced is each renamed over the
+    file of its name in `folder`; other files there are untouched. Any failure (a full disk, no permission, a
+    library's error raised from or naming one) is a WriteError naming `what`, `folder` and the cause, and leaves
+    `folder` as it was: the temporary folder removed, the files already renamed over put back (one that cannot be is
+    left in the temporary folder, and the error names it), a `folder` this made removed again. A kill leaves a set
+    half renamed only in the moment of the renames, and the temporary folder (its old/: the files renamed over).
+    """
+    _warn_cut_short(folder)
+    made, parent = [], os.path.abspath(folder)
+    while not os.path.lexists(parent):  # the folders makedirs makes, innermost first
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    staging, aside, placed = None, [], []  # the old files moved aside, the new ones renamed into folder
+    try:
+        os.makedirs(folder, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tmp.", dir=folder)
+        new, old = os.path.join(staging, "new"), os.path.join(staging, "old")
+        os.mkdir(new)
+        os.mkdir(old)
+        write(new)
+        names = sorted(os.listdir(new))
+        for name in names:  # a link or folder of another's where a file goes is refused before anything moves
+            check_target(os.path.join(folder, name))
+            _fsync_file(os.path.join(new, name))
+        for name in names:
+            if os.path.lexists(os.path.join(folder, name)):
+                os.replace(os.path.join(folder, name), os.path.join(old, name))
+                aside.append(name)
+            os.replace(os.path.join(new, name), os.path.join(folder, name))
+            placed.append(name)
+    except BaseException as e:
+        for name in placed:
+            if name not in aside:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
+        stranded = []  # earlier files that could not be put back: their copies in `old` are kept
+        for name in aside:
+            try:
+                os.replace(os.path.join(old, name), os.path.join(folder, name))
+            except OSError:
+                stranded.append(name)
+        if staging is not None and not stranded:
+            shutil.rmtree(staging, ignore_errors=True)
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        if not isinstance(e, Exception) or not caused_by_os_error(e):
+            raise
+        kept = ("nothing was written" if made else "the files there are as they were" if not stranded else
+                f"the earlier {', '.join(stranded)} could not be put back: kept in {old}")
+        raise write_failed(folder, e, kept, what, fix) from None
+    shutil.rmtree(staging, ignore_errors=True)  # the old files
+    fsync_folder(folder)
+
+
+
+def _warn_cut_short(folder: str) -> None:
+    """Name, never remove, the temporary folders of a write_files that a kill cut short (its new/ and old/)."""
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.listdir(folder)):
+            path = os.path.join(folder, entry)
+            if entry.startswith(".tmp.") and os.path.isdir(os.path.join(path, "old")) and \
+                    os.path.isdir(os.path.join(path, "new")):
+                print(f"warning: {path} was left by a write that was cut short: its old/ holds the files it had "
+                      f"replaced ({', '.join(sorted(os.listdir(os.path.join(path, 'old')))) or 'none'}); move back "
+                      f"what you need, then remove it", file=sys.stderr, flush=True)
+
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+
+def write_text(path: str, text: str, what: str, fix: str = OUT_DIR_FIX) -> None:
+    """A text file written whole (atomic_write)."""
+    atomic_write(path, lambda tmp: _write_text(tmp, text), what, fix)
+
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line to `path` (made where missing), never through a symbolic link: whole or not at all. A disk
+    that fills mid-line takes part of it (a short write); the rest is written until it is whole, or the part cut off
+    again, so that no later line is ever glued to a fragment (and a file this made removed again). A failure is a
+    WriteError."""
+    check_target(path)
+    data = line.encode("utf-8")
+    made = not os.path.lexists(path)
+    kept = "nothing was written" if made else "the lines before it are intact"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise write_failed(path, e, kept) from None
+    try:
+        end = os.fstat(fd).st_size  # one run writes here (the lock): nobody else appends meanwhile
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)
+            if made:  # an empty file of the run's left behind would read as someone else's (check_entries)
+                os.unlink(path)
+        raise write_failed(path, e, kept) from None
+    finally:
+        os.close(fd)
+
+
+
+def replace_link(path: str, target: str) -> None:
+    """Point the symbolic link `path` at `target` (relative to its folder, so the run folder can move) with one rename:
+    a reader sees the old target or the new one. A failure is a WriteError; the old link stays."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_failed(path, e, "the previous link is intact", "the link") from None
+
+
+
+def remove_file(path: str, what: str) -> None:
+    """Remove a file the run wrote (a checkpoint keep_last no longer keeps); a failure is a WriteError."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise WriteError(f"could not remove {what} {path} ({cause(e)}): make the folder writable") from None
+
+
+
+def fsync_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):  # make a rename durable (not possible on every OS)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
