@@ -33,9 +33,8 @@ import torch
 from configurator import configure
 from model import GPT
 from nanogpt import dataio, files, float8
-from nanogpt.config import AtLeast0, AtLeast1, StepConfig, check
-from nanogpt.device import (DeviceClock, autocast_context, dtype_reason, resolve_attention, resolve_device,
-                            resolve_dtype, set_tf32, synchronize)
+from nanogpt.config import AtLeast0, AtLeast1, Machine, StepConfig, check
+from nanogpt.device import DeviceClock, autocast_context, resolve_device, set_tf32, synchronize
 from nanogpt.distributed import Dist
 from nanogpt.errors import UserError, exit_on_user_error
 from nanogpt.hardware import check_attention_kernel, use_flash_impl
@@ -91,13 +90,13 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
 # ----------------------------------------------------------------------------------------------- model and batches
 
 
-def build_model(cfg: BenchConfig, **changes) -> GPT:
+def build_model(cfg: BenchConfig, machine: Machine, **changes) -> GPT:
     """
     The model of `cfg`, initialised from cfg.seed. A padded vocabulary would draw more random numbers and so
     give different weights; instead the unpadded model is initialised and copied in, with zero padding rows
     (never looked up, and masked out of the loss), so runs with and without padding train the same model.
     """
-    config = dataclasses.replace(model_config(cfg, cfg.vocab_size), **changes)
+    config = dataclasses.replace(model_config(cfg, cfg.vocab_size, machine), **changes)
     torch.manual_seed(cfg.seed)
     model = GPT(dataclasses.replace(config, vocab_padding_multiple=1))
     if config.padded_vocab_size == config.vocab_size:
@@ -155,28 +154,27 @@ def held_out_loss(model: GPT, cfg: BenchConfig, ctx, device: str, data_path: str
 
 def setup_run(cfg: BenchConfig) -> dict:
     """Device, precision, data, model and optimizer for one run: everything the timed loop needs."""
-    device = resolve_device(cfg.device)
+    machine = cfg.machine()  # what "auto" means here
+    device, dtype = machine.device, machine.dtype
     setup_process(cfg, device)  # the seed, deterministic algorithms, malloc
     set_tf32(cfg.tf32 and device.startswith("cuda"))
     use_flash_impl(cfg.flash_impl)
-    dtype = resolve_dtype(cfg.dtype, device)
     ctx = autocast_context(device, dtype)
-    attention, attention_why = resolve_attention(cfg.attention, device, dtype)
-    cfg = dataclasses.replace(cfg, attention=attention)
+    cfg = dataclasses.replace(cfg, attention=machine.attention)
     data_path = None
     if cfg.real_data:
         data_dir = dataio.dataset_dir(cfg.dataset, cfg.data_dir)
         cfg = dataclasses.replace(cfg, vocab_size=dataio.load_meta(data_dir)["vocab_size"])
         data_path = os.path.join(data_dir, "train.bin")
         dataio.open_tokens(data_path, vocab_size=cfg.vocab_size)  # a missing file or a bad id fails here
-    model = build_model(cfg).to(device)
+    model = build_model(cfg, machine).to(device)
     if cfg.fp8:  # load_config refused it where float8 matmuls cannot run
         print(float8.describe(model, cfg.fp8_recipe, cfg.fp8_layers))
         float8.convert_to_fp8(model, cfg.fp8_recipe, cfg.fp8_layers)
     check_attention_kernel(model, ctx, compile=cfg.compile)  # one line, not compile's trace
     optimizer = build_optimizer(model, cfg, device.split(":")[0], verbose=False)
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype == "float16")
-    defaults = f"dtype={dtype} ({dtype_reason(cfg.dtype, device)}); attention={attention} ({attention_why})"
+    defaults = f"dtype={dtype} ({machine.dtype_why}); attention={machine.attention} ({machine.attention_why})"
     return dict(cfg=cfg, device=device, dtype=dtype, ctx=ctx, data_path=data_path, raw_model=model, defaults=defaults,
                 model=torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
                 if cfg.compile else model, optimizer=optimizer, scaler=scaler)
@@ -258,7 +256,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "device": device, "dtype": dtype_label(run["dtype"]), "allocator": detect_allocator(),
         "threads": torch.get_num_threads(), "others_cpu": others.fraction,
     }
-    return {"result": result, "profiler": prof, "cfg": cfg}
+    return {"result": result, "profiler": prof, "cfg": cfg, "device": device}
 
 
 def dtype_label(dtype: str) -> str:
@@ -328,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     out = run_bench(cfg)
     print_result(out["result"])
     if cfg.profile:
-        write_profile(out["profiler"], cfg.results_dir, resolve_device(cfg.device))
+        write_profile(out["profiler"], cfg.results_dir, out["device"])
     if cfg.result_json:
         write_json(cfg.result_json, {"config": asdict(cfg), **out["result"]}, fix="free disk space, or give another "
                    "--result_json")

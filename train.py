@@ -17,20 +17,19 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 
 Config: the TrainConfig defaults (nanogpt/config.py), then config files and --key=value overrides in the order given.
 
-Top to bottom: train() checks the settings, holds out_dir and decides the start (nanogpt/start.py: resume or not);
-setup() makes the run: the device and its precision, the data, the model, the optimizer, compile and the DDP / FSDP
-wrap, and accepts the start once every check has passed; Loop runs the iterations (evaluate and save, the
-accumulated step, log) and the end. The step itself (nanogpt/step.py: the micro-batches, train_step) is bench.py's too.
+Top to bottom: train() checks the settings, holds out_dir and decides the start (start.begin: resume or not);
+setup() makes the run: the device and its precision, the data and the weights (start.load), the model placed, the
+optimizer, compile and the DDP / FSDP wrap, and accepts the start once every check has passed (start.accept); Loop
+runs the iterations (evaluate and save, the accumulated step, log) and the end. The step itself (nanogpt/step.py: the micro-batches, train_step) is bench.py's too.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, NoReturn
 
 import torch
@@ -39,12 +38,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure_keys
 from model import GPT
-from nanogpt import checkpoint_file, checkpoints, dataio, float8, hellaswag, outdir, parallel, report, start
+from nanogpt import checkpoint_file, checkpoints, dataio, float8, hellaswag, parallel, report, start
 from nanogpt.checkpoints import CheckpointWriter
 from nanogpt.config import TrainConfig
-from nanogpt.device import autocast_context, resolve_attention, resolve_dtype, set_tf32
-from nanogpt.distributed import (DDP_SETTINGS, Dist, check_same_settings, check_shared_out_dir, checkpoint_group,
-                                 run_in_group, setup_distributed)
+from nanogpt.device import autocast_context, set_tf32
+from nanogpt.distributed import (DDP_SETTINGS, Dist, check_same_settings, checkpoint_group, run_in_group,
+                                 setup_distributed)
 from nanogpt.signals import SecondCtrlC, StopRequest
 from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
@@ -109,15 +108,10 @@ def train(cfg: TrainConfig, given: set[str] | None = None) -> dict:
     """Run the training that `cfg` describes; returns the final figures (for tests and scripts) and the model, unless
     sharded: FSDP's shards need the process group, which the end of the run destroys. `given`: the keys the user
     set (a resume takes its run's setting for every other key; None: every key given)."""
-    cfg.check(int(os.environ.get("WORLD_SIZE", "1")))  # every setting, in one message, before out_dir is touched
-    start.check_out_dir(cfg)  # what a resume reads there, and nothing of another kind where the run writes
-    # a signal before the start is accepted changes nothing (StopRequest); rank 0 holds out_dir for every rank of the
-    # job, from before the decision to the end (an evaluation that saves nothing holds nothing); every rank decides
-    # before rank 0 moves any file
-    with StopRequest() as stop, outdir.hold(cfg.out_dir, enabled=not cfg.eval_only and
-                                            int(os.environ.get("RANK", "0")) == 0):
-        plan = start.decide(cfg, given)
-        dist = setup_distributed(plan.cfg.device, plan.cfg.backend, group_of_one=plan.cfg.parallelism == "fsdp")
+    # a signal before the start is accepted changes nothing (StopRequest); out_dir is held from before the decision
+    # to the end, and every rank decides before rank 0 moves any file
+    with StopRequest() as stop, start.begin(cfg, given) as plan:
+        dist = setup_distributed(plan.machine.device, plan.cfg.backend, group_of_one=plan.cfg.parallelism == "fsdp")
         return run_in_group(dist, lambda: run(plan, dist, stop))
 
 
@@ -141,73 +135,47 @@ class Training:
     dist: Dist
     ctx: AbstractContextManager  # autocast
     log: Logger
-    meta: dict | None  # the dataset's meta.json (None for GPT-2's weights on data without one)
-    splits: dict[str, dataio.TokenSplit]
-    hellaswag_examples: list | None
+    loaded: start.Loaded  # the data, a resume's state, the tokenizer's meta, MFU's peak
     raw_model: GPT  # what checkpoints save and HellaSwag evaluates
     model: torch.nn.Module  # what trains: compiled, DDP's wrapper
     eval_model: torch.nn.Module  # what evaluates: compiled, without DDP's gradient sync
     optimizer: Optimizers
     scaler: torch.amp.GradScaler
-    iter_num: int  # where the iterations start: 0, or the resumed checkpoint's
-    best_val_loss: float
-    best_file: str | None  # which file holds the best weights (always_save_checkpoint=False)
-    eval_only: bool  # evaluate once and save nothing (eval_only, or a resume with nothing left to train)
     run_id: str | None  # run.json's (rank 0 of a start that saves)
     accum_steps: int  # micro-steps per rank
     tokens_per_iter: int
-    peak_flops: float | None
 
 
 def setup(plan: StartPlan, dist: Dist, stop: StopRequest) -> Training:
     """
-    The start, in the order that keeps out_dir untouched until every check has passed on every rank: the settings,
-    the device and its precision, the data, the log, the model, its optimizer, compile and the DDP / FSDP wrap; only
-    then is the start accepted (start.accept: the run in out_dir moved aside, run.json written).
+    The run on this rank, in the order that keeps out_dir untouched until every check has passed on every rank: the
+    device and its precision, the data and the weights (start.load), the model placed, its optimizer, compile and the
+    DDP / FSDP wrap; only then is the start accepted (start.accept: the run in out_dir moved aside, run.json written).
     """
-    cfg = plan.cfg
-    cfg.check(dist.world_size)  # a resume's settings taken from its run, and the world size, checked too
-    check_same_settings(asdict(cfg), dist)  # and the same on every rank
+    cfg, machine = plan.cfg, plan.machine
+    check_same_settings(asdict(cfg), dist)  # the settings (checked by start.begin) are the same on every rank
     # the device and its precision
     kept_memory = setup_process(cfg, dist.device, dist.rank)  # seed + rank, deterministic algorithms, malloc
     device_type = dist.device.split(":")[0]
     set_tf32(cfg.tf32 and device_type == "cuda")  # TF32 matmuls on Ampere+ GPUs: 10-bit inputs, float32 sums
     use_flash_impl(cfg.flash_impl)  # behind SDPA's flash kernel: PyTorch's FlashAttention-2, or FlashAttention-4
-    dtype = resolve_dtype(cfg.dtype, dist.device)  # "auto": bf16 where the device has it fast
-    ctx = autocast_context(dist.device, dtype)  # matmuls in bf16/fp16 under torch.autocast, reductions float32
-    attention, attention_why = resolve_attention(cfg.attention, dist.device, dtype)
+    ctx = autocast_context(dist.device, machine.dtype)  # matmuls in bf16/fp16 under torch.autocast, reductions float32
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # each rank's micro-steps of an optimizer step
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    # the data: its files and token ids checked before anything slow
-    data_dir, meta, data_vocab = start.check_data(cfg)
-    dist.barrier()  # every rank has decided from out_dir as it was
     log = Logger(dist, cfg.out_dir, wandb=dict(project=cfg.wandb_project, name=cfg.wandb_run_name,
                                                config=asdict(cfg)) if cfg.wandb_log else None)
-    peak_flops = start.log_header(log, plan, cfg, dist, dtype, attention, attention_why, accum_steps, tokens_per_iter)
+    # the data, its files and token ids checked before anything slow; a resume's checkpoint; the weights
+    loaded = start.load(plan, dist, log)
+    cfg = loaded.cfg  # the shape that trains is the weights': checkpoints, the report
     if kept_memory:
         log.print("malloc: glibc keeps freed memory (keep_freed_memory=True)")
-    if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
-        check_shared_out_dir(cfg.out_dir, dist)
-    resumed = start.read_resumed(plan, cfg, dist, log)
-    if nothing_to_train := resumed.iter_num >= cfg.max_iters:  # evaluated only, like eval_only: nothing saved
-        at, it, on = (f"the checkpoint is at iter {resumed.iter_num} and ", "it", " on") if resumed.ckpt else \
-            ("", "the model", "")
-        log.print(f"nothing to train: {at}max_iters={cfg.max_iters}; evaluating {it} only (raise max_iters to "
-                  f"train{on})")
-    # the model: a fresh GPT (its vocabulary padded to a multiple of vocab_padding_multiple), a checkpoint's, GPT-2's
-    raw_model = start.load_model(cfg, meta, resumed.ckpt)
-    cfg = replace(cfg, **start.shape_of(raw_model))  # the shape that trains is the weights': checkpoints, the report
-    splits = {s: dataio.open_split(data_dir, s, None if data_vocab else raw_model.config.vocab_size, meta)
-              for s in ("train", "val")}  # the ids checked against the weights' vocabulary where not done yet
-    hellaswag_examples = hellaswag.encoded_examples(cfg.hellaswag_path, meta, cfg.block_size) if cfg.hellaswag else None
-    raw_model = place_model(raw_model, cfg, dist, dtype, ctx, log)  # on the device, or sharded over the ranks (FSDP)
+    # the model: on the device, or sharded over the ranks (FSDP)
+    raw_model = place_model(loaded.model, cfg, dist, machine.dtype, ctx, log)
     log.print(f"model: {raw_model.get_num_params() / 1e6:.2f}M parameters, {raw_model.config}")
     log.print(parallel.memory_text(parallel.memory_per_rank(raw_model, accum_steps), dist.world_size))
     # the optimizer: AdamW (fused where the device has the kernel), or Muon + AdamW; float16's grad scaler
     optimizer = build_optimizer(raw_model, cfg, device_type, verbose=dist.master)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-    if resumed.ckpt is not None:
-        start.restore_training_state(raw_model, optimizer, scaler, resumed, cfg.seed, dist)
+    scaler = torch.amp.GradScaler(device_type, enabled=machine.dtype == "float16")
     # compile, and DDP's wrapper (FSDP compiled each block before sharding); evaluation needs no gradient sync
     model = raw_model
     if cfg.compile and cfg.parallelism == "ddp":
@@ -216,16 +184,9 @@ def setup(plan: StartPlan, dist: Dist, stop: StopRequest) -> Training:
     eval_model = model
     if dist.enabled and cfg.parallelism == "ddp":
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None, **DDP_SETTINGS)
-    dist.barrier()  # every rank passed every check: none refuses the start once rank 0 accepted it
-    eval_only = cfg.eval_only or nothing_to_train  # evaluate once, save nothing: change nothing in out_dir
-    if eval_only:
-        log.start(None, resumed.iter_num, cfg.init_from, saves=False)  # its figures on screen (and wandb) only
-    else:
-        stop.arm()  # from here a signal stops the run with a checkpoint
-    run_id = None if eval_only else start.accept(plan, resumed, dist, log)
-    return Training(cfg, dist, ctx, log, meta, splits, hellaswag_examples, raw_model, model, eval_model, optimizer,
-                    scaler, resumed.iter_num, resumed.best_val_loss, resumed.ckpt and resumed.ckpt.get("best_file"),
-                    eval_only, run_id, accum_steps, tokens_per_iter, peak_flops)
+    run_id = start.accept(plan, loaded, raw_model, optimizer, scaler, dist, log, stop)
+    return Training(cfg, dist, ctx, log, loaded, raw_model, model, eval_model, optimizer, scaler, run_id, accum_steps,
+                    tokens_per_iter)
 
 
 def place_model(model: GPT, cfg: TrainConfig, dist: Dist, dtype: str, ctx, log: Logger) -> GPT:
@@ -258,7 +219,7 @@ class StepReports:
         self.cfg, self.log, self.model = training.cfg, training.log, training.raw_model
         self.scaler_enabled = training.scaler.is_enabled()
         self.tokens_per_iter, self.accum_steps = training.tokens_per_iter, training.accum_steps
-        self.peak_flops = training.peak_flops
+        self.peak_flops = training.loaded.peak_flops
         self.running_mfu = -1.0
         self.last_loss = float("nan")
 
@@ -303,16 +264,16 @@ class SaveSchedule:
     def __init__(self, training: Training, stop: StopRequest):
         cfg, self.training, self.stop = training.cfg, training, stop
         self.writer = CheckpointWriter(cfg.out_dir, training.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
-                                       cfg.keep_last, training.best_file,
+                                       cfg.keep_last, training.loaded.resumed.best_file,
                                        checkpoint_group(training.dist) if cfg.async_save else None)
-        self.last_iter, self.last_time = training.iter_num, time.time()
+        self.last_iter, self.last_time = training.loaded.resumed.iter_num, time.time()
 
     def save(self, iter_num: int, best_val_loss: float, improved: bool, stopping: bool = False) -> None:
         """Save the run at iter_num: in the background under async_save, unless it is the last save (the end, or a
         stop's), which is written before the run ends."""
         t, cfg = self.training, self.training.cfg
         state = checkpoint_file.train_state(t.raw_model, t.scaler, iter_num, best_val_loss, asdict(cfg), t.dist,
-                                       t.log.elapsed(), t.meta, t.run_id)
+                                       t.log.elapsed(), t.loaded.meta, t.run_id)
         background = cfg.async_save and iter_num < cfg.max_iters and not stopping
         for line in self.writer.save(t.raw_model, t.optimizer, state, improved, background):
             t.log.print(line)
@@ -326,7 +287,7 @@ class SaveSchedule:
     def periodic_due(self, iter_num: int) -> bool:
         """checkpoint_interval / checkpoint_minutes: the ranks agree (rank 0's clock decides the minutes)."""
         cfg = self.training.cfg
-        if self.last_iter == iter_num or self.training.eval_only:
+        if self.last_iter == iter_num or self.training.loaded.eval_only:
             return False
         due = cfg.checkpoint_interval > 0 and iter_num % cfg.checkpoint_interval == 0
         if cfg.checkpoint_minutes > 0:
@@ -342,7 +303,7 @@ class Loop:
 
     def __init__(self, training: Training, stop: StopRequest):
         self.training, self.stop = training, stop
-        self.iter_num, self.best_val_loss = training.iter_num, training.best_val_loss
+        self.iter_num, self.best_val_loss = training.loaded.resumed.iter_num, training.loaded.resumed.best_val_loss
         self.losses = {}
         self.saves = SaveSchedule(training, stop)
         self.guard = NonFiniteGuard(training.dist.device, training.cfg.max_nonfinite_skips)
@@ -350,7 +311,7 @@ class Loop:
         self.reports = StepReports(training)  # what is done with them: log, warn, stop on a non-finite step
 
     def iterate(self) -> None:
-        cfg, eval_only = self.training.cfg, self.training.eval_only
+        cfg, eval_only = self.training.cfg, self.training.loaded.eval_only
         while True:
             if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters or eval_only:
                 self.evaluate_and_save()
@@ -368,21 +329,21 @@ class Loop:
     def evaluate_and_save(self) -> None:
         t, cfg, it = self.training, self.training.cfg, self.iter_num
         self.reports.report(self.readout.flush())  # the last step's figures first: a non-finite step stops first
-        last_eval = it >= cfg.max_iters or t.eval_only  # runs whole: the run ends after it anyway
-        self.losses = estimate_loss(t.eval_model, cfg, t.splits, t.dist, t.ctx,
+        last_eval = it >= cfg.max_iters or t.loaded.eval_only  # runs whole: the run ends after it anyway
+        self.losses = estimate_loss(t.eval_model, cfg, t.loaded.splits, t.dist, t.ctx,
                                     (lambda: False) if last_eval else self.stop.signalled)
         if not last_eval and self.stop.requested():  # a signal during the eval: skip it (it may be cut short)
             self.stop_now()
         record = {"iter": it, "train_loss": self.losses["train"], "val_loss": self.losses["val"]}
         if cfg.hellaswag and (it % (cfg.hellaswag_interval or cfg.eval_interval) == 0 or last_eval):
             # on the uncompiled model: its varying lengths would make torch.compile recompile
-            record.update(hellaswag.evaluate(t.raw_model, t.hellaswag_examples, t.dist, t.ctx))
+            record.update(hellaswag.evaluate(t.raw_model, t.loaded.hellaswag_examples, t.dist, t.ctx))
         t.log.print(f"step {it}: train loss {self.losses['train']:.4f}, val loss {self.losses['val']:.4f}"
                     + (f", {hellaswag.describe(record)}" if "hellaswag_acc" in record else ""))
         t.log.metrics(record)
         improved = self.losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, self.losses["val"])  # never overwritten by a worse value
-        if (improved or cfg.always_save_checkpoint) and it > 0 and not t.eval_only:
+        if (improved or cfg.always_save_checkpoint) and it > 0 and not t.loaded.eval_only:
             self.saves.save(it, self.best_val_loss, improved)
         self.readout.restart()  # the eval is not part of the next step's time
 
@@ -391,7 +352,7 @@ class Loop:
         t, cfg, device = self.training, self.training.cfg, self.training.dist.device
         lr = get_lr(self.iter_num, cfg)
         t.optimizer.set_lr(lr)
-        batches = train_batches(t.splits["train"], cfg, self.iter_num, t.dist.rank, t.accum_steps)
+        batches = train_batches(t.loaded.splits["train"], cfg, self.iter_num, t.dist.rank, t.accum_steps)
         rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
         try:
             result = train_step(t.model, t.optimizer, t.scaler, batches, t.ctx, cfg, t.dist, self.stop.requested,
@@ -434,9 +395,9 @@ class Loop:
         """The report (rank 0, a run that saved) and the run's final figures; the model, unless sharded (FSDP's
         shards need the process group, which the end of the run destroys)."""
         t = self.training
-        if t.cfg.report and t.dist.master and not t.eval_only:
+        if t.cfg.report and t.dist.master and not t.loaded.eval_only:
             info = {**system_info(t.dist.device), "world_size": str(t.dist.world_size)}
-            report.write_run_report(t.cfg, t.raw_model, t.meta, info, t.log.print, t.ctx)
+            report.write_run_report(t.cfg, t.raw_model, t.loaded.meta, info, t.log.print, t.ctx)
         return {"iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "last_loss": self.reports.last_loss,
                 "val_loss": self.losses["val"], "train_loss": self.losses["train"],
                 "model": None if t.cfg.parallelism == "fsdp" else t.raw_model}

@@ -61,7 +61,7 @@ def float64_reference(model: GPT) -> GPT:
 @torch.no_grad()
 def numerics_study(cfg: bench.BenchConfig, device: str) -> list[dict]:
     """For each attention path and dtype, the relative errors against the float64 reference, same inputs."""
-    base = bench.build_model(cfg, dropout=0.0).to(device).eval()
+    base = bench.build_model(cfg, cfg.machine(), dropout=0.0).to(device).eval()
     reference = float64_reference(base)
     gen = torch.Generator().manual_seed(cfg.seed)
     # the input of the first attention module: LayerNorm'd activations, i.e. about unit variance

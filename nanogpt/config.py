@@ -9,6 +9,7 @@ declared_problems. configurator.py reads the types (Annotated's extras stripped)
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import netrc
 import os
@@ -22,7 +23,7 @@ import torch
 
 from model import GELU_CHOICES, SDPA_BACKENDS, GPTConfig
 from nanogpt import float8
-from nanogpt.device import DTYPES, resolve_device, resolve_dtype
+from nanogpt.device import DTYPES, dtype_reason, resolve_attention, resolve_device, resolve_dtype, resolve_fused_loss
 from nanogpt.errors import UserError
 from nanogpt.hardware import FLASH_IMPLS, flash_impl_problem
 from nanogpt.hf_gpt2 import GPT2_MODELS
@@ -247,6 +248,17 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduc
 CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What the "auto" settings mean on this machine (StepConfig.machine), with the reasons the run's log gives."""
+    device: str
+    dtype: str
+    dtype_why: str
+    attention: str
+    attention_why: str
+    fused_loss: bool
+
+
 @dataclass
 class StepConfig:
     """
@@ -332,13 +344,20 @@ class StepConfig:
             problems.append(f"learning_rate={self.learning_rate} must be > 0 with optimizer='muon'")
         return problems + self.machine_problems()
 
-    def device_or_none(self) -> str | None:
-        """The device that `device` names here ("auto" resolved), or None where it names none (machine_problems says
-        why)."""
-        try:
-            return resolve_device(self.device)
-        except UserError:
-            return None
+    def machine(self) -> "Machine":
+        """What "auto" means on this machine for these settings (a UserError where the device or dtype cannot run
+        here): decided here, once, and handed down; the settings keep "auto", which a resume elsewhere decides anew."""
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        attention, attention_why = resolve_attention(self.attention, device, dtype)
+        return Machine(device, dtype, dtype_reason(self.dtype, device), attention, attention_why,
+                       resolve_fused_loss(self.fused_loss, device))
+
+    def check(self, world_size: int = 1) -> "Machine":
+        """One UserError naming every problem of these settings for a run of world_size ranks; else what "auto" means
+        here."""
+        check(self.problems(world_size))
+        return self.machine()
 
     def machine_problems(self) -> list[str]:
         """What this machine cannot run: the device, the dtype on it, CUDA graphs elsewhere than CUDA, float8."""
@@ -471,8 +490,9 @@ class TrainConfig(StepConfig):
                 and self.init_from == "scratch"):  # other starts take their depth from the weights (parallel.py)
             problems.append(f"activation_checkpointing={self.activation_checkpointing} must be True, False or a number "
                             f"of blocks 0..{self.n_layer} (n_layer={self.n_layer})")
-        if self.backend == "nccl" and (device := self.device_or_none()) is not None and not device.startswith("cuda"):
-            problems.append(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
+        with contextlib.suppress(UserError):  # a device that cannot run here is machine_problems'
+            if self.backend == "nccl" and not (device := resolve_device(self.device)).startswith("cuda"):
+                problems.append(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
         problems += self.fsdp_problems()
         return problems
 
@@ -493,9 +513,6 @@ class TrainConfig(StepConfig):
             problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
         return problems
 
-    def check(self, world_size: int = 1) -> None:
-        """Raise one UserError that names every problem of this config for a run of world_size ranks."""
-        check(self.problems(world_size))
 
 
 def wandb_problem(cfg: TrainConfig) -> str | None:

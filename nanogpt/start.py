@@ -1,10 +1,13 @@
 """
-How a run starts, in the order that keeps out_dir as it is until the start is accepted: decide() reads out_dir as it
-is (resume or not, from which checkpoint, with which settings: init_from="auto", a torchrun restart, the run's own
-settings for the keys not given); check_data() checks the dataset's files and token ids; read_resumed() reads the
-checkpoint a resume continues; load_model() builds the model init_from names (a fresh GPT, a checkpoint's, GPT-2's);
-and accept(), once every check has passed on every rank, moves the run in out_dir aside and writes run.json (a new
-run), or keeps its run's (a resume). train.py calls them in that order.
+How a run starts, in three calls from train.py that keep out_dir as it is until the start is accepted:
+
+  begin()   the settings checked (every problem in one line) and out_dir looked over, then out_dir held for the run
+            (its live run's lock) and the start decided from what it holds: resume or not, from which checkpoint,
+            with which settings (init_from="auto", a torchrun restart, the run's own settings for the keys not given),
+            and what "auto" means on this machine
+  load()    the data checked, the run's log begun, a resume's checkpoint read, the weights init_from names built
+  accept()  once every rank passed every check: a resume's optimizer state restored, then a new run moves the run in
+            out_dir aside and writes run.json, a resume keeps its run's
 
 A resume's rules live here too: which settings it takes from its run (settings_of_the_run), and which it cannot
 change (resume_changes: the model's shape, its GELU, the optimizer).
@@ -15,23 +18,25 @@ import contextlib
 import os
 import re
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from model import GPT
-from nanogpt import checkpoint_file, checkpoints, dataio, outdir, parallel, tokenizers
+from nanogpt import checkpoint_file, checkpoints, dataio, hellaswag, outdir, parallel, tokenizers
 from nanogpt.checkpoint_file import checkpoint_model_config
 from nanogpt.checkpoints import FoundCheckpoint
-from nanogpt.config import TrainConfig, coerce, config_summary, declared_problems, type_name
-from nanogpt.device import dtype_reason, resolve_device, resolve_dtype
+from nanogpt.config import Machine, TrainConfig, coerce, config_summary, declared_problems, type_name
+from nanogpt.device import resolve_device, resolve_dtype
+from nanogpt.distributed import Dist, check_shared_out_dir, torchrun_job
 from nanogpt.hardware import system_info
 from nanogpt.mfu import resolve_peak_flops
-from nanogpt.distributed import Dist, torchrun_job
 from nanogpt.errors import UserError, WriteError
 from nanogpt.hf_gpt2 import GPT2_MODELS, pretrained_gpt2
 from nanogpt.metrics import Logger
 from nanogpt.optim import Optimizers
+from nanogpt.signals import StopRequest
 from nanogpt.step import MODEL_KEYS, model_config, model_settings
 from nanogpt.text import plural, shown, size_text
 
@@ -56,16 +61,27 @@ def check_out_dir(cfg: TrainConfig) -> None:
 class StartPlan:
     """What a start does, decided once from out_dir as it is, before anything is printed or changed there."""
     cfg: TrainConfig  # init_from resolved ("auto", a torchrun restart), a resume's settings of its run taken
+    machine: Machine  # what "auto" means here (the settings keep "auto": a resume elsewhere decides anew)
     notes: list[str]  # why, and the settings taken: printed once the log is open
     found: FoundCheckpoint | None  # the checkpoint a resume continues: one of the run in out_dir
     job: str | None  # torchrun's job (distributed.torchrun_job), recorded in run.json
 
 
-def decide(cfg: TrainConfig, given: set[str] | None = None) -> StartPlan:
+@contextlib.contextmanager
+def begin(cfg: TrainConfig, given: set[str] | None = None) -> Iterator[StartPlan]:
+    """The start decided (decide), with out_dir held for this run until the block ends (rank 0 holds it for every
+    rank; an evaluation that saves nothing holds nothing). Every setting is checked before out_dir is touched.
+    `given`: the keys the user set (a resume takes its run's setting for every other key; None: every key given)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.check(world_size)
+    check_out_dir(cfg)
+    with outdir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
+        yield decide(cfg, given, world_size)
+
+
+def decide(cfg: TrainConfig, given: set[str] | None = None, world_size: int = 1) -> StartPlan:
     """Resume or not, and from which checkpoint, before anything is printed: a resume's checkpoint is found (one of
-    the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses.
-    A resume takes its run's own setting for every key not `given` (on the command line or in a config file; None:
-    every key given)."""
+    the run in out_dir, else a UserError) before its line is, so that no start announces a resume it then refuses."""
     if not cfg.eval_only:
         outdir.read_run(cfg.out_dir)  # a damaged run.json: one line now, not once the start is accepted
     job = torchrun_job()
@@ -73,16 +89,16 @@ def decide(cfg: TrainConfig, given: set[str] | None = None) -> StartPlan:
     init_from, why = outdir.resolve_init_from(cfg.init_from, cfg.out_dir, restart, job)
     cfg = replace(cfg, init_from=init_from)
     notes = [why] if why else []
-    if init_from != "resume":
-        return StartPlan(cfg, notes, None, job)
-    found = checkpoints.find_checkpoint(cfg.out_dir)
-    if given is not None:
-        cfg, taken = settings_of_the_run(cfg, given, found.read().get("config") or {})
-        if taken:
-            notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
-    if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
-        found = checkpoints.find_checkpoint(cfg.out_dir, prefer_sharded=True)
-    return StartPlan(cfg, notes, found, job)
+    found = None
+    if init_from == "resume":
+        found = checkpoints.find_checkpoint(cfg.out_dir)
+        if given is not None:
+            cfg, taken = settings_of_the_run(cfg, given, found.read().get("config") or {}, world_size)
+            if taken:
+                notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
+        if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
+            found = checkpoints.find_checkpoint(cfg.out_dir, prefer_sharded=True)
+    return StartPlan(cfg, cfg.machine(), notes, found, job)
 
 
 # What a resume never takes from the checkpoint's run, and never lists as a change: where it runs, what says to resume,
@@ -90,7 +106,8 @@ def decide(cfg: TrainConfig, given: set[str] | None = None) -> StartPlan:
 NOT_RESUMED = ("init_from", "out_dir", "device", "backend", "eval_only")
 
 
-def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple[TrainConfig, list[str]]:
+def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
+                        world_size: int = 1) -> tuple[TrainConfig, list[str]]:
     """
     nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
     not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
@@ -117,7 +134,7 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple
             notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
                          f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
     resumed = replace(cfg, **taken)
-    cannot = [p for p in resumed.problems(int(os.environ.get("WORLD_SIZE", "1")))
+    cannot = [p for p in resumed.problems(world_size)
               if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
     if cannot:  # a run of another machine (flash_impl='fa4', compile_mode='reduce-overhead' on a CPU)
         raise UserError(f"the run's own settings (from its checkpoint: not given here) cannot run here: "
@@ -125,23 +142,59 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict) -> tuple
     return resumed, [f"{k}={v!r}" for k, v in taken.items()] + notes
 
 
-# ----------------------------------------------------------------------------------------------- the data
+# ----------------------------------------------------------------------------------------------- the data and weights
 
 
-def log_header(log: Logger, plan: StartPlan, cfg: TrainConfig, dist: Dist, dtype: str, attention: str,
-               attention_why: str, accum_steps: int, tokens_per_iter: int) -> float | None:
+@dataclass
+class Loaded:
+    """What load() read: the data, the weights, a resume's state, and MFU's peak."""
+    cfg: TrainConfig  # the plan's, with the weights' shape (a checkpoint's, GPT-2's)
+    meta: dict | None  # the dataset's meta.json (None for GPT-2's weights on data without one)
+    splits: dict[str, dataio.TokenSplit]
+    hellaswag_examples: list | None
+    model: GPT  # on the CPU
+    resumed: Resumed
+    eval_only: bool  # evaluate once and save nothing (eval_only, or a resume with nothing left to train)
+    peak_flops: float | None
+
+
+def load(plan: StartPlan, dist: Dist, log: Logger) -> Loaded:
+    """The data (its files and token ids checked before anything slow), the run's first lines, a resume's checkpoint,
+    and the model init_from names, in that order; nothing in out_dir changes."""
+    cfg = plan.cfg
+    data_dir, meta, data_vocab = check_data(cfg)
+    dist.barrier()  # every rank has decided from out_dir as it was
+    peak_flops = log_header(log, plan, dist)
+    if not cfg.eval_only or cfg.init_from == "resume":  # what the ranks read there, or rank 0 writes
+        check_shared_out_dir(cfg.out_dir, dist)
+    resumed = read_resumed(plan, dist, log)
+    if nothing_to_train := resumed.iter_num >= cfg.max_iters:  # evaluated only, like eval_only: nothing saved
+        at, it, on = (f"the checkpoint is at iter {resumed.iter_num} and ", "it", " on") if resumed.ckpt else \
+            ("", "the model", "")
+        log.print(f"nothing to train: {at}max_iters={cfg.max_iters}; evaluating {it} only (raise max_iters to "
+                  f"train{on})")
+    model = load_model(cfg, plan.machine, meta, resumed.ckpt)
+    cfg = replace(cfg, **{k: getattr(model.config, k) for k in SHAPE_KEYS})  # checkpoints and the report record it
+    splits = {s: dataio.open_split(data_dir, s, None if data_vocab else model.config.vocab_size, meta)
+              for s in ("train", "val")}  # the ids checked against the weights' vocabulary where not done yet
+    examples = hellaswag.encoded_examples(cfg.hellaswag_path, meta, cfg.block_size) if cfg.hellaswag else None
+    return Loaded(cfg, meta, splits, examples, model, resumed, cfg.eval_only or nothing_to_train, peak_flops)
+
+
+def log_header(log: Logger, plan: StartPlan, dist: Dist) -> float | None:
     """The lines a run begins with: the settings given, why the start is what it is, the machine, what "auto" chose,
     MFU's peak (returned) and the tokens of an iteration."""
+    cfg, m = plan.cfg, plan.machine
     log.print(config_summary(cfg))
     for note in plan.notes:
         log.print(note)
-    log.print(" ".join(f"{k}={v}" for k, v in {**system_info(dist.device), "dtype": dtype,
+    log.print(" ".join(f"{k}={v}" for k, v in {**system_info(dist.device), "dtype": m.dtype,
                                                "world_size": dist.world_size}.items()))
-    log.print(f"defaults: dtype={dtype} ({dtype_reason(cfg.dtype, dist.device)}); attention={attention} "
-              f"({attention_why})")
-    peak_flops, peak_source = resolve_peak_flops(dist.device, dtype, cfg.peak_flops)
+    log.print(f"defaults: dtype={m.dtype} ({m.dtype_why}); attention={m.attention} ({m.attention_why})")
+    peak_flops, peak_source = resolve_peak_flops(dist.device, m.dtype, cfg.peak_flops)
     log.print(f"MFU peak: {f'{peak_flops / 1e12:.3f} TFLOP/s' if peak_flops else 'n/a'} ({peak_source})")
-    log.print(f"tokens per iteration: {tokens_per_iter:,} ({plural(accum_steps, 'micro-step')} x "
+    log.print(f"tokens per iteration: {cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size:,} ("
+              f"{plural(cfg.gradient_accumulation_steps // dist.world_size, 'micro-step')} x "
               f"{plural(dist.world_size, 'rank')} x {cfg.batch_size} x {cfg.block_size})")
     return peak_flops
 
@@ -170,14 +223,20 @@ class Resumed:
     best_val_loss: float = float("inf")
     changes: list[str] | None = None
 
+    @property
+    def best_file(self) -> str | None:
+        """Which file holds the run's best weights (always_save_checkpoint=False), as the checkpoint records it."""
+        return self.ckpt.get("best_file") if self.ckpt else None
 
-def read_resumed(plan: StartPlan, cfg: TrainConfig, dist: Dist, log: Logger) -> Resumed:
+
+def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
     """The checkpoint a resume continues from (read, its changed settings printed), or nothing to resume."""
     if plan.found is None:
         return Resumed()
     ckpt = plan.found.read()
     saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
-    changes = resume_changes(ckpt.get("config") or {}, saved_gelu, cfg, dist.world_size, ckpt.get("world_size", 1))
+    changes = resume_changes(ckpt.get("config") or {}, saved_gelu, plan.cfg, dist.world_size,
+                             ckpt.get("world_size", 1))
     log.print(plan.found.describe("resuming from"))  # once it can: no start announces a resume it then refuses
     for change in changes:
         log.print(f"resuming with a changed setting (it applies from here on): {change}")
@@ -219,7 +278,7 @@ def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: i
 # ----------------------------------------------------------------------------------------------- the model
 
 
-def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
+def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
     """The model init_from names (init_model), on the CPU, once its tokenizer is the dataset's and its context holds
     block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
@@ -227,7 +286,7 @@ def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
         tokenizers.check_tokenizer(*checkpoints.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
     try:
         with parallel.same_random_init(cfg.seed, enabled=cfg.parallelism == "fsdp"):  # the shards of one model
-            model = init_model(cfg, meta, ckpt)
+            model = init_model(cfg, machine, meta, ckpt)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # the allocator's refusal: a model past this machine's memory
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
@@ -243,15 +302,15 @@ def load_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
     return model
 
 
-def init_model(cfg: TrainConfig, meta: dict | None, ckpt: dict | None) -> GPT:
+def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
     """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary (padded to a multiple of
     vocab_padding_multiple), the checkpoint's, or GPT-2's weights (cropped to block_size)."""
-    settings = model_settings(cfg)
+    settings = model_settings(cfg, machine)
     if cfg.init_from == "scratch":
         if meta is None:
             raise UserError(f"init_from=scratch needs the dataset's meta.json (vocab_size) in "
                             f"{dataio.dataset_dir(cfg.dataset, cfg.data_dir)}")
-        return GPT(model_config(cfg, meta["vocab_size"]))
+        return GPT(model_config(cfg, meta["vocab_size"], machine))
     if cfg.init_from == "resume":
         # every weight is the checkpoint's: here for ckpt.pt, a sharded checkpoint's once the model is sharded
         model = GPT.uninitialized(checkpoint_model_config(ckpt["model_args"], **settings))
@@ -290,31 +349,31 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
     return model
 
 
-def restore_training_state(model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler, resumed: Resumed,
-                           seed: int, dist: Dist) -> None:
-    """What a resume continues besides the weights: the optimizer's state (a sharded checkpoint's weights too: they
-    load into the sharded model), the grad scaler's and the dropout RNG."""
-    ckpt = resumed.ckpt
-    checkpoints.load_training_state(model, optimizer, ckpt)
-    if scaler.is_enabled() and ckpt.get("scaler"):  # absent when the run was not float16 (or from nanoGPT)
-        scaler.load_state_dict(ckpt["scaler"])
-    checkpoint_file.restore_rng(ckpt, seed, dist, resumed.iter_num)
-
-
-def shape_of(model: GPT) -> dict[str, int]:
-    """The shape keys of the model that trains (the weights'): what its checkpoints and report record."""
-    return {k: getattr(model.config, k) for k in SHAPE_KEYS}
-
-
 # ----------------------------------------------------------------------------------------------- accepting
 
 
-def accept(plan: StartPlan, resumed: Resumed, dist: Dist, log: Logger) -> str | None:
-    """The start is accepted, once every check passed on every rank (a refused start changed nothing in out_dir): a
-    new run moves the one there aside whole and writes its run.json; a resume keeps its run's; then the start's line
-    opens metrics.jsonl. Rank 0 alone writes, and only for a start that saves (one that evaluates only changes nothing
-    there); returns the run's id (None on the other ranks). A write that fails undoes what the start changed (the
-    previous run moved back, run.json as it was) and is a WriteError: the folder is as it was."""
+def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler,
+           dist: Dist, log: Logger, stop: StopRequest) -> str | None:
+    """
+    The start accepted. A resume's training state is restored first (the optimizer's, a sharded checkpoint's weights
+    too, into the placed model; the grad scaler's; the dropout RNG). Then, once every rank got here (none refuses the
+    start once rank 0 accepted it), a signal stops the run with a checkpoint (stop.arm), a new run moves the one in
+    out_dir aside whole and writes its run.json, a resume keeps its run's, and the start's line opens metrics.jsonl.
+    Rank 0 alone writes, and only for a start that saves (one that evaluates only changes nothing there); returns the
+    run's id (None on the other ranks). A write that fails undoes what the start changed (the previous run moved back,
+    run.json as it was) and is a WriteError: the folder is as it was.
+    """
+    resumed = loaded.resumed
+    if resumed.ckpt is not None:
+        checkpoints.load_training_state(model, optimizer, resumed.ckpt)
+        if scaler.is_enabled() and resumed.ckpt.get("scaler"):  # absent when the run was not float16 (or nanoGPT's)
+            scaler.load_state_dict(resumed.ckpt["scaler"])
+        checkpoint_file.restore_rng(resumed.ckpt, plan.cfg.seed, dist, resumed.iter_num)
+    dist.barrier()
+    if loaded.eval_only:
+        log.start(None, resumed.iter_num, plan.cfg.init_from, saves=False)  # its figures on screen (and wandb) only
+        return None
+    stop.arm()
     out_dir, ckpt = plan.cfg.out_dir, resumed.ckpt
     if not dist.master:
         log.start(None, resumed.iter_num, plan.cfg.init_from, resumed.changes)

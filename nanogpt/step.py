@@ -15,16 +15,8 @@ import torch.distributed as torch_dist
 
 from model import GPTConfig
 from nanogpt import dataio, parallel
-from nanogpt.config import StepConfig
-from nanogpt.device import (
-    DeviceClock,
-    keep_freed_memory,
-    resolve_attention,
-    resolve_device,
-    resolve_dtype,
-    resolve_fused_loss,
-    set_deterministic,
-)
+from nanogpt.config import Machine, StepConfig
+from nanogpt.device import DeviceClock, keep_freed_memory, set_deterministic
 from nanogpt.distributed import Dist
 from nanogpt.errors import RunError
 from nanogpt.optim import step_unless
@@ -32,29 +24,23 @@ from nanogpt.optim import step_unless
 
 # From scratch nothing needs GPT-2's tanh approximation: train with nanoGPT's exact GELU, whose CPU kernel is faster.
 SCRATCH_GELU = "erf"
-# The config keys that shape the weights (with the dataset's vocab_size), and those that change only how the
-# model computes. model_config assembles them, the one place a config becomes a GPTConfig.
+# The config keys that shape the weights (with the dataset's vocab_size): model_config assembles them with
+# model_settings', the one place a config becomes a GPTConfig.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "vocab_padding_multiple")
-SETTING_KEYS = ("dropout", "attention", "sdpa_backend", "fused_loss")
 
 
-def model_settings(cfg: StepConfig) -> dict:
-    """The settings that do not touch the weights: they apply to a checkpoint's or GPT-2's model too. train.py and
-    bench.py resolve attention="auto" first (to log why); a direct call resolves it for the configured device."""
-    settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
-    if settings["attention"] == "auto":
-        device = resolve_device(cfg.device)
-        settings["attention"] = resolve_attention("auto", device, resolve_dtype(cfg.dtype, device))[0]
-    if settings["fused_loss"] is None:
-        settings["fused_loss"] = resolve_fused_loss(None, resolve_device(cfg.device))
-    return settings
+def model_settings(cfg: StepConfig, machine: Machine) -> dict:
+    """The settings that do not touch the weights, "auto" as `machine` decided it: they apply to a checkpoint's or
+    GPT-2's model too."""
+    return dict(dropout=cfg.dropout, attention=machine.attention, sdpa_backend=cfg.sdpa_backend,
+                fused_loss=machine.fused_loss)
 
 
-def model_config(cfg: StepConfig, vocab_size: int) -> GPTConfig:
+def model_config(cfg: StepConfig, vocab_size: int, machine: Machine) -> GPTConfig:
     """The GPTConfig of a new model: the config's model keys, the dataset's vocabulary, and SCRATCH_GELU unless a
     GELU is set."""
     args = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"}
-    return GPTConfig(**args, **model_settings(cfg), vocab_size=vocab_size, gelu=cfg.gelu or SCRATCH_GELU)
+    return GPTConfig(**args, **model_settings(cfg, machine), vocab_size=vocab_size, gelu=cfg.gelu or SCRATCH_GELU)
 
 
 def setup_process(cfg: StepConfig, device: str, rank: int = 0) -> bool:

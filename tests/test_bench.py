@@ -209,8 +209,8 @@ def test_a_result_json_that_cannot_be_written_is_refused_before_the_timing(tmp_p
 def test_padding_rows_do_not_change_the_initial_weights():
     """Runs with and without vocabulary padding train the same model: the same weights, zero padding rows."""
     cfg, _ = bench.load_config(TINY)
-    plain = bench.build_model(cfg, vocab_padding_multiple=1).state_dict()
-    padded = bench.build_model(cfg, vocab_padding_multiple=64).state_dict()
+    plain = bench.build_model(cfg, cfg.machine(), vocab_padding_multiple=1).state_dict()
+    padded = bench.build_model(cfg, cfg.machine(), vocab_padding_multiple=64).state_dict()
     for name, w in plain.items():
         assert torch.equal(padded[name][: w.size(0)], w), name
     assert padded["transformer.wte.weight"].shape == (320, 64) and not padded["transformer.wte.weight"][300:].any()

@@ -250,11 +250,11 @@ def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_us
         cfg = tiny_config(data_dir, out, init_from="resume", max_iters=4)
         plan = start.decide(cfg, given=set())
         dist = Dist()
-        resumed = start.read_resumed(plan, plan.cfg, dist, Logger(dist, str(out)))
-        model = start.load_model(plan.cfg, dataio.find_meta(str(data_dir)), resumed.ckpt)
+        resumed = start.read_resumed(plan, dist, Logger(dist, str(out)))
+        model = start.load_model(plan.cfg, plan.machine, dataio.find_meta(str(data_dir)), resumed.ckpt)
         optimizer = build_optimizer(model, plan.cfg, "cpu", verbose=False)
-        start.restore_training_state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), resumed,
-                                     plan.cfg.seed, dist)
+        checkpoints.load_training_state(model, optimizer, resumed.ckpt)
+        checkpoint_file.restore_rng(resumed.ckpt, plan.cfg.seed, dist, resumed.iter_num)
         checkpoints.load_for_inference("resume", str(out), None, "cpu", "float32", {}, log=lambda line: None)
 
     reads()  # the checkpoint as written reads whole

@@ -108,8 +108,8 @@ def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_win
         for device in ("cpu", "cuda", "mps"):
             assert resolve_fused_loss(explicit, device) is explicit
     assert TrainConfig().fused_loss is None
-    assert model_settings(TrainConfig(device="cpu"))["fused_loss"] is True
-    assert model_settings(TrainConfig(device="cpu", fused_loss=False))["fused_loss"] is False
+    for cfg, fused in ((TrainConfig(device="cpu"), True), (TrainConfig(device="cpu", fused_loss=False), False)):
+        assert model_settings(cfg, cfg.machine())["fused_loss"] is fused
     from configurator import ConfigError, configure
 
     assert configure(TrainConfig(), ["--fused_loss=False"]).fused_loss is False

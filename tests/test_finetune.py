@@ -24,6 +24,8 @@ from sample import SampleConfig, load_model
 from nanogpt.config import TrainConfig
 from nanogpt import start
 from nanogpt.start import init_model
+
+CPU = TrainConfig(device="cpu", dtype="float32").machine()
 from train import train
 
 
@@ -87,14 +89,14 @@ def test_gelu_follows_the_gpt2_weights_and_a_mismatch_is_refused(tmp_path, activ
     folder = str(tmp_path / "tiny-gpt2")
     config = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=300, activation_function=activation)
     GPT2LMHeadModel(config).save_pretrained(folder)
-    assert init_model(TrainConfig(init_from=folder, block_size=32), None, None).config.gelu == gelu  # by default
-    assert init_model(TrainConfig(init_from=folder, block_size=32, gelu=gelu), None, None).config.gelu == gelu
+    assert init_model(TrainConfig(init_from=folder, block_size=32), CPU, None, None).config.gelu == gelu  # by default
+    assert init_model(TrainConfig(init_from=folder, block_size=32, gelu=gelu), CPU, None, None).config.gelu == gelu
     with pytest.raises(UserError, match=rf"gelu='{other}' does not match the weights of "
                        rf".*tiny-gpt2', which were trained with gelu='{gelu}': remove the gelu setting"):
-        init_model(TrainConfig(init_from=folder, block_size=32, gelu=other), None, None)
+        init_model(TrainConfig(init_from=folder, block_size=32, gelu=other), CPU, None, None)
     scratch = TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)  # from scratch: nanoGPT's exact GELU
-    assert init_model(scratch, {"vocab_size": 300}, None).config.gelu == "erf"
-    assert init_model(dataclasses.replace(scratch, gelu="tanh"), {"vocab_size": 300}, None).config.gelu == "tanh"
+    assert init_model(scratch, CPU, {"vocab_size": 300}, None).config.gelu == "erf"
+    assert init_model(dataclasses.replace(scratch, gelu="tanh"), CPU, {"vocab_size": 300}, None).config.gelu == "tanh"
 
 
 def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkeypatch):
@@ -111,7 +113,7 @@ def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkey
 
     monkeypatch.setattr(start, "pretrained_gpt2", fake_pretrained)
     with pytest.raises(RuntimeError, match="stop here"):
-        init_model(cfg, None, None)
+        init_model(cfg, CPU, None, None)
     # attention="auto": the path for this machine's device and dtype (device.resolve_attention, tested there)
     device = resolve_device("auto")
     attention = resolve_attention("auto", device, resolve_dtype("auto", device))[0]
