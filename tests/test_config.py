@@ -47,6 +47,13 @@ def test_every_problem_of_a_train_config_comes_in_one_message():
     assert TrainConfig(device="cpu").problems() == []  # the defaults are valid
 
 
+def test_micro_steps_must_split_evenly_over_the_ranks():
+    """3 micro-steps on 2 ranks would train 2 (1 per rank) while logging 3 x batch_size x block_size tokens."""
+    for steps, world, refused in [(3, 2, True), (1, 2, True), (5, 4, True), (4, 2, False), (3, 1, False)]:
+        problems = TrainConfig(device="cpu", gradient_accumulation_steps=steps).problems(world)
+        assert [p.startswith(f"gradient_accumulation_steps={steps} ") for p in problems] == [True] * refused, problems
+
+
 def test_fp8_problems_name_each_cause(monkeypatch):
     assert StepConfig(device="cpu").problems() == []  # off: nothing to check
     assert StepConfig(device="cpu", fp8_recipe="columnwise").problems() == [
