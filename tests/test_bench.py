@@ -232,7 +232,7 @@ def readme_commands(scripts: tuple[str, ...]) -> list[tuple[str, str, list[str]]
 
 
 STUDIES = ("bench.py", "benchmarks/ablation.py", "benchmarks/numerics.py", "benchmarks/memory.py",
-           "benchmarks/time_to_loss.py", "benchmarks/generation.py", "benchmarks/gpu.py")
+           "benchmarks/time_to_loss.py", "benchmarks/gpu.py")
 
 
 def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
@@ -241,7 +241,7 @@ def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
     --nanogpt=PATH (the user's checkout of nanoGPT) is given a folder with nanoGPT's file names."""
     import shlex
 
-    from benchmarks import ablation, generation, gpu, memory, time_to_loss
+    from benchmarks import ablation, gpu, memory, time_to_loss
     from benchmarks import study_config
     from configurator import configure
     from nanogpt.config import TrainConfig
@@ -256,9 +256,6 @@ def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
                 configure(TrainConfig(), [*time_to_loss.NANOGPT_CPU, *extra])
                 for variant in parsed.variant:
                     configure(TrainConfig(), [*time_to_loss.OURS, *extra, *shlex.split(variant)])
-                continue
-            if script == "benchmarks/generation.py":
-                generation.parse_args(args)
                 continue
             if script == "benchmarks/gpu.py":
                 for name in ("bench.py", "model.py", "configurator.py"):
