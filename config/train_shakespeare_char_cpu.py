@@ -3,8 +3,8 @@
 # $ python sample.py --out_dir=out-shakespeare-char-cpu
 #
 # nanoGPT's CPU recipe (4 layers x 128 wide, block 64, batch 12, 2000 iterations, float32, no compile) reaches a
-# val loss of ~1.88-1.90; `python benchmarks/time_to_loss.py` runs it and this config side by side (the figures, with
-# their machine and date, are in docs/performance.md). What gets there faster on a CPU with bf16 in hardware:
+# val loss of ~1.88-1.90; docs/performance.md times it and this config side by side (the figures, with their machine,
+# date and command). What gets there faster on a CPU with bf16 in hardware:
 # - bf16 autocast (dtype="auto" picks it on a CPU with bf16 in hardware): its matmuls run faster than float32's
 #   there. A CPU without it (AVX2 only) emulates bf16, far slower, so "auto" runs float32 there.
 # - the plain math attention under bf16 (attention="auto" picks it): PyTorch's CPU flash kernel is much slower in

@@ -109,7 +109,7 @@ def resolve_sampling_attention(
     attention: str, device: str, dtype: str, block_size: int, sdpa_backend: str | None = None
 ) -> tuple[str, str]:
     """
-    The attention to generate with (sample.py, benchmarks/generation.py) and the reason. `dtype`: that of the heavy
+    The attention to generate with (sample.py) and the reason. `dtype`: that of the heavy
     work, the window recomputed past block_size. 'auto' -> math on a CPU under bf16 for a window of at most
     MATH_SAMPLING_MAX_BLOCK positions, unless an sdpa_backend was asked for; SDPA everywhere else. An explicit
     "math"/"sdpa" is kept.

@@ -192,7 +192,7 @@ NO_BUFFER_SYNC = (
     else {"broadcast_buffers": False}
 )
 # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
-# gradient's size less memory (benchmarks/ddp_settings.py measures it).
+# gradient's size less memory (tests/cuda/test_cuda_ddp.py measures it).
 DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 

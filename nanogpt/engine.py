@@ -2,7 +2,7 @@
 Decoding, in one place: the KV cache, the generation loop GPT.generate runs (the prompt in one forward pass, then
 one cached position per token, and past block_size a sliding window recomputed whole), and the turning of the next
 token's logits into a token (temperature, the top-k and top-p filters, a draw, or the most likely token at
-temperature 0). sample.py, report.py and the benchmarks decode through GPT.generate.
+temperature 0). sample.py and report.py decode through generate() here.
 
 The model is an argument, never imported: its attention fills the KVCache it is given (GPT.forward's kv_cache), and
 GPT.generate is the plain loop this engine is tested against.

@@ -265,18 +265,13 @@ class MatmulRecorder(TorchDispatchMode):
 
     OPS = {getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")}
     OPS |= {getattr(torch.ops.aten, name).out for name in ("mm", "addmm", "bmm", "baddbmm")}
-    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # PyTorch built with oneDNN
-        OPS.add(torch.ops.mkldnn._linear_pointwise.default)  # a Linear from a packed weight (engine's window phase)
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple] = []  # (op, args, kwargs), every tensor as ("tensor", shape, stride, dtype), a
-        # packed weight as ("packed", the tensor)
+        self.calls: list[tuple] = []  # (op, args, kwargs), every tensor as ("tensor", shape, stride, dtype)
 
     @staticmethod
     def _spec(value):
-        if isinstance(value, torch.Tensor) and value.is_mkldnn:  # a packed weight: opaque, replayed as it is
-            return ("packed", value)
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.stride(), value.dtype)
         return value
@@ -310,13 +305,10 @@ SHARED_OPERAND_BYTES = 32 << 20  # larger than a CPU's or GPU's last-level cache
 
 
 def _fresh(spec, device: str, made: dict):
-    """A random tensor laid out as a recorded operand (its shape, strides and dtype), or the recorded value (a
-    packed weight: the one recorded, as the run reads it). Each
+    """A random tensor laid out as a recorded operand (its shape, strides and dtype), or the recorded value. Each
     call gets its own, so that no call finds another's operands in cache, except operands over
     SHARED_OPERAND_BYTES, one per layout: a tensor per call would hold every chunk's (vocab x C) head weight and
     gradient at once, gigabytes for GPT-2's 48 loss chunks, and a tensor that large is not cached anyway."""
-    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "packed":
-        return spec[1]
     if not (isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "tensor"):
         return spec
     if spec in made:

@@ -1,4 +1,5 @@
-"""What the model's tests share: a tiny GPT config and model, and the tolerances of their comparisons."""
+"""What the model's tests share: a tiny GPT config and model, the tolerances of their comparisons, and the check of
+greedy tokens against a float64 forward pass (first_divergence)."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,3 +63,26 @@ def run(model: GPT, idx, targets, mask=None):
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+# A greedy token's float64 logit may be this far below the best one: float32 steps differ from float64 by ~1e-5
+# here, bf16 weights (8 mantissa bits) by ~1e-2 on logits of size ~0.4.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1}
+
+
+@torch.no_grad()
+def first_divergence(reference: GPT, out: torch.Tensor, prompt_len: int, tol: float) -> str | None:
+    """Where a chosen token's float64 logit falls more than tol below the best one, as text; None if nowhere (a
+    closer call is a near-tie that rounding may flip, not an error). reference: the float64 model."""
+    bs = reference.config.block_size
+    L = out.size(1)
+    # logits predicting token t come from the window of the block_size tokens before it
+    head, _ = reference(out[:, : min(bs, L - 1)])  # (B, min(bs, L-1), V): predictions for tokens 1 .. bs
+    for t in range(prompt_len, L):
+        logits = head[:, t - 1] if t <= bs else reference(out[:, t - bs : t])[0][:, -1]  # (B, V)
+        chosen = logits.gather(1, out[:, t : t + 1]).squeeze(1)  # (B,)
+        gap = logits.max(dim=1).values - chosen  # (B,)
+        if (gap > tol).any():
+            row = int((gap > tol).nonzero()[0])
+            return f"new token {t - prompt_len} of sample {row}: its logit is {gap[row]:.3g} below the best (> {tol})"
+    return None

@@ -232,34 +232,21 @@ def readme_commands(scripts: tuple[str, ...]) -> list[tuple[str, str, list[str]]
 
 
 STUDIES = ("bench.py", "benchmarks/ablation.py", "benchmarks/numerics.py", "benchmarks/memory.py",
-           "benchmarks/time_to_loss.py", "benchmarks/generation.py", "benchmarks/gpu.py")
+           "benchmarks/gpu.py")
 
 
 def test_every_readme_bench_and_study_command_is_a_valid_config(tmp_path):
-    """Every bench.py and study command of the README and docs/ parses: bench.py's keys (and a study's own), the
-    argparse studies' arguments, and time_to_loss's --args/--variant as train.py arguments of its recipes. A
-    --nanogpt=PATH (the user's checkout of nanoGPT) is given a folder with nanoGPT's file names."""
-    import shlex
-
-    from benchmarks import ablation, generation, gpu, memory, time_to_loss
+    """Every bench.py and study command of the README and docs/ parses: bench.py's keys (and a study's own), and the
+    argparse studies' arguments. A --nanogpt=PATH (the user's checkout of nanoGPT) is given a folder with nanoGPT's
+    file names."""
+    from benchmarks import ablation, gpu, memory
     from benchmarks import study_config
     from configurator import configure
-    from nanogpt.config import TrainConfig
 
     commands = readme_commands(STUDIES)
     assert {script for _, script, _ in commands} == set(STUDIES)
     for line, script, args in commands:
         try:
-            if script == "benchmarks/time_to_loss.py":
-                parsed = time_to_loss.parse_args(args)
-                extra = shlex.split(parsed.args)
-                configure(TrainConfig(), [*time_to_loss.NANOGPT_CPU, *extra])
-                for variant in parsed.variant:
-                    configure(TrainConfig(), [*time_to_loss.OURS, *extra, *shlex.split(variant)])
-                continue
-            if script == "benchmarks/generation.py":
-                generation.parse_args(args)
-                continue
             if script == "benchmarks/gpu.py":
                 for name in ("bench.py", "model.py", "configurator.py"):
                     (tmp_path / name).touch()

@@ -47,6 +47,13 @@ def test_every_problem_of_a_train_config_comes_in_one_message():
     assert TrainConfig(device="cpu").problems() == []  # the defaults are valid
 
 
+def test_micro_steps_must_split_evenly_over_the_ranks():
+    """3 micro-steps on 2 ranks would train 2 (1 per rank) while logging 3 x batch_size x block_size tokens."""
+    for steps, world, refused in [(3, 2, True), (1, 2, True), (5, 4, True), (4, 2, False), (3, 1, False)]:
+        problems = TrainConfig(device="cpu", gradient_accumulation_steps=steps).problems(world)
+        assert [p.startswith(f"gradient_accumulation_steps={steps} ") for p in problems] == [True] * refused, problems
+
+
 def test_fp8_problems_name_each_cause(monkeypatch):
     assert StepConfig(device="cpu").problems() == []  # off: nothing to check
     assert StepConfig(device="cpu", fp8_recipe="columnwise").problems() == [
@@ -115,6 +122,82 @@ def test_every_numeric_setting_declares_its_range():
         declared = config.declarations(config_type())
         assert [k for k in numeric_keys(config_type) if not isinstance(declared.get(k, (None,))[0], Range)] == [], \
             config_type.__name__
+
+
+# Every numeric setting of every command as its user knows it (the README, --help): values refused and values
+# accepted (the bounds themselves among them), written here by hand, never read from the declarations the checks use.
+# key: (refused, accepted) or (refused, accepted, the other settings it is given with).
+NAN, INF = float("nan"), float("inf")
+STEP_SETTINGS = {  # train.py's and bench.py's (config.StepConfig)
+    "gradient_accumulation_steps": ([0, -1], [1, 40]), "batch_size": ([0, -1], [1, 12]),
+    "block_size": ([0, -1], [1, 1024]), "n_layer": ([0, -1], [1, 12]), "n_head": ([0, -1], [1, 12]),
+    "n_embd": ([0, -1], [1, 768], {"n_head": 1}), "dropout": ([-0.1, 1.0, 1.5, NAN], [0.0, 0.1, 0.999]),
+    "vocab_padding_multiple": ([0, -1, 2**16 + 1], [1, 64, 2**16]), "muon_learning_rate": ([0.0, -0.02], [1e-9, 0.02]),
+    "muon_weight_decay": ([-0.1, INF], [0.0, 0.1]), "muon_momentum": ([-0.1, 1.0], [0.0, 0.95]),
+    "learning_rate": ([-6e-4, INF], [0.0, 6e-4]), "weight_decay": ([-0.1], [0.0, 0.1]),
+    "beta1": ([-0.1, 1.0], [0.0, 0.9]), "beta2": ([-0.1, 1.0], [0.0, 0.95]), "grad_clip": ([-1.0], [0.0, 1.0]),
+    "peak_flops": ([0.0, -1.0, NAN], [None, 1.0, 312e12]), "seed": ([-1, 2**32], [0, 1337, 2**32 - 1]),
+}
+COMMAND_SETTINGS = {
+    "train.py": {**STEP_SETTINGS, "eval_interval": ([0, -1], [1, 2000]), "log_interval": ([0, -1], [1, 10]),
+                 "eval_iters": ([0, -1], [1, 200]), "keep_last": ([-1], [0, 3]),
+                 "checkpoint_interval": ([-1], [0, 100]), "checkpoint_minutes": ([-1.0, NAN], [0.0, 30.0]),
+                 "max_iters": ([-1], [0, 600000]), "hellaswag_interval": ([-1, 1, 2001], [0, 4000]),
+                 "warmup_iters": ([-1], [0, 2000]),
+                 "lr_decay_iters": ([-1], [None, 0, 600000]), "min_lr": ([-6e-5], [0.0, 6e-5]),
+                 "max_nonfinite_skips": ([-1], [0, 5]), "activation_checkpointing": ([-1, 13], [False, True, 0, 12])},
+    "bench.py": {**STEP_SETTINGS, "vocab_size": ([0, -1], [1, 50257]), "warmup_steps": ([-1], [0, 10]),
+                 "timed_steps": ([0, -1], [1, 20])},
+    "sample.py": {"num_samples": ([0, -1], [1, 10]), "batch_size": ([0, -1], [None, 1, 8]),
+                  "max_new_tokens": ([0, -1], [1, 500]), "temperature": ([-0.1, NAN], [0.0, 0.8, 2.0]),
+                  "top_k": ([0, -1], [None, 1, 200]), "top_p": ([0.0, -0.1, 1.01], [None, 1e-6, 0.9, 1.0]),
+                  "seed": ([-1, 2**32], [0, 2**32 - 1])},
+    "hellaswag.py": {"max_examples": ([-1], [0, 10])},
+    "export.py": {},
+}
+
+
+def problems_of(command: str, settings: dict) -> list[str]:
+    """The phrases of the command's own check of these settings (device=cpu): [] where it accepts them."""
+    import bench
+    import hellaswag
+    import sample
+
+    try:
+        if command == "train.py":
+            return TrainConfig(device="cpu", **settings).problems()
+        if command == "bench.py":
+            return bench.BenchConfig(device="cpu", **settings).problems()
+        if command == "sample.py":
+            sample.check_config(sample.SampleConfig(device="cpu", **settings))
+        if command == "hellaswag.py":  # main's check; then the examples file, which is not there (no download)
+            hellaswag.main([*(f"--{k}={v!r}" for k, v in settings.items()), "--device=cpu", "--path=/no/hellaswag"])
+    except UserError as e:
+        return [] if str(e).startswith("hellaswag path '/no/hellaswag'") else str(e).split("; ")
+    return []
+
+
+@pytest.mark.parametrize("command", COMMAND_SETTINGS)
+def test_every_numeric_setting_refuses_and_accepts_the_values_its_user_expects(command):
+    """Each value the table refuses is refused by the command's check, in phrases that all name the key; each it
+    accepts passes. The table covers every numeric setting: a new one must be added to it. (The out-of-range test
+    draws its values from the declarations, so it never saw vocab_padding_multiple's range widened to take 0, which
+    then ends in a ValueError, nor a closed bound made open, which refuses seed=2**32-1 and top_p=1.0.)"""
+    import bench
+    import export
+    import hellaswag
+    import sample
+
+    config_type = {"train.py": TrainConfig, "bench.py": bench.BenchConfig, "sample.py": sample.SampleConfig,
+                   "hellaswag.py": hellaswag.HellaSwagConfig, "export.py": export.ExportConfig}[command]
+    settings = COMMAND_SETTINGS[command]
+    assert sorted(settings) == sorted(numeric_keys(config_type))
+    for key, (refused, accepted, *context) in settings.items():
+        for value in refused:
+            problems = problems_of(command, {**(context[0] if context else {}), key: value})
+            assert problems and all(p.startswith(f"{key}=") for p in problems), (key, value, problems)
+        for value in accepted:
+            assert problems_of(command, {**(context[0] if context else {}), key: value}) == [], (key, value)
 
 
 def out_of_range(meta: Range, integer: bool):

@@ -176,3 +176,15 @@ def test_ranks_whose_settings_differ_are_refused_in_one_line_before_anything_cha
     assert lines == ["error: the ranks' settings differ (n_layer: 2 vs 3; max_iters: 4 vs 6): give every rank the same "
                      "config files and --key=value overrides"] * 2, r.stderr[-3000:]
     assert not out.exists()
+
+
+def test_micro_steps_that_do_not_split_over_the_ranks_are_refused_on_every_rank(data_dir, tmp_path):
+    """gradient_accumulation_steps=3 on 2 ranks would train 1 micro-batch per rank (2 a step) while logging 3's
+    tokens: one line, exit status 2, and no out_dir made. (The rank that refuses first ends the job: torchrun may
+    stop the other before it says the same.)"""
+    out = tmp_path / "out"
+    r = torchrun(tmp_path, "nothing", tiny_config(data_dir, out, max_iters=2, gradient_accumulation_steps=3))
+    lines = {ln for ln in r.stderr.splitlines() if ln.startswith("error: ")}
+    assert lines == {"error: gradient_accumulation_steps=3 is not divisible by the 2 DDP processes: make it a multiple "
+                     "of 2"}, r.stderr[-3000:]
+    assert "exitcode  : 2 " in r.stderr and not out.exists(), r.stderr[-3000:]

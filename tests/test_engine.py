@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanogpt import engine
 from nanogpt.engine import KVCache, sample_next_token, top_k_filter, top_p_filter
 from nanogpt.errors import UserError
-from model import GPT
-from model_helpers import VOCAB, make_model
+from model import GPT, GPTConfig
+from model_helpers import VOCAB, first_divergence, make_model
 
 
 def greedy_reference(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -564,3 +564,24 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_dominate(use_cache:
     assert new.numel() == 1000
     assert new.max().item() < VOCAB, f"sampled padded id {new.max().item()}"
     assert new.unique().numel() > 50, "temperature-1 sampling should spread over many real ids"
+
+
+def test_the_float64_check_passes_near_ties_and_names_a_clearly_worse_token() -> None:
+    """model_helpers.first_divergence, the CUDA suite's check of generated tokens: a near-tie that rounding may flip
+    passes, a clearly worse token is named. The runner-up comes from a brute-force float64 forward pass here."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double().eval()
+    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
+    out = engine.generate(model, prompt, 9, temperature=0.0)  # (2, 12): past block_size 8, so windows slide
+    assert first_divergence(model, out, 3, tol=0.0) is None  # greedy tokens are the float64 argmax
+
+    # at new token 6 (position 9, predicted from the window of positions 1..8) take the runner-up of sample 1
+    with torch.no_grad():
+        logits = model(out[1:2, 1:9])[0][0, -1]  # (V,)
+    top2 = logits.topk(2)
+    gap = (top2.values[0] - top2.values[1]).item()
+    flipped = out[:, :10].clone()
+    flipped[1, 9] = top2.indices[1]
+    assert first_divergence(model, flipped, 3, tol=gap * 1.01) is None, "a flip within the tolerance is a near-tie"
+    why = first_divergence(model, flipped, 3, tol=gap * 0.99)
+    assert why is not None and why.startswith("new token 6 of sample 1:"), why

@@ -294,6 +294,41 @@ def test_an_earlier_file_that_cannot_be_put_back_is_kept_and_named(tmp_path, mon
     assert f"the earlier model.safetensors could not be put back: kept in {staging / 'old'}" in str(e.value)
 
 
+def test_a_rename_that_fails_at_any_point_leaves_exactly_the_earlier_files(tmp_path, monkeypatch):
+    """write_files over a folder whose earlier set the new one partly replaces (a, c) and adds to (b, d): each of its
+    renames fails in turn, and after each the folder holds the earlier names with the earlier bytes, nothing else."""
+    from helpers import folder_state
+    from nanogpt import files
+
+    to = tmp_path / "to"
+    to.mkdir()
+    for name in ("a", "c", "other"):
+        (to / name).write_bytes(f"old {name}".encode())
+    before = folder_state(to)
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if len(calls) == fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src, dst)
+
+    def write(folder):
+        for name in "abcd":
+            (Path(folder) / name).write_bytes(f"new {name}".encode())
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    for fail_at in range(1, 7):  # a and c moved aside, then each of a, b, c, d renamed into place
+        calls.clear()
+        with pytest.raises(UserError, match="the files there are as they were"):
+            files.write_files(str(to), write, "the model into")
+        assert folder_state(to) == before, fail_at
+    calls.clear()
+    fail_at = 0
+    files.write_files(str(to), write, "the model into")  # no failure: 6 renames, the new set beside "other"
+    assert len(calls) == 6 and folder_state(to) == {**before, **{n: f"new {n}".encode() for n in "abcd"}}
+
+
 def test_the_folder_of_a_killed_export_is_named_and_kept(tmp_path, capsys):
     """A kill during an export's renames leaves its temporary folder (old/: the earlier files it had replaced).
     The next export names it in a warning and leaves it alone: the user's earlier files may be there."""

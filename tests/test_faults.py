@@ -71,11 +71,13 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(da
     assert resumed["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
 
 
-def test_a_stop_between_evals_keeps_the_best_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+def test_a_stop_between_evals_keeps_the_best_checkpoint_and_its_resume_the_best_val_loss(data_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
     # always_save_checkpoint=False: ckpt.pt holds the best val loss's weights, until a stop must save the latest
     signal_during_step(monkeypatch, signal.SIGTERM, step=8)  # evals at 0 and 5, the stop at 8
+    run = {**RUN, "eval_interval": 5, "always_save_checkpoint": False}
     with pytest.raises(SystemExit):
-        train(tiny_config(data_dir, tmp_path / "run", **{**RUN, "eval_interval": 5}, always_save_checkpoint=False))
+        train(tiny_config(data_dir, tmp_path / "run", **run))
     latest = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     best = load_checkpoint(str(tmp_path / "run" / "ckpt_best.pt"))
     evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "val_loss" in r]
@@ -88,6 +90,15 @@ def test_a_stop_between_evals_keeps_the_best_checkpoint(data_dir, tmp_path, monk
 
     model, _ = load_model(SampleConfig(out_dir=str(tmp_path / "run"), ckpt="ckpt_best.pt", device="cpu"))
     assert torch.equal(model.transformer.wte.weight, best["model"]["transformer.wte.weight"])
+    # resumed with a learning rate that makes the eval at 10 worse than 5's: the best weights and loss stay 5's
+    monkeypatch.undo()
+    result = train(tiny_config(data_dir, tmp_path / "run", **{**run, "max_iters": 10}, learning_rate=1.0,
+                               init_from="resume"))
+    evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [0, 5, 10] and evals[2]["val_loss"] > evals[1]["val_loss"] + 0.5
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt_best.pt"))["iter_num"] == 5
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["best_val_loss"] == best["best_val_loss"] == \
+        pytest.approx(result["best_val_loss"])
 
 
 def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(data_dir, tmp_path):

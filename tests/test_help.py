@@ -86,7 +86,7 @@ def source_comment(cls: type, name: str) -> str:
 
 
 def test_every_script_is_covered():
-    assert {"benchmarks/async_save.py", "benchmarks/gpu.py", "data/shakespeare_char/prepare.py",
+    assert {"benchmarks/attention.py", "benchmarks/gpu.py", "data/shakespeare_char/prepare.py",
             "data/fineweb_edu/prepare.py"} <= set(SCRIPTS)
     assert len(SCRIPTS) >= 7 + 8 + 4  # 8 in benchmarks/, 4 prepare scripts today
 

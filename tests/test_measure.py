@@ -57,27 +57,6 @@ def test_the_matmul_floor_of_a_float8_model_replays_its_scaled_matmuls():
     assert n == 15 and ms > 0
 
 
-@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                    reason="packed weights are oneDNN's bf16 matmuls")
-def test_a_linear_from_a_packed_weight_is_recorded_and_replayed_from_that_weight():
-    """engine's window phase runs its Linears from weights packed for oneDNN (mkldnn._linear_pointwise): the floor
-    records those calls, the packed weight as itself (an opaque tensor, no strides to lay a fresh one out by),
-    and replays them."""
-    weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 64, dtype=torch.bfloat16), 8)
-    x = torch.randn(8, 64, dtype=torch.bfloat16)
-
-    def run() -> None:
-        torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-    recorder = measure.MatmulRecorder()
-    with recorder:
-        run()
-    assert [(str(op), args[0], args[1]) for op, args, _ in recorder.calls] == [
-        ("mkldnn._linear_pointwise.default", ("tensor", (8, 64), (64, 1), torch.bfloat16), ("packed", weight))]
-    ms, n = measure.replayed_matmuls(run, "cpu")
-    assert n == 1 and ms > 0
-
-
 def test_a_short_sequence_of_matmuls_is_timed_over_many_replays(monkeypatch):
     """A batch-1 step's matmuls take ~100 us: one replay per timing would be as much the timer and the interrupts
     as the matmuls (the batch-1 floor moved by 2.6x between runs so). Each timing replays the sequence until ~10 ms

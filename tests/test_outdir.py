@@ -4,6 +4,7 @@ restart, a damaged run.json or metrics.jsonl, checkpoint_interval under a hard k
 and two agents on one machine (real torchrun, gloo, tiny models)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -754,6 +755,23 @@ def test_the_lock_looks_again_when_its_holder_removed_the_file_between_open_and_
     with outdir.hold(str(out)):
         assert removed and (out / outdir.LOCK_FILE).exists()
         monkeypatch.setattr(fcntl, "flock", real_flock)
+        with pytest.raises(checkpoint_file.UserError, match="is in use by a live run"):
+            with outdir.hold(str(out)):
+                pass
+
+
+def test_a_run_whose_lock_file_was_removed_leaves_the_next_holders_lock_alone(tmp_path):
+    """Run A's run.lock is removed while A runs (by hand, a cleanup script): B makes a new one and holds it. A's end
+    must leave B's file be, or a third start makes yet another and runs beside B. (flock locks of two opens conflict
+    in one process too.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    b = contextlib.ExitStack()
+    with outdir.hold(str(out)):  # A
+        os.remove(out / outdir.LOCK_FILE)
+        b.enter_context(outdir.hold(str(out)))
+    with b:
+        assert (out / outdir.LOCK_FILE).exists()
         with pytest.raises(checkpoint_file.UserError, match="is in use by a live run"):
             with outdir.hold(str(out)):
                 pass

@@ -79,3 +79,18 @@ def test_a_report_that_a_library_fails_to_draw_is_a_warning_and_the_run_ends_wel
     err = capsys.readouterr().err
     assert ("warning: no report (OverflowError: int too large to convert to float); the run and its checkpoint are "
             "whole") in err and (out / "ckpt.pt").exists() and not (out / "report.md").exists()
+
+
+def test_the_reports_speed_leaves_out_the_first_logged_step_which_holds_the_compile(tmp_path):
+    """A hand-made metrics.jsonl whose first logged step is slow (compile): the medians of the other three, 2,000
+    tokens/s and MFU 20% (with the first they would be 1,500 and 15%)."""
+    from nanogpt import report
+    from nanogpt.config import TrainConfig
+
+    steps = [(1, 10.0, 0.001), (2, 1000.0, 0.1), (3, 3000.0, 0.3), (4, 2000.0, 0.2)]  # iter, tokens/s, MFU
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"iter": it, "loss": 3.0, "elapsed_s": float(it), "tok_s": tok_s, "mfu": mfu}) + "\n"
+        for it, tok_s, mfu in steps))
+    report.write_report(str(tmp_path), TrainConfig(out_dir=str(tmp_path)), TrainConfig(), {}, None)
+    assert ("- speed: 2,000 tokens/s (median of the logged steps after the first), MFU 20.00%\n"
+            in (tmp_path / "report.md").read_text())

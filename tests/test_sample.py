@@ -397,6 +397,29 @@ def test_sampled_rows_of_a_batch_follow_the_models_distribution_each_on_its_own_
     assert 0.5 * (seen - expected).abs().sum() < 0.03, (seen, expected)
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
+    """A model with more rows (80) than its tokenizer has tokens (65), as nanoGPT's GPT-2 runs have 50304 for 50257,
+    whose weights make the extra ids by far the most likely: sample() draws none of them, greedy or sampled, with
+    top_k and top_p, in the cache and past block_size (8)."""
+    from model import GPT, GPTConfig
+    from nanogpt import dataio
+
+    model = GPT(GPTConfig(block_size=8, vocab_size=80, n_layer=1, n_head=1, n_embd=8, bias=True))
+    with torch.no_grad():  # the final features are all ones at every position: a token's logit is its row's sum
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[:65] = 0.0  # the tokenizer's ids: logit 0
+        model.lm_head.weight[65:] = 4.0  # the rows past it: logit 32
+    tokenizer = dataio.get_tokenizer({"vocab_size": 65, "tokenizer": "char",
+                                      "itos": [chr(c) for c in range(32, 96)] + ["\n"]})
+    for temperature, top_k, top_p in [(0.0, None, None), (1.0, None, None), (1.0, 5, None), (1.0, None, 0.9),
+                                      (2.0, 200, 0.99)]:
+        cfg = SampleConfig(num_samples=4, max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p,
+                           device="cpu", dtype="float32")
+        ids = sample(model, tokenizer, "AB", cfg).ids
+        assert max(max(row) for row in ids) < 65, (temperature, top_k, top_p, ids)
+
+
 # Samples past block_size from a 2 x 128 model, counting the page faults of the generation alone; argv: out_dir,
 # keep_freed_memory (or "default": not given).
 FAULT_PROBE = """

@@ -74,17 +74,19 @@ def test_lr_schedule_warmup_cosine_and_floor():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path, optimizer):
-    """torchrun --nproc_per_node=2 (gloo, 1 micro-step per rank) == 1 process with 2 micro-steps, same data.
-    With Muon every rank orthogonalises the same all-reduced gradient (rank 0 saves, the ranks' losses agree)."""
-    common = dict(gradient_accumulation_steps=2, max_iters=6, eval_interval=3, log_interval=1, dropout=0.0,
-                  optimizer=optimizer, muon_ns_dtype="float32")
+    """torchrun --nproc_per_node=2 (gloo, 2 micro-steps per rank: the first under no_sync) == 1 process with 4
+    micro-steps, same data. With Muon every rank orthogonalises the same all-reduced gradient (rank 0 saves, the
+    ranks' losses agree). Each rank does half the work of the one process's step: half its FLOPs (MFU x time), the
+    same tokens per step in all (tokens/s x time)."""
+    common = dict(gradient_accumulation_steps=4, max_iters=6, eval_interval=3, log_interval=1, dropout=0.0,
+                  optimizer=optimizer, muon_ns_dtype="float32", peak_flops=1e15)
     single = tiny_config(data_dir, tmp_path / "single", **common)
     ddp = tiny_config(data_dir, tmp_path / "ddp", **common)
     train(single)
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                     *config_args(ddp)], timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "tokens per iteration: 256 (1 micro-step x 2 ranks" in r.stdout
+    assert "tokens per iteration: 512 (2 micro-steps x 2 ranks" in r.stdout
     diff = max_param_diff(params_of(tmp_path / "single" / "ckpt.pt"), params_of(tmp_path / "ddp" / "ckpt.pt"))
     assert diff < 1e-5, diff
     # rank 0 alone logs: one line per step, and the logged loss (mean over ranks) equals the single process'
@@ -95,6 +97,10 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
         for key in ("loss", "val_loss", "train_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], abs=1e-5), (key, a, b)
+        if "loss" in a:  # a step's: MFU x time is a rank's FLOPs, tokens/s x time the tokens of all ranks
+            assert b["mfu"] * b["ms"] == pytest.approx(a["mfu"] * a["ms"] / 2)
+            tokens = 4 * 4 * 32  # gradient_accumulation_steps x batch_size x block_size
+            assert a["tok_s"] * a["ms"] / 1000 == pytest.approx(tokens) == b["tok_s"] * b["ms"] / 1000
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

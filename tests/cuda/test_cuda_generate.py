@@ -1,21 +1,17 @@
 """CUDA: KV-cache generation (static cache, compiled one-token step) against a float64 forward pass over its own
 tokens. GPU kernels round differently from the CPU's and between the cached and uncached shapes, so tokens are
-checked with benchmarks/generation.py's tolerance (a near-tie may flip), not for exact equality."""
+checked with model_helpers.first_divergence's tolerance (a near-tie may flip), not for exact equality."""
 from __future__ import annotations
 
 import copy
-import sys
 
 import torch
 
 from cuda_helpers import requires_cuda
-from helpers import ROOT
 from nanogpt.engine import KVCache
 from nanogpt import engine
 from model import GPT, GPTConfig
-
-sys.path.insert(0, f"{ROOT}/benchmarks")
-from generation import TOLERANCE, first_divergence  # noqa: E402
+from model_helpers import TOLERANCE, first_divergence
 
 pytestmark = requires_cuda
 
