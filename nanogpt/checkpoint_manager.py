@@ -6,7 +6,7 @@ sample.py, export.py and hellaswag.py find and read checkpoints through this mod
 A run's folder (out_dir) holds:
   ckpt.pt              the latest save of a one-process or DDP run: model, optimizer and train state (checkpoint.py)
   ckpt_best.pt         always_save_checkpoint=False: the best val loss's weights, once a stop saved later ones
-  ckpt_<iter>.pt       keep_last=K: the last K saves (hard links to ckpt.pt as it was)
+  ckpt_0000300.pt      keep_last=K: the last K saves, named by iteration in 7 digits (hard links to ckpt.pt)
   ckpt_sharded         an FSDP run's latest save: a link to a folder ckpt_sharded_<iter>_<n> (sharded.py)
   ckpt_sharded_best    always_save_checkpoint=False under FSDP: a link to the best val loss's folder
 A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records (not by its format): any run
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -164,9 +165,12 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
                                f"between evals; otherwise {CKPT_NAME} holds the best weights",
                     SHARDED_BEST_NAME: f"{SHARDED_BEST_NAME} exists only after an FSDP run with "
                                        f"always_save_checkpoint=False saved weights later than its best"}.get(name)
-            raise UserError(f"no checkpoint {path} ({_listing(out_dir)}): "
-                            + (hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder "
-                               "in out_dir, or leave it out for the newest"))
+            fix = hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder in out_dir, " \
+                "or leave it out for the newest"
+            m = re.fullmatch(r"ckpt_(\d+)\.pt", name)
+            if m and os.path.exists(os.path.join(out_dir, padded := f"ckpt_{int(m[1]):07d}.pt")):
+                fix = f"keep_last's files carry the iteration in 7 digits: give --ckpt={padded}"
+            raise UserError(f"no checkpoint {path} ({_listing(out_dir)}): {fix}")
         return _found(path)
     found, foreign = [], []
     run_id = outdir.run_id_of(out_dir)

@@ -249,6 +249,14 @@ def test_a_missing_ckpt_best_says_when_it_exists(tmp_path):
         load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_best.pt", device="cpu"))
 
 
+def test_an_unpadded_keep_last_name_names_the_file_that_exists(tmp_path):
+    """Bug: README and --help named keep_last's files ckpt_<iter>.pt, but they are ckpt_0000300.pt: --ckpt=ckpt_300.pt
+    said only 'no checkpoint'."""
+    (tmp_path / "ckpt_0000300.pt").write_bytes(b"a run's")
+    with pytest.raises(UserError, match=r"no checkpoint .*ckpt_300.pt .*: .*give --ckpt=ckpt_0000300.pt$"):
+        load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_300.pt", device="cpu"))
+
+
 def test_checkpoint_loads_on_the_cpu_and_only_the_weights_move(char_run, monkeypatch):
     """Bug: the whole checkpoint (optimizer state: twice the weights) was loaded onto the sampling device. The
     meta device stands in for an accelerator: a tensor put there keeps no data, so a checkpoint loaded there could
