@@ -20,6 +20,7 @@ Reads checkpoints through checkpoint_manager.py; imports nothing from train.py o
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -41,6 +42,11 @@ HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}  # GPTConfig.gelu -> the nam
 # dropout is a training setting (HF's *_pdrop); anything else (a setting added later) must be mapped here first.
 EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd", "dropout", "bias",
                "attention", "sdpa_backend", "gelu", "fused_loss"}  # fused_loss: how the loss is computed
+# every name an export writes: an earlier export's file that this one does not write is removed (outdir.write_files),
+# so that no tokenizer or weights of another model stay beside this one
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+                          r"|vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json"
+                          r"|added_tokens\.json")
 
 
 @dataclass
@@ -48,7 +54,8 @@ class ExportConfig:
     out_dir: Folder = "out"  # the training run's folder
     ckpt: str | None = None  # a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
-    to: str = ""  # the folder to write (created; files of the same names are replaced, all or none of them)
+    to: str = ""  # the folder to write (created; an earlier export there is replaced whole or not at all, other
+    # files left as they are)
 
 
 def log(msg: str) -> None:
@@ -170,10 +177,12 @@ def main(argv: list[str] | None = None) -> None:
         written["note"] = write_tokenizer(folder, tokenizer, config.block_size, shown=cfg.to)
 
     # written whole into a folder of its own first: a full disk leaves an earlier export in --to as it was
-    outdir.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
+    removed = outdir.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to",
+                                 stale=EXPORT_FILES)
     hf_model, note = written["model"], written["note"]
-    log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
-        f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")
+    log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size {hf_model.config.vocab_size}, activation "
+        f"{hf_model.config.activation_function}; {note}"
+        + (f"; removed the earlier export's {', '.join(removed)}" if removed else ""))
 
 
 if __name__ == "__main__":
