@@ -6,7 +6,8 @@ $ python export.py --out_dir=out-shakespeare-char --ckpt=ckpt_best.pt --to=hf-ch
 
 The folder gets config.json, model.safetensors (float32, as trained), generation_config.json and, for a GPT-2 BPE
 run, the tokenizer files (tiktoken's "gpt2" encoding is HF's `gpt2` tokenizer: its vocab.json and merges.txt are
-tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for this repo's checkpoints (ckpt.pt,
+tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache), for a char-level run its meta.json (HF has no
+tokenizer for it; sample.py and hellaswag.py read it). Works for this repo's checkpoints (ckpt.pt,
 ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped
 (50304 -> 50257); GELU "tanh" becomes HF's gelu_new, "erf" its gelu; a model without biases gets zero biases where
 GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
@@ -46,7 +47,7 @@ EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", 
 # so that no tokenizer or weights of another model stay beside this one
 EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
                           r"|vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json"
-                          r"|added_tokens\.json")
+                          r"|added_tokens\.json|meta\.json")
 
 
 @dataclass
@@ -129,8 +130,12 @@ def export(ckpt: dict, folder: str, tokenizer: dataio.Tokenizer | None) -> "GPT2
 
 
 def write_tokenizer(folder: str, tokenizer: dataio.Tokenizer | None, block_size: int, shown: str | None = None) -> str:
-    """The HF tokenizer files for a GPT-2 BPE run; returns a note for the user either way, which names the folder
-    as `shown` (the export's --to, where `folder` is where it is written first)."""
+    """The HF tokenizer files for a GPT-2 BPE run, a char-level run's meta.json (HF has no tokenizer for it, sample.py
+    and hellaswag.py read it); returns a note for the user, which names the folder as `shown` (the export's --to,
+    where `folder` is where it is written first)."""
+    if isinstance(tokenizer, dataio.CharTokenizer):
+        dataio.write_meta(folder, {"vocab_size": tokenizer.vocab_size, "tokenizer": "char", "itos": tokenizer.itos})
+        return f"tokenizer: the run's {tokenizer.vocab_size} characters in meta.json (for sample.py, hellaswag.py)"
     if not isinstance(tokenizer, dataio.GPT2Tokenizer):
         return "no HF tokenizer fits this vocabulary (not GPT-2 BPE): the folder has no tokenizer files"
     import tiktoken.load

@@ -52,8 +52,9 @@ def test_round_trip_logits_and_bitwise_reimport_char_run(tmp_path, capsys, gelu,
     write_run(tmp_path / "run", ours, {"dataset": "chars", "data_dir": str(tmp_path / "chars")}, name="ckpt_best.pt")
     export.main([f"--out_dir={tmp_path / 'run'}", "--ckpt=ckpt_best.pt", f"--to={tmp_path / 'hf'}"])
     note = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"vocab_size {V}, activation {hf_activation}" in note and "no HF tokenizer fits" in note
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert f"vocab_size {V}, activation {hf_activation}; tokenizer: the run's {V} characters in meta.json" in note
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "meta.json",
+                                                   "model.safetensors"]
 
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     assert hf.config.vocab_size == V and hf.config.activation_function == hf_activation
