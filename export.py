@@ -6,7 +6,8 @@ $ python export.py --out_dir=out-shakespeare-char --ckpt=ckpt_best.pt --to=hf-ch
 
 The folder gets config.json, model.safetensors (float32, as trained), generation_config.json and, for a GPT-2 BPE
 run, the tokenizer files (tiktoken's "gpt2" encoding is HF's `gpt2` tokenizer: its vocab.json and merges.txt are
-tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache). Works for this repo's checkpoints (ckpt.pt,
+tiktoken's encoder.json and vocab.bpe, read from tiktoken's cache), for a char-level run its meta.json (HF has no
+tokenizer for it; sample.py and hellaswag.py read it). Works for this repo's checkpoints (ckpt.pt,
 ckpt_best.pt, an FSDP run's sharded folder) and for nanoGPT's ckpt.pt. The padded vocabulary rows are dropped
 (50304 -> 50257); GELU "tanh" becomes HF's gelu_new, "erf" its gelu; a model without biases gets zero biases where
 GPT-2's layout has them. A setting that GPT-2 in transformers cannot express is refused, never exported wrong.
@@ -20,12 +21,13 @@ Reads checkpoints through checkpoints.py; imports nothing from train.py or sampl
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from nanogpt import checkpoints, files, tokenizers
+from nanogpt import checkpoints, dataio, files, tokenizers
 from nanogpt.checkpoint_file import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
 from nanogpt.errors import UserError, exit_on_user_error
@@ -41,6 +43,11 @@ HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}  # GPTConfig.gelu -> the nam
 # dropout is a training setting (HF's *_pdrop); anything else (a setting added later) must be mapped here first.
 EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd", "dropout", "bias",
                "attention", "sdpa_backend", "gelu", "fused_loss"}  # fused_loss: how the loss is computed
+# every name an export writes: an earlier export's file that this one does not write is removed (files.write_files),
+# so that no tokenizer or weights of another model stay beside this one
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+                          r"|vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json"
+                          r"|added_tokens\.json|meta\.json")
 
 
 @dataclass
@@ -48,7 +55,8 @@ class ExportConfig:
     out_dir: Folder = "out"  # the training run's folder
     ckpt: str | None = None  # a checkpoint in out_dir (None: the newest of ckpt.pt and
     # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
-    to: str = ""  # the folder to write (created; files of the same names are replaced, all or none of them)
+    to: str = ""  # the folder to write (created; an earlier export there is replaced whole or not at all, other
+    # files left as they are)
 
 
 def log(msg: str) -> None:
@@ -122,8 +130,12 @@ def export(ckpt: dict, folder: str, tokenizer: tokenizers.Tokenizer | None) -> "
 
 
 def write_tokenizer(folder: str, tokenizer: tokenizers.Tokenizer | None, block_size: int, shown: str | None = None) -> str:
-    """The HF tokenizer files for a GPT-2 BPE run; returns a note for the user either way, which names the folder
-    as `shown` (the export's --to, where `folder` is where it is written first)."""
+    """The HF tokenizer files for a GPT-2 BPE run, a char-level run's meta.json (HF has no tokenizer for it, sample.py
+    and hellaswag.py read it); returns a note for the user, which names the folder as `shown` (the export's --to,
+    where `folder` is where it is written first)."""
+    if isinstance(tokenizer, tokenizers.CharTokenizer):
+        dataio.write_meta(folder, {"vocab_size": tokenizer.vocab_size, "tokenizer": "char", "itos": tokenizer.itos})
+        return f"tokenizer: the run's {tokenizer.vocab_size} characters in meta.json (for sample.py, hellaswag.py)"
     if not isinstance(tokenizer, tokenizers.GPT2Tokenizer):
         return "no HF tokenizer fits this vocabulary (not GPT-2 BPE): the folder has no tokenizer files"
     import tiktoken.load
@@ -170,10 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         written["note"] = write_tokenizer(folder, tokenizer, config.block_size, shown=cfg.to)
 
     # written whole into a folder of its own first: a full disk leaves an earlier export in --to as it was
-    files.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to")
+    removed = files.write_files(cfg.to, write, "the exported model into", fix="free disk space, or give another --to",
+                                 stale=EXPORT_FILES)
     hf_model, note = written["model"], written["note"]
-    log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size "
-        f"{hf_model.config.vocab_size}, activation {hf_model.config.activation_function}; {note}")
+    log(f"exported {path} to {cfg.to}: GPT2LMHeadModel, vocab_size {hf_model.config.vocab_size}, activation "
+        f"{hf_model.config.activation_function}; {note}"
+        + (f"; removed the earlier export's {', '.join(removed)}" if removed else ""))
 
 
 if __name__ == "__main__":

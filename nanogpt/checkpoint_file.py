@@ -8,7 +8,7 @@ model_args, the run's config and id, the dataset's tokenizer, the RNG). nanoGPT'
 
 Its functions:
   write        save_checkpoint (atomic: files.atomic_write), save_run_checkpoint (a run's ckpt.pt, its best and its
-               last K), keep_as,
+               last K), keep_as, is_ours (the files a save may replace or remove),
                train_state
   read         load_checkpoint, checkpoint_model_config, model_from_checkpoint, load_model_state, clean_state_dict,
                restore_rng
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from nanogpt import dataio, files
-from nanogpt.errors import UserError
+from nanogpt.errors import UserError, WriteError
 from nanogpt.distributed import Dist
 from nanogpt.text import shown
 from nanogpt.outdir import BEST, CKPT, KEPT, SHARDED, SHARDED_BEST, kept_name
@@ -89,29 +89,49 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
     the best weights. A stop between evals (SIGTERM, Ctrl-C) must save the latest state there too: the best one is
     first kept as ckpt_best.pt (a hard link). An eval that improves again writes ckpt_best.pt first, then links
     ckpt.pt to it and removes ckpt_best.pt, so at every moment of a crash the best weights have a name.
-    keep_last > 0 also keeps the newest checkpoints as ckpt_<iter>.pt.
+    keep_last > 0 also keeps the newest checkpoints as ckpt_0000300.pt (the iteration in 7 digits). Only this run's
+    files (is_ours) are replaced or removed: a foreign one where the run must write is a WriteError.
     """
     path, best_path = os.path.join(out_dir, CKPT), os.path.join(out_dir, BEST)
+    run_id = state.get("run_id")
     if improved:
         best_file = CKPT
     elif best_file == CKPT:  # ckpt.pt holds the best, and this save overwrites it
         keep = not always_save_checkpoint and os.path.exists(path)
         if keep:
-            keep_as(path, best_path)
+            keep_as(path, _writable(best_path, run_id))
         best_file = BEST if keep else None
     state = {**state, "best_file": best_file}
-    if improved and os.path.exists(best_path):
+    if improved and is_ours(best_path, run_id):
         save_checkpoint(best_path, state)
         keep_as(best_path, path)
         files.remove_file(best_path, "checkpoint")
     else:
         save_checkpoint(path, state)
     if keep_last > 0:
-        keep_as(path, os.path.join(out_dir, kept_name(state["iter_num"])))
-        kept = sorted((int(m.group(1)), f) for f in os.listdir(out_dir) if (m := KEPT.fullmatch(f)))
+        keep_as(path, _writable(os.path.join(out_dir, kept_name(state["iter_num"])), run_id))
+        kept = sorted((int(m.group(1)), f) for f in os.listdir(out_dir)
+                      if (m := KEPT.fullmatch(f)) and is_ours(os.path.join(out_dir, f), run_id))
         for _, f in kept[:-keep_last]:
             files.remove_file(os.path.join(out_dir, f), "checkpoint")
     return best_file
+
+
+def is_ours(path: str, run_id: str | None) -> bool:
+    """Whether `path` is a checkpoint of the run `run_id` (the id it records): the only files a save replaces or
+    removes. A user's file of a checkpoint's name, another run's checkpoint, one without a run id: not ours."""
+    try:
+        return run_id is not None and load_checkpoint(path, mmap=True).get("run_id") == run_id
+    except UserError:
+        return False
+
+
+def _writable(path: str, run_id: str | None) -> str:
+    """`path`, where nothing stands or a file of this run's; a foreign file there is never written over."""
+    if os.path.lexists(path) and not is_ours(path, run_id):
+        raise WriteError(f"{path} is not a checkpoint of this run ({run_id}) and a save must write there: move it "
+                         f"out of {os.path.dirname(path)} (a run never writes over a file it did not write)")
+    return path
 
 
 # ----------------------------------------------------------------------------------------------- the train state

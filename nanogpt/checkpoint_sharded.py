@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from nanogpt.checkpoint_file import checkpoint_model_config, load_checkpoint, save_checkpoint
 from nanogpt import files, outdir
-from nanogpt.files import fsync_folder
+from nanogpt.checkpoint_file import checkpoint_model_config, is_ours, load_checkpoint, save_checkpoint
 from nanogpt.errors import UserError, WriteError
+from nanogpt.files import fsync_folder
 from nanogpt.distributed import Dist
 from nanogpt.outdir import CKPT, SHARDED, SHARDED_BEST, SHARDED_FOLDER, sharded_folder
 from model import GPT
@@ -277,13 +277,7 @@ def _check_convert_target(path: str, run_id: str | None) -> None:
     checkpoint or a file of another kind, which it would replace."""
     if (why := files.target_problem(path)) is not None:
         raise UserError(f"cannot write {path}: {why}")
-    if not os.path.isfile(path):
-        return
-    try:
-        there = load_checkpoint(path, mmap=True).get("run_id")
-    except UserError:
-        there = "?"
-    if there != run_id or run_id is None:
+    if os.path.isfile(path) and not is_ours(path, run_id):
         raise UserError(f"{path} exists and is not a checkpoint of this run ({run_id}): it is not written over; give "
                         f"another file name (python convert_sharded.py FOLDER OUT_FILE), or move it away first")
 

@@ -6,7 +6,7 @@ sample.py, export.py and hellaswag.py find and read checkpoints through this mod
 A run's folder (out_dir) holds:
   ckpt.pt              the latest save of a one-process or DDP run: model, optimizer and train state (checkpoint_file.py)
   ckpt_best.pt         always_save_checkpoint=False: the best val loss's weights, once a stop saved later ones
-  ckpt_<iter>.pt       keep_last=K: the last K saves (hard links to ckpt.pt as it was)
+  ckpt_0000300.pt      keep_last=K: the last K saves, named by iteration in 7 digits (hard links to ckpt.pt)
   ckpt_sharded         an FSDP run's latest save: a link to a folder ckpt_sharded_<iter>_<n> (checkpoint_sharded.py)
   ckpt_sharded_best    always_save_checkpoint=False under FSDP: a link to the best val loss's folder
 A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records (not by its format): any run
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,9 +34,10 @@ import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig
-from nanogpt import checkpoint_file, checkpoint_sharded, outdir, tokenizers
+from nanogpt import checkpoint_file, checkpoint_sharded, dataio, outdir, tokenizers
 from nanogpt.checkpoint_file import load_checkpoint, model_from_checkpoint
 from nanogpt.checkpoint_sharded import is_sharded, load_sharded, load_sharded_as_full, read_train_state
+from nanogpt.dataio import GPT2_META
 from nanogpt.device import autocast_context, resolve_dtype
 from nanogpt.distributed import Dist, is_dtensor
 from nanogpt.errors import UserError
@@ -152,9 +154,12 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
                                f"between evals; otherwise {CKPT} holds the best weights",
                     SHARDED_BEST: f"{SHARDED_BEST} exists only after an FSDP run with "
                                        f"always_save_checkpoint=False saved weights later than its best"}.get(name)
-            raise UserError(f"no checkpoint {path} ({_listing(out_dir)}): "
-                            + (hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder "
-                               "in out_dir, or leave it out for the newest"))
+            fix = hint + ": drop --ckpt" if hint else "give --ckpt a checkpoint file or sharded folder in out_dir, " \
+                "or leave it out for the newest"
+            m = re.fullmatch(r"ckpt_(\d+)\.pt", name)
+            if m and os.path.exists(os.path.join(out_dir, padded := f"ckpt_{int(m[1]):07d}.pt")):
+                fix = f"keep_last's files carry the iteration in 7 digits: give --ckpt={padded}"
+            raise UserError(f"no checkpoint {path} ({_listing(out_dir)}): {fix}")
         return _found(path)
     found, foreign = [], []
     run_id = outdir.run_id_of(out_dir)
@@ -224,9 +229,6 @@ def checkpoint_path(path: str) -> str | None:
     return None
 
 
-GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257}  # GPT-2's weights, and HF GPT-2 folders of that vocabulary
-
-
 def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, dict | None]:
     """The vocabulary size and tokenizer (None: unknown) of the weights init_from names, read before the weights
     are: `ckpt` is the resumed checkpoint's state (init_from="resume")."""
@@ -235,10 +237,14 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
     if ckpt is not None:
         return int(ckpt["model_args"]["vocab_size"]), tokenizers.recorded_meta(ckpt)[0]
     config = os.path.join(init_from, "config.json")
-    if os.path.isfile(config):  # a HF folder
+    if os.path.isfile(config):  # a HF folder: the meta.json export.py writes (a char-level run's), else GPT-2 BPE's
         with open(config) as f:
             vocab = int(json.load(f).get("vocab_size", 0))
-        return vocab, GPT2_META if vocab == GPT2_META["vocab_size"] else None
+        if (meta := dataio.find_meta(init_from)) is not None:
+            return vocab, dataio.tokenizer_meta(meta)
+        bpe = vocab == GPT2_META["vocab_size"] or all(os.path.isfile(os.path.join(init_from, n))
+                                                       for n in ("vocab.json", "merges.txt"))
+        return vocab, GPT2_META if bpe else None
     if os.path.isdir(init_from):
         files = sorted(n for n in os.listdir(init_from) if n.startswith("ckpt") and n.endswith(".pt"))
         hint = f": give one of its checkpoint files, e.g. --init_from={os.path.join(init_from, files[0])}" if files else ""
@@ -254,9 +260,10 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
     """
     The model to sample or score with (sample.py, hellaswag.py), in eval mode on `device`, and the tokenizer it was
     trained with. init_from: "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded
-    folder or run folder, GPT-2's name or a HF folder. `overrides`: attention, sdpa_backend. `attention_for`: the
-    attention for the model's config, where it depends on the model's shape (sample.py's attention=auto). The
-    attention kernel is checked for `dtype` here, so a refusal is one line before any generation.
+    folder or run folder, GPT-2's name or a HF folder (its tokenizer: weights_tokenizer's). `overrides`: attention,
+    sdpa_backend. `attention_for`: the attention for the model's config, where it depends on the model's shape
+    (sample.py's attention=auto). The attention kernel is checked for `dtype` here, so a refusal is one line before
+    any generation.
     """
     found = find_checkpoint(out_dir, name) if init_from == "resume" else None
     path = found.path if found is not None else checkpoint_path(init_from)
@@ -268,17 +275,25 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
         source = f"the tokenizer of {path}"
         del weights
     else:
+        vocab, meta = weights_tokenizer(init_from)
+        if meta is None:
+            raise UserError(f"init_from={init_from!r} names no tokenizer for its {vocab} tokens (no meta.json, no "
+                            f"GPT-2 tokenizer files): export its run again (export.py writes the run's meta.json), or "
+                            f"give the run's checkpoint: --init_from=OUT_DIR")
         model = pretrained_gpt2(init_from, overrides)
-        log(f"tokenizer: GPT-2 BPE (init_from={init_from})")
-        tokenizer, source = tokenizers.gpt2_tokenizer(), "GPT-2 BPE"
+        bpe = meta["tokenizer"] == "gpt2"
+        log(f"tokenizer: GPT-2 BPE (init_from={init_from})" if bpe else
+            f"tokenizer: {meta['tokenizer']} ({meta['vocab_size']} tokens, {init_from}/meta.json)")
+        tokenizer, source = tokenizers.get_tokenizer(meta), "GPT-2 BPE" if bpe else f"{init_from}/meta.json"
     # nanoGPT's GPT-2 checkpoints say vocab_size=50304 (padded): more rows than the BPE has tokens is fine there,
     # sampling never draws the ids past the tokenizer's
     padded_bpe = isinstance(tokenizer, tokenizers.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
     if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
         raise UserError(
             f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "
-            f"{model.config.vocab_size}: the model was trained on another dataset; point its run config's dataset "
-            f"(or data_dir) at the data it was trained on"
+            f"{model.config.vocab_size}: " + ("the model was trained on other data: put that data's meta.json in the "
+                                              "folder its run config names" if path else "export its run again, or "
+                                              "give the run's checkpoint: --init_from=OUT_DIR")
         )
     if attention_for is not None:
         model.set_attention(attention_for(model.config))

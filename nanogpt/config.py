@@ -437,7 +437,7 @@ class TrainConfig(StepConfig):
     init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "auto" (resume if out_dir holds a
     # checkpoint, else scratch), "gpt2", "gpt2-medium", ... a HF folder, or a checkpoint (this repo's or nanoGPT's
     # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (outdir.py)
-    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_<iter>.pt (0: only ckpt.pt)
+    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_0000300.pt (7 digits; 0: only ckpt.pt)
     checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only):
     # a hard kill (no SIGTERM) loses at most this many
     checkpoint_minutes: AtLeast0[float] = 0.0  # also save once this many minutes passed since the last save (0: off)

@@ -163,11 +163,14 @@ def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = 
 
 
 
-def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
+def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX,
+                stale: re.Pattern | None = None) -> list[str]:
     """
     atomic_write for several files: `write(tmp)` writes them into a new temporary folder inside `folder` (made where
     missing, so on the same file system), and only once every one is written and fsynced is each renamed over the
-    file of its name in `folder`; other files there are untouched. Any failure (a full disk, no permission, a
+    file of its name in `folder`. The files there of `stale`'s names (what an earlier write of this kind writes) that
+    this one does not write go aside with the replaced ones and are removed with them at the end (returned): nothing
+    of an earlier write outlives it, and other files are untouched. Any failure (a full disk, no permission, a
     library's error raised from or naming one) is a WriteError naming `what`, `folder` and the cause, and leaves
     `folder` as it was: the temporary folder removed, the files already renamed over put back (one that cannot be is
     left in the temporary folder, and the error names it), a `folder` this made removed again. A kill leaves a set
@@ -190,6 +193,11 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
         for name in names:  # a link or folder of another's where a file goes is refused before anything moves
             check_target(os.path.join(folder, name))
             _fsync_file(os.path.join(new, name))
+        gone = sorted(n for n in os.listdir(folder) if stale and stale.fullmatch(n) and n not in names
+                      and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
+        for name in gone:  # aside like a replaced file: put back on a failure
+            os.replace(os.path.join(folder, name), os.path.join(old, name))
+            aside.append(name)
         for name in names:
             if os.path.lexists(os.path.join(folder, name)):
                 os.replace(os.path.join(folder, name), os.path.join(old, name))
@@ -219,6 +227,7 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
         raise write_failed(folder, e, kept, what, fix) from None
     shutil.rmtree(staging, ignore_errors=True)  # the old files
     fsync_folder(folder)
+    return gone
 
 
 

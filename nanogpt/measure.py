@@ -13,7 +13,6 @@ import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanogpt import files
 from nanogpt.hardware import system_info
@@ -258,78 +257,36 @@ def gpu_busy_share(prof: torch.profiler.profile) -> float | None:
     return busy_share(spans)
 
 
-class MatmulRecorder(TorchDispatchMode):
-    """Records every matmul a forward and backward runs, below autocast (so in the dtype it really ran in): the
-    functional, in-place (addmm_, as the fused loss accumulates its weight gradient) and out= forms, each tensor
-    operand as (shape, stride, dtype), so that the replay reads memory in the same layout (a transposed operand)."""
-
-    OPS = {getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")}
-    OPS |= {getattr(torch.ops.aten, name).out for name in ("mm", "addmm", "bmm", "baddbmm")}
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple] = []  # (op, args, kwargs), every tensor as ("tensor", shape, stride, dtype)
-
-    @staticmethod
-    def _spec(value):
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.stride(), value.dtype)
-        return value
-
-    def __enter__(self):
-        # float8 matmuls (torchao's float8 tensors) reach torch._scaled_mm inside their own dispatch, below this
-        # mode: record them where torchao calls them, with their float8 operands and scales as passed
-        self._scaled_mm = torch._scaled_mm
-
-        def scaled_mm(*args, **kwargs):
-            self.calls.append((torch.ops.aten._scaled_mm.default, [self._spec(a) for a in args],
-                               {k: self._spec(v) for k, v in kwargs.items()}))
-            return self._scaled_mm(*args, **kwargs)
-
-        torch._scaled_mm = scaled_mm
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch._scaled_mm = self._scaled_mm
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        float8 = any(hasattr(a, "_data") and hasattr(a, "_scale") for a in args)  # torchao's Float8TrainingTensor
-        if func in self.OPS and not float8:  # a float8 tensor's mm is recorded as its torch._scaled_mm
-            self.calls.append((func, [self._spec(a) for a in args], {k: self._spec(v) for k, v in kwargs.items()}))
-        return func(*args, **kwargs)
-
-
+# The matmul ops a step runs (the profiler's names), their functional forms for the replay, and how many of their
+# leading arguments are operands (an out= tensor or a scalar after them is left out)
+MATMULS = {"aten::mm": (torch.mm, 2), "aten::bmm": (torch.bmm, 2), "aten::addmm": (torch.addmm, 3),
+           "aten::addmm_": (torch.addmm, 3), "aten::baddbmm": (torch.baddbmm, 3), "aten::baddbmm_": (torch.baddbmm, 3)}
+PROFILER_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
+                   "double": torch.float64}
 SHARED_OPERAND_BYTES = 32 << 20  # larger than a CPU's or GPU's last-level cache: read from memory either way
 
 
-def _fresh(spec, device: str, made: dict):
-    """A random tensor laid out as a recorded operand (its shape, strides and dtype), or the recorded value. Each
-    call gets its own, so that no call finds another's operands in cache, except operands over
-    SHARED_OPERAND_BYTES, one per layout: a tensor per call would hold every chunk's (vocab x C) head weight and
-    gradient at once, gigabytes for GPT-2's 48 loss chunks, and a tensor that large is not cached anyway."""
-    if not (isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "tensor"):
-        return spec
-    if spec in made:
-        return made[spec]
-    _, shape, stride, dtype = spec
-    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    # fill the whole storage: an operand with a zero stride (an expanded bias) overlaps itself
-    flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,))
-    if dtype.itemsize == 1 and dtype.is_floating_point:  # float8: no random fill of its own
-        flat.copy_(torch.randn(flat.shape, device=device))
-    else:
-        flat.normal_()
-    if t.untyped_storage().nbytes() > SHARED_OPERAND_BYTES:
-        made[spec] = t
-    return t
+def recorded_matmuls(run) -> list[tuple]:
+    """The matmuls run() makes, forward and backward, as torch's profiler records them: (function, operand shapes,
+    operand dtypes: what autocast ran them in). A ValueError for a matmul that cannot be replayed on plain tensors
+    (float8's scaled matmuls)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    calls = []
+    for e in prof.events():
+        if e.name == "aten::_scaled_mm":
+            raise ValueError("float8 matmuls run inside torchao's tensors, which the replay cannot make")
+        if e.name in MATMULS:
+            function, n = MATMULS[e.name]
+            calls.append((function, [tuple(s) for s in e.input_shapes[:n]],
+                          [PROFILER_DTYPES[d] for d in e.input_dtypes[:n]]))
+    return calls
 
 
 def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[float, int]:
     """
     The step's matmul floor: every matmul of its forwards and backwards (recorded on the uncompiled model, no
-    optimizer step), run alone back to back on fresh tensors of the same shapes, strides and dtypes; the best of
+    optimizer step), run alone back to back on fresh tensors of the same shapes and dtypes; the best of
     `repeats`, in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms,
     GELU, casts, AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
     """
@@ -345,22 +302,30 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
 
 
 def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
-    """The matmuls `run()` does (MatmulRecorder), run alone back to back on fresh tensors of their shapes, strides and
-    dtypes: the best of `repeats` timings in ms (each the mean of one or more replays of the whole sequence), and
-    their number."""
-    recorder = MatmulRecorder()
-    with recorder:
-        run()
-    made: dict = {}
-    calls = [(op, [_fresh(a, device, made) for a in args], {k: _fresh(v, device, made) for k, v in kw.items()})
-             for op, args, kw in recorder.calls]
+    """The matmuls `run()` does (recorded_matmuls), run alone back to back on fresh random operands of their shapes
+    and dtypes: the best of `repeats` timings in ms (each the mean of one or more replays of the whole sequence), and
+    their number. Each call gets operands of its own, so that none finds another's in cache, except operands over
+    SHARED_OPERAND_BYTES, one per shape and dtype (a tensor per call would hold every loss chunk's (vocab x C) head
+    weight at once: gigabytes for GPT-2)."""
+    shared: dict = {}
+
+    def fresh(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if (shape, dtype) in shared:
+            return shared[shape, dtype]
+        t = torch.randn(shape, device=device).to(dtype)
+        if t.nbytes > SHARED_OPERAND_BYTES:
+            shared[shape, dtype] = t
+        return t
+
+    calls = [(function, [fresh(s, d) for s, d in zip(shapes, dtypes)]) for function, shapes, dtypes in
+             recorded_matmuls(run)]
 
     def seconds(replays: int) -> float:  # per replay of the whole sequence
         synchronize(device)
         t0 = time.perf_counter()
         for _ in range(replays):
-            for op, args, kw in calls:
-                op(*args, **kw)
+            for function, operands in calls:
+                function(*operands)
         synchronize(device)
         return (time.perf_counter() - t0) / replays
 
@@ -372,11 +337,15 @@ def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
 
 
 def matmul_floor_or_why(raw_model, batches, ctx, device: str) -> tuple[float | None, int | None, str | None]:
-    """The step's matmul floor (ms, matmuls), or Nones and why where the GPU has no memory left for the eager step it
-    replays: CUDA graphs keep their memory pool for the process (compile_mode=reduce-overhead at 64 x 1024 held 68 of
-    an H100's 80 GB), and the timed steps' figures must not be lost to it."""
+    """The step's matmul floor (ms, matmuls), or Nones and why: float8's matmuls cannot be replayed, and the GPU may
+    have no memory left for the eager step it replays: CUDA graphs keep their memory pool for the process
+    (compile_mode=reduce-overhead at 64 x 1024 held 68 of an H100's 80 GB), and the timed steps' figures must not be
+    lost to it."""
     try:
         return (*matmul_floor(raw_model, batches, ctx, device), None)
+    except ValueError as e:
+        raw_model.zero_grad(set_to_none=True)
+        return None, None, str(e)
     except torch.OutOfMemoryError:
         raw_model.zero_grad(set_to_none=True)
         return None, None, "the GPU had no memory left for the eager step it replays (CUDA graphs keep theirs)"

@@ -297,21 +297,25 @@ def test_matmul_floor_counts_the_fused_losss_in_place_and_out_matmuls(monkeypatc
     assert n == 18 + 4 * 3
 
 
-def test_floor_operands_are_fresh_per_call_except_large_ones_and_fill_overlapping_layouts(monkeypatch):
+def test_floor_operands_are_fresh_per_call_except_large_ones(monkeypatch):
     """Small operands are new tensors per replayed call (no call finds another's in cache); those over
-    SHARED_OPERAND_BYTES are one per layout (GPT-2's 48 loss chunks would otherwise hold gigabytes); a zero-stride
-    layout (an expanded bias) is filled without an overlapping in-place write."""
+    SHARED_OPERAND_BYTES are one per shape and dtype (GPT-2's 48 loss chunks would otherwise hold gigabytes)."""
     from nanogpt import measure
 
-    spec = ("tensor", (4, 8), (8, 1), torch.float32)
-    made = {}
-    assert measure._fresh(spec, "cpu", made) is not measure._fresh(spec, "cpu", made)
-    monkeypatch.setattr(measure, "SHARED_OPERAND_BYTES", 64)  # 4 x 8 float32 = 128 bytes: shared now
-    first = measure._fresh(spec, "cpu", made)
-    assert measure._fresh(spec, "cpu", made) is first and first.std() > 0.5
-    bias = measure._fresh(("tensor", (3, 8), (0, 1), torch.float32), "cpu", {})
-    assert bias.shape == (3, 8) and torch.equal(bias[0], bias[2]) and bias[0].std() > 0.5
-    assert measure._fresh(7, "cpu", made) == 7  # not a tensor: the recorded value
+    seen = []
+
+    def mm(a, b):
+        seen.append((a, b))
+        return a @ b
+
+    recorded = [(mm, [(4, 8), (8, 2)], [torch.bfloat16, torch.bfloat16])] * 2
+    monkeypatch.setattr(measure, "recorded_matmuls", lambda run: recorded)
+    measure.replayed_matmuls(lambda: None, "cpu", repeats=1)
+    assert seen[0][0] is not seen[1][0] and seen[0][1].dtype == torch.bfloat16 and seen[0][0].float().std() > 0.5
+    monkeypatch.setattr(measure, "SHARED_OPERAND_BYTES", 32)  # 4 x 8 bf16 = 64 bytes: shared now; 8 x 2 bf16 not
+    seen.clear()
+    measure.replayed_matmuls(lambda: None, "cpu", repeats=1)
+    assert seen[0][0] is seen[1][0] and seen[0][1] is not seen[1][1]
 
 
 def test_the_profiled_steps_come_after_the_loss_so_it_is_the_same_with_or_without_them(tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 from nanogpt import checkpoint_file, files
 from nanogpt.checkpoint_file import load_checkpoint, save_checkpoint, save_run_checkpoint
-from nanogpt.errors import UserError
+from nanogpt.errors import UserError, WriteError
 from helpers import tiny_config
 from sample import SampleConfig, load_model
 from train import train
@@ -125,14 +125,17 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
         return load_checkpoint(str(out / name))["iter_num"] if (out / name).exists() else None
 
     def save(i, improved, best_file, config=cfg):
-        return save_run_checkpoint({"model": {}, "model_args": ARGS, "iter_num": i}, str(out), improved, best_file,
-                                   config.always_save_checkpoint, config.keep_last)
+        return save_run_checkpoint({"model": {}, "model_args": ARGS, "iter_num": i, "run_id": "r1"}, str(out),
+                                   improved, best_file, config.always_save_checkpoint, config.keep_last)
 
     (out / "ckpt_best.pt").write_bytes(b"an earlier run's")  # not this run's: never claimed as its best
     assert save(3, False, None) is None  # a stop before any improving eval: no best to keep
-    assert (out / "ckpt_best.pt").read_bytes() == b"an earlier run's"
-    assert save(10, True, None) == "ckpt.pt"  # an improving eval: ckpt.pt is the best (the stale file goes)
-    assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (10, None)
+    assert save(10, True, None) == "ckpt.pt"  # an improving eval: ckpt.pt is the best, the foreign file untouched
+    assert (out / "ckpt_best.pt").read_bytes() == b"an earlier run's" and saved("ckpt.pt") == 10
+    with pytest.raises(WriteError, match=f"{out / 'ckpt_best.pt'} is not a checkpoint of this run"):
+        save(13, False, "ckpt.pt")  # a stop must keep the best there: refused, never written over
+    assert (out / "ckpt_best.pt").read_bytes() == b"an earlier run's" and saved("ckpt.pt") == 10
+    (out / "ckpt_best.pt").unlink()  # the fix the error names: move it away
     assert save(13, False, "ckpt.pt") == "ckpt_best.pt"  # a stop: the best is kept first
     assert (saved("ckpt.pt"), saved("ckpt_best.pt")) == (13, 10)
     best_file = load_checkpoint(str(out / "ckpt.pt"))["best_file"]  # what a resume reads back
@@ -164,10 +167,31 @@ def test_best_checkpoint_bookkeeping_over_stops_resumes_and_evals(tmp_path, monk
 
 def test_keep_last_orders_the_snapshots_by_iteration_not_by_name(tmp_path):
     """ckpt_9999999.pt sorts after ckpt_10000000.pt by name: pruning must keep the newest iteration."""
-    state = {"model": {}, "model_args": ARGS, "iter_num": 0}
+    state = {"model": {}, "model_args": ARGS, "iter_num": 0, "run_id": "r1"}
     for it in (9_999_998, 9_999_999, 10_000_000):
         checkpoint_file.save_run_checkpoint({**state, "iter_num": it}, str(tmp_path), False, None, True, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_10000000.pt", "ckpt_9999999.pt"]
+
+
+def test_a_save_never_prunes_or_replaces_a_file_it_did_not_write(tmp_path):
+    """Bug: keep_last removed every ckpt_NNNNNNN.pt in out_dir (another run's checkpoint copied there, a user's text
+    file of that name), and an improving eval wrote over, then removed, a user's ckpt_best.pt. Only files that hold
+    this run's id are replaced or removed; a foreign one where the run must write is refused, never written over."""
+    save_checkpoint(str(tmp_path / "ckpt_0000002.pt"), {"model": {}, "model_args": ARGS, "iter_num": 2,
+                                                        "run_id": "another"})
+    (tmp_path / "ckpt_0000001.pt").write_text("my notes\n")
+    (tmp_path / "ckpt_best.pt").write_text("my best\n")
+    (tmp_path / "ckpt_0000006.pt").write_text("mine too\n")
+    foreign = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for i in (3, 4, 5):  # improving evals with always_save_checkpoint=False, keep_last=1
+        save_run_checkpoint({"model": {}, "model_args": ARGS, "iter_num": i, "run_id": "r1"}, str(tmp_path), True,
+                            "ckpt.pt", False, keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == sorted([*foreign, "ckpt.pt", "ckpt_0000005.pt"])
+    with pytest.raises(WriteError, match=f"{tmp_path / 'ckpt_0000006.pt'} is not a checkpoint of this run"):
+        save_run_checkpoint({"model": {}, "model_args": ARGS, "iter_num": 6, "run_id": "r1"}, str(tmp_path), True,
+                            "ckpt.pt", False, keep_last=1)
+    assert {n: (tmp_path / n).read_bytes() for n in foreign} == foreign
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 6  # saved before the refusal
 
 
 def test_keep_last_keeps_the_newest_checkpoints(data_dir, tmp_path):

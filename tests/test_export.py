@@ -52,8 +52,9 @@ def test_round_trip_logits_and_bitwise_reimport_char_run(tmp_path, capsys, gelu,
     write_run(tmp_path / "run", ours, {"dataset": "chars", "data_dir": str(tmp_path / "chars")}, name="ckpt_best.pt")
     export.main([f"--out_dir={tmp_path / 'run'}", "--ckpt=ckpt_best.pt", f"--to={tmp_path / 'hf'}"])
     note = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"vocab_size {V}, activation {hf_activation}" in note and "no HF tokenizer fits" in note
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert f"vocab_size {V}, activation {hf_activation}; tokenizer: the run's {V} characters in meta.json" in note
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "meta.json",
+                                                   "model.safetensors"]
 
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     assert hf.config.vocab_size == V and hf.config.activation_function == hf_activation
@@ -185,6 +186,40 @@ def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     assert (tmp_path / "afile").read_text() == "mine\n" and (tmp_path / "ckpt.pt").read_bytes() == ckpt
 
 
+@pytest.mark.parametrize("earlier", ["a GPT-2 BPE export", "files of its names"])
+def test_an_export_leaves_no_file_of_an_earlier_one_and_none_of_the_users_is_touched(tmp_path, capsys, request,
+                                                                                    earlier):
+    """Bug: a char-level export into a folder that held a GPT-2 BPE export left its vocab.json, merges.txt,
+    tokenizer.json...: a 65-token model beside a 50,257-token tokenizer, while the export said the folder had no
+    tokenizer files. The names an export writes that this one does not are removed (and said); a user's file stays."""
+    from transformers import GPT2LMHeadModel
+
+    hf = tmp_path / "hf"
+    if earlier == "a GPT-2 BPE export":
+        request.getfixturevalue("gpt2_bpe")  # skips where the BPE files are not cached
+        torch.manual_seed(0)
+        write_run(tmp_path / "bpe", GPT(GPTConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, block_size=16)),
+                  {"dataset": "no-such-dataset"})
+        export.main([f"--out_dir={tmp_path / 'bpe'}", f"--to={hf}"])
+    else:
+        hf.mkdir()
+        for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (hf / name).write_text("{}")
+    old = set(os.listdir(hf)) - {"config.json", "generation_config.json", "model.safetensors"}
+    assert {"vocab.json", "merges.txt", "tokenizer.json"} <= old
+    (hf / "notes.txt").write_text("mine\n")
+    meta = make_char_dataset(tmp_path / "chars", n_chars=2000)
+    torch.manual_seed(0)
+    write_run(tmp_path / "char", GPT(GPTConfig(vocab_size=meta["vocab_size"], n_layer=1, n_head=2, n_embd=16,
+                                               block_size=16)), {"data_dir": str(tmp_path / "chars")})
+    capsys.readouterr()
+    export.main([f"--out_dir={tmp_path / 'char'}", f"--to={hf}"])
+    note = capsys.readouterr().err.strip().splitlines()[-1]
+    assert not old & set(os.listdir(hf)) and (hf / "notes.txt").read_text() == "mine\n"
+    assert all(name in note.split("removed the earlier export's ")[1] for name in old), note
+    assert GPT2LMHeadModel.from_pretrained(str(hf)).config.vocab_size == meta["vocab_size"]
+
+
 def two_runs(tmp_path) -> tuple[str, str]:
     """Two runs' folders: a 2-layer model's checkpoint, and a 3-layer one's (a bigger export)."""
     runs = []
@@ -203,14 +238,15 @@ def files_of(folder) -> dict[str, bytes]:
 
 def test_a_failed_write_at_each_step_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch, capsys):
     """The second export into a folder fails at each of its write operations in turn (tests/faulty_disk.py: a full
-    disk, a read-only folder): one line, exit status 2, and the first export's files byte for byte, the user's own file
-    beside them too, and no temporary folder left; without a fault it replaces them."""
+    disk, a read-only folder): one line, exit status 2, and the first export's files byte for byte (one it would remove
+    too), the user's own file beside them, and no temporary folder left; without a fault it replaces them."""
     small, big = two_runs(tmp_path)
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "notes.txt").write_text("mine\n")
     for err in (errno.ENOSPC, errno.EROFS):
         export.main([f"--out_dir={small}", f"--to={hf}"])
+        (hf / "merges.txt").write_text("an earlier export's")  # which the second export removes, and puts back
         first = files_of(hf)
         fail_at = 0
         while True:
@@ -227,7 +263,7 @@ def test_a_failed_write_at_each_step_leaves_the_earlier_export_as_it_was(tmp_pat
             fail_at += 1
         assert fail_at > 8, disk.ops  # the folders, the files written, the renames
     assert code.returncode == 0 and '"n_layer": 3' in (hf / "config.json").read_text()
-    assert sorted(files_of(hf)) == sorted(first) and (hf / "notes.txt").read_text() == "mine\n"
+    assert sorted(files_of(hf)) == sorted(set(first) - {"merges.txt"}) and (hf / "notes.txt").read_text() == "mine\n"
 
 
 EXPORT_TWICE = """

@@ -164,6 +164,30 @@ def test_hf_folder_greedy_tokens_match_hf_generate_and_seeded_text_repeats(tmp_p
     assert all(t.startswith(prompt) for t in texts) and texts[0] != texts[1]
 
 
+def test_a_char_level_export_samples_with_the_runs_characters(char_run, tmp_path, capsys):
+    """Bug: sample.py and hellaswag.py took every HF folder for GPT-2 BPE and refused a char-level export, with a fix
+    naming a setting sample.py does not have. The export holds the run's meta.json, which they read; a folder whose
+    tokenizer is unknown (an export from before) is one line naming it and a fix sample.py has."""
+    import export
+    from transformers import GPT2LMHeadModel
+
+    out_dir, meta = char_run
+    hf = tmp_path / "hf"
+    export.main([f"--out_dir={out_dir}", f"--to={hf}"])
+    args = ["sample.py", f"--init_from={hf}", "--max_new_tokens=20", "--num_samples=1", *CPU]
+    r = run_in_process(args, capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (text,) = samples_of(r.stdout)
+    assert len(text) == 21 and set(text) <= set(meta["itos"])  # the prompt "\n", then 20 of the run's characters
+    assert GPT2LMHeadModel.from_pretrained(str(hf)).config.vocab_size == meta["vocab_size"]
+    (hf / "meta.json").unlink()  # as an export from before left it
+    r = run_in_process(args, capsys)
+    (line,) = r.stderr.strip().splitlines()
+    options = set(re.findall(r"--(\w+)=", line))  # the fix: settings that sample.py has
+    assert r.returncode == 2 and line.startswith(f"error: init_from={str(hf)!r} ") and options, line
+    assert options <= {f.name for f in dataclasses.fields(SampleConfig)}, line
+
+
 # ----------------------------------------------------------------------------------- one-line errors
 
 
@@ -188,8 +212,8 @@ def test_a_checkpoint_recording_no_tokenizer_whose_data_moved_is_refused(char_ru
         load_model(SampleConfig(out_dir=str(tmp_path / "out"), device="cpu", dtype="float32"))
     assert str(e.value) == (
         f"the tokenizer of {path} (50257 tokens, logged above) does not fit the model's vocab_size "
-        f"{meta['vocab_size']}: the model was trained on another dataset; point its run config's dataset (or "
-        f"data_dir) at the data it was trained on"
+        f"{meta['vocab_size']}: the model was trained on other data: put that data's meta.json in the folder its "
+        f"run config names"
     )
 
 
@@ -247,6 +271,14 @@ def test_a_missing_ckpt_best_says_when_it_exists(tmp_path):
     with pytest.raises(UserError, match=r"ckpt_best.pt exists only after a run with always_save_checkpoint=False "
                        r"was stopped between evals; otherwise ckpt.pt holds the best weights: drop --ckpt"):
         load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_best.pt", device="cpu"))
+
+
+def test_an_unpadded_keep_last_name_names_the_file_that_exists(tmp_path):
+    """Bug: README and --help named keep_last's files ckpt_<iter>.pt, but they are ckpt_0000300.pt: --ckpt=ckpt_300.pt
+    said only 'no checkpoint'."""
+    (tmp_path / "ckpt_0000300.pt").write_bytes(b"a run's")
+    with pytest.raises(UserError, match=r"no checkpoint .*ckpt_300.pt .*: .*give --ckpt=ckpt_0000300.pt$"):
+        load_model(SampleConfig(out_dir=str(tmp_path), ckpt="ckpt_300.pt", device="cpu"))
 
 
 def test_checkpoint_loads_on_the_cpu_and_only_the_weights_move(char_run, monkeypatch):
@@ -410,7 +442,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
         model.transformer.ln_f.bias.fill_(1.0)
         model.lm_head.weight[:65] = 0.0  # the tokenizer's ids: logit 0
         model.lm_head.weight[65:] = 4.0  # the rows past it: logit 32
-    tokenizer = dataio.get_tokenizer({"vocab_size": 65, "tokenizer": "char",
+    tokenizer = tokenizers.get_tokenizer({"vocab_size": 65, "tokenizer": "char",
                                       "itos": [chr(c) for c in range(32, 96)] + ["\n"]})
     for temperature, top_k, top_p in [(0.0, None, None), (1.0, None, None), (1.0, 5, None), (1.0, None, 0.9),
                                       (2.0, 200, 0.99)]:
