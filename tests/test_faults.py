@@ -1,5 +1,5 @@
 """Nothing lost: signals, non-finite losses, bad files, changed resumes (a checkpoint file's write under a kill or a
-full disk: tests/test_checkpoint.py)."""
+full disk: tests/test_checkpoint_file.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,7 @@
 """FSDP2 (parallelism="fsdp") on the CPU: 2 gloo processes under torchrun against one process, sharded checkpoints,
 activation checkpointing. Expected values come from the plain one-process run (no FSDP, no recompute), and the
 memory line's from the bytes each rank's tensors hold. parallel.py's own tests: tests/test_parallel.py; checkpoint_sharded.py's:
-tests/test_sharded.py."""
+tests/test_checkpoint_sharded.py."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ import convert_sharded
 from nanogpt import parallel
 from nanogpt.checkpoint_file import load_checkpoint
 from helpers import HANG_S, ROOT, config_args, run_script, tiny_config
-from test_sharded import KILL_CHILD
+from test_checkpoint_sharded import KILL_CHILD
 from train import train
 
 # float32 on the CPU: FSDP computes the same sums in another order (reduce-scatter of 2 halves, sharded AdamW)
@@ -269,7 +269,7 @@ def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path, 
     torch.manual_seed(0)
     folder = tmp_path / "tiny-gpt2"
     vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]  # a char model in HF's format: the
-    # dataset's tokenizer (GPT-2's vocabulary on char data is refused: tests/test_checkpoint_manager.py)
+    # dataset's tokenizer (GPT-2's vocabulary on char data is refused: tests/test_checkpoints.py)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=vocab))
     hf.save_pretrained(folder)
     run = dict(init_from=str(folder), max_iters=2, eval_interval=2, dropout=0.0)

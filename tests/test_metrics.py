@@ -13,7 +13,7 @@ import pytest
 from nanogpt.checkpoint_file import load_checkpoint
 from helpers import config_args, run_in_process, tiny_config
 from nanogpt.metrics import read_metrics
-from test_checkpoint_manager import metrics
+from test_checkpoints import metrics
 from nanogpt.config import TrainConfig
 from train import train
 

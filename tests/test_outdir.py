@@ -35,7 +35,7 @@ from helpers import (
     starts_of,
     tiny_config,
 )
-from test_checkpoint_manager import max_diff
+from test_checkpoints import max_diff
 from train import train
 
 

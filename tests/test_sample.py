@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from nanogpt import engine
+from nanogpt import engine, tokenizers
 from nanogpt.errors import UserError
 from nanogpt.checkpoint_file import load_checkpoint, save_checkpoint
 from helpers import make_char_dataset, run_in_process, run_script, tiny_config
@@ -434,7 +434,6 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
     whose weights make the extra ids by far the most likely: sample() draws none of them, greedy or sampled, with
     top_k and top_p, in the cache and past block_size (8)."""
     from model import GPT, GPTConfig
-    from nanogpt import dataio
 
     model = GPT(GPTConfig(block_size=8, vocab_size=80, n_layer=1, n_head=1, n_embd=8, bias=True))
     with torch.no_grad():  # the final features are all ones at every position: a token's logit is its row's sum

@@ -24,7 +24,7 @@ import train as train_module
 from helpers import HANG_S, ROOT, tiny_config
 from model import GPT, GPTConfig
 from sample import SampleConfig, load_model
-from test_checkpoint_manager import max_diff, metrics, params_of
+from test_checkpoints import max_diff, metrics, params_of
 from train import train
 
 

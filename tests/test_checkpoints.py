@@ -4,7 +4,7 @@ before the first step resumes exactly (DDP and FSDP, AdamW and Muon); saves in e
 they write; a sharded folder is read wherever a file is (sample.py, export.py, init_from); weights of another
 tokenizer are refused before any is read; reading the weights maps the file and never reads the optimizer state.
 FSDP runs here are process groups of one (the 2-rank paths: tests/test_fsdp.py); one file's own tests:
-tests/test_checkpoint.py; a sharded folder's: tests/test_sharded.py."""
+tests/test_checkpoint_file.py; a sharded folder's: tests/test_checkpoint_sharded.py."""
 from __future__ import annotations
 
 import json

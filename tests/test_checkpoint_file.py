@@ -2,7 +2,7 @@
 before the rename or a full disk leaves the previous checkpoint whole), save_run_checkpoint keeps the best val loss's
 weights across stops and resumes and the last K saves by iteration (keep_last), load_checkpoint runs nothing a
 pickle names (weights_only), and checkpoint_model_config fills the gelu of older checkpoints. A run's checkpoints in
-either format: tests/test_checkpoint_manager.py; FSDP's sharded folders: tests/test_sharded.py."""
+either format: tests/test_checkpoints.py; FSDP's sharded folders: tests/test_checkpoint_sharded.py."""
 from __future__ import annotations
 
 import errno
