@@ -175,6 +175,28 @@ def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path, capsys):
     assert "is truncated or corrupt" in line
 
 
+@pytest.mark.parametrize("field", ["optimizer", "iter_num", "best_val_loss"])
+def test_a_stripped_checkpoint_is_one_line_naming_the_field_and_its_weights_still_sample(data_dir, tmp_path, field,
+                                                                                         capsys):
+    """People strip checkpoints to save space: a resume (init_from=resume, or auto) of one without what a resume
+    continues says which field is missing and how to start from its weights; the weights-only readers read it."""
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    path = tmp_path / "out" / "ckpt.pt"
+    ckpt = load_checkpoint(str(path))
+    del ckpt[field]
+    save_checkpoint(str(path), ckpt)
+    for init_from in ("resume", "auto"):
+        line = _error_line(run_in_process(["train.py", *config_args(cfg), f"--init_from={init_from}"], capsys))
+        assert line == (f"error: checkpoint {path} has no {field}, so a resume cannot continue it: start a new run "
+                        f"from its weights with --init_from={path}")
+    save_checkpoint(str(path), {k: ckpt[k] for k in ("model", "model_args")})
+    assert run_in_process(["export.py", f"--out_dir={path.parent}", f"--to={tmp_path / 'hf'}"], capsys).returncode == 0
+    save_checkpoint(str(path), {k: ckpt[k] for k in ("model", "model_args", "meta")})  # its characters, to decode
+    assert run_in_process(["sample.py", f"--out_dir={path.parent}", "--num_samples=1", "--max_new_tokens=4",
+                           "--device=cpu"], capsys).returncode == 0
+
+
 def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir, tmp_path, capsys):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
