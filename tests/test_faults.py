@@ -451,6 +451,53 @@ def test_train_py_exits_1_on_a_second_ctrl_c(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "interrupted: second Ctrl-C: exiting without a checkpoint"
 
 
+CTRL_C_MID_SAVE = """
+import os, signal, sys, types
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch, signal_at_step, train
+from nanogpt import distributed
+from nanogpt.errors import exit_on_user_error
+distributed.time = types.SimpleNamespace(monotonic=iter(range(0, 10**6, 10)).__next__)  # signals 10 s apart
+real_save, saves = torch.save, []
+
+
+class SecondCtrlCOnWrite:  # the stop's checkpoint: a second Ctrl-C in its third write, torch.save still writing
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def save(obj, f, *args, **kwargs):
+    saves.append(f)  # the first save (iter 2) is left alone
+    return real_save(obj, f if len(saves) == 1 else SecondCtrlCOnWrite(f), *args, **kwargs)
+
+
+torch.save = save
+signal_at_step.signal_during_step(signal.SIGINT, 4)  # the first Ctrl-C: a stop with a checkpoint at iter 3
+exit_on_user_error(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_the_stops_checkpoint_is_written_is_one_line(data_dir, tmp_path):
+    """Bug: a second Ctrl-C inside the stop's torch.save was a double traceback ending in torch's zip writer's
+    "unexpected pos". It is the second Ctrl-C's one line and exit 1; the save at iter 2 stays, no temporary file."""
+    script = tmp_path / "ctrl_c_mid_save.py"
+    script.write_text(CTRL_C_MID_SAVE.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=20, eval_interval=2, log_interval=1)
+    r = run_script([str(script), *config_args(cfg)])
+    assert (r.returncode, r.stderr) == (1, "interrupted: second Ctrl-C: exiting without a checkpoint\n"), r.stderr
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 2
+    assert not [n for n in os.listdir(tmp_path / "out") if ".tmp" in n]
+
+
 def test_a_ctrl_c_before_the_runs_handlers_is_one_line_and_exit_130(data_dir, tmp_path, monkeypatch, capsys):
     """Bug: a Ctrl-C in train.py before StopRequest's handlers were in place (the settings' checks) was taken for a
     second Ctrl-C: `interrupted: Ctrl-C`, exit status 1. Nothing had started: 130, as any Ctrl-C, and one line."""
