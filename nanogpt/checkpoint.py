@@ -35,7 +35,7 @@ import torch.nn as nn
 from nanogpt import dataio, outdir
 from nanogpt.errors import UserError
 from nanogpt.distributed import Dist
-from nanogpt.text import shown
+from nanogpt.text import plural, shown
 from model import GPT, GPTConfig
 
 CKPT_NAME, BEST_NAME = "ckpt.pt", "ckpt_best.pt"
@@ -250,6 +250,14 @@ def check_train_state(ckpt: dict[str, Any], path: str) -> None:
                         f"or start again with --init_from=scratch")
     if isinstance(ckpt.get("model"), dict):
         check_model_shape(ckpt["model_args"], ckpt["model"], path)
+        # weights no forward can use (a run saved past a diverged step, or damage): one line here, before a reader
+        # samples from them (torch.multinomial's traceback), scores them, or trains them into a non-finite loss
+        bad = [(k, n) for k, t in ckpt["model"].items() if (n := int(t.numel() - torch.isfinite(t).sum()))]
+        if bad:
+            raise UserError(f"checkpoint {path} has {bad[0][1]} non-finite weights in {bad[0][0]}"
+                            + (f" and in {plural(len(bad) - 1, 'more tensor')}" if len(bad) > 1 else "")
+                            + ": read another checkpoint of the run (keep_last's ckpt_<iter>.pt, ckpt_best.pt), or "
+                              "restore it from a backup")
 
 
 def _plain(value, depth: int = 0) -> bool:

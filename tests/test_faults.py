@@ -197,6 +197,25 @@ def test_a_stripped_checkpoint_is_one_line_naming_the_field_and_its_weights_stil
                            "--device=cpu"], capsys).returncode == 0
 
 
+def test_a_checkpoint_with_non_finite_weights_is_one_line_for_each_reader(data_dir, tmp_path, capsys):
+    """Bug: sample.py crashed inside torch.multinomial, hellaswag.py reported figures without a warning, a resume
+    trained and then blamed the learning rate. Each reader now names the file, the count and the tensor."""
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    path = tmp_path / "out" / "ckpt.pt"
+    ckpt = load_checkpoint(str(path))
+    ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+    save_checkpoint(str(path), ckpt)
+    examples = tmp_path / "hs.jsonl"
+    examples.write_text(json.dumps({"ctx": "The king", "endings": ["speaks", "hath", "to", "and"], "label": 0}) + "\n")
+    want = (f"error: checkpoint {path} has 3 non-finite weights in transformer.h.1.mlp.c_fc.weight: read another "
+            f"checkpoint of the run (keep_last's ckpt_<iter>.pt, ckpt_best.pt), or restore it from a backup")
+    for args in (["sample.py", f"--out_dir={path.parent}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4"],
+                 ["hellaswag.py", f"--out_dir={path.parent}", f"--path={examples}", "--device=cpu"],
+                 ["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4"]):
+        assert _error_line(run_in_process(args, capsys)) == want, args
+
+
 def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir, tmp_path, capsys):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
