@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,10 +170,40 @@ def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path, capsys):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
-    assert f"checkpoint {path} is truncated or corrupt" in line and "--init_from=scratch" in line
+    assert f"checkpoint {path} is truncated or corrupt" in line and line.endswith(ANOTHER_CHECKPOINT)
     path.write_bytes(b"garbage")
     line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
     assert "is truncated or corrupt" in line
+
+
+ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of the run (keep_last's ckpt_<iter>.pt, "
+                      "ckpt_best.pt)")
+
+
+def test_a_damaged_checkpoint_gives_each_reader_a_fix_it_has_and_the_whole_cause(data_dir, tmp_path, capsys):
+    """Bug: sample.py, export.py and hellaswag.py advised --init_from=scratch (which they refuse), and quoted torch's
+    error cut mid-sentence at 200 characters. The fix is one each has; the cause is torch's first line or sentence,
+    whole, or cut at a word and marked so."""
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2))
+    path = tmp_path / "out" / "ckpt.pt"
+    data = path.read_bytes()
+    examples = tmp_path / "hs.jsonl"
+    examples.write_text(json.dumps({"ctx": "The king", "endings": ["speaks", "hath", "to", "and"], "label": 0}) + "\n")
+    for damaged in (data[: len(data) // 2], b"garbage"):  # cut short; bytes that are not a checkpoint
+        path.write_bytes(damaged)
+        with pytest.raises(Exception) as torch_says:  # what torch itself says of the file
+            torch.load(str(path), weights_only=True, mmap=True)
+        first_line = str(torch_says.value).strip().splitlines()[0]
+        for args in (["sample.py", f"--out_dir={path.parent}", "--device=cpu"],
+                     ["export.py", f"--out_dir={path.parent}", f"--to={tmp_path / 'hf'}"],
+                     ["hellaswag.py", f"--out_dir={path.parent}", f"--path={examples}", "--device=cpu"]):
+            line = _error_line(run_in_process(args, capsys))
+            m = re.fullmatch(rf"error: checkpoint {re.escape(str(path))} is truncated or corrupt \({type(torch_says.value).__name__}: "
+                             rf"(.+)\): {re.escape(ANOTHER_CHECKPOINT)}", line)
+            assert m, (args, line)
+            quoted = m[1]
+            assert (quoted == first_line or first_line.startswith(quoted + ". ")
+                    or quoted.endswith(" ...") and first_line.startswith(quoted[:-4] + " ")), (args, quoted)
 
 
 @pytest.mark.parametrize("field", ["optimizer", "iter_num", "best_val_loss"])
@@ -208,8 +239,7 @@ def test_a_checkpoint_with_non_finite_weights_is_one_line_for_each_reader(data_d
     save_checkpoint(str(path), ckpt)
     examples = tmp_path / "hs.jsonl"
     examples.write_text(json.dumps({"ctx": "The king", "endings": ["speaks", "hath", "to", "and"], "label": 0}) + "\n")
-    want = (f"error: checkpoint {path} has 3 non-finite weights in transformer.h.1.mlp.c_fc.weight: read another "
-            f"checkpoint of the run (keep_last's ckpt_<iter>.pt, ckpt_best.pt), or restore it from a backup")
+    want = f"error: checkpoint {path} has 3 non-finite weights in transformer.h.1.mlp.c_fc.weight: {ANOTHER_CHECKPOINT}"
     for args in (["sample.py", f"--out_dir={path.parent}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4"],
                  ["hellaswag.py", f"--out_dir={path.parent}", f"--path={examples}", "--device=cpu"],
                  ["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4"]):
