@@ -133,6 +133,29 @@ def test_injected_nan_stops_with_the_iteration_and_leaves_parameters_untouched(d
     assert not os.path.exists(tmp_path / "nan" / "ckpt.pt")  # nothing worse than what was on disk
 
 
+@pytest.mark.parametrize("eval_interval", [1000, 2])  # no save before the NaN step; saves at iters 2 and 4
+def test_a_nonfinite_stop_says_which_checkpoint_is_intact_or_that_none_was_saved(data_dir, tmp_path, monkeypatch,
+                                                                                 eval_interval):
+    """Bug: a non-finite loss before the first save said "the last checkpoint is intact" when there was none."""
+    forward, calls = GPT.forward, {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        logits, loss = forward(self, idx, targets, **kw)
+        if self.training:
+            calls["n"] += 1
+            loss = loss * float("nan") if calls["n"] == 6 else loss  # the 6th step: iters 0-4 saved at evals
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    with pytest.raises(NonFiniteError) as e:
+        train(tiny_config(data_dir, tmp_path / "out", max_iters=10, eval_interval=eval_interval))
+    path = tmp_path / "out" / "ckpt.pt"
+    kept = f"ckpt.pt at iter {load_checkpoint(str(path))['iter_num']} is intact" if path.exists() else \
+        "no checkpoint was saved yet"
+    assert "non-finite loss at iter 6 " in str(e.value) and f"the step was not applied, and {kept}: " in str(e.value)
+    assert path.exists() == (eval_interval == 2)  # both cases happened
+
+
 def test_nonfinite_steps_can_be_skipped_up_to_a_limit(data_dir, tmp_path, monkeypatch):
     forward = GPT.forward
     calls = {"n": 0}
