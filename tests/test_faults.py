@@ -365,7 +365,7 @@ def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, mon
     assert any(not torch.equal(same[k], other[k]) for k in same)
 
 
-@pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "missing_meta"])
+@pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "one_token", "missing_meta"])
 def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
     d = tmp_path / "mydata"
     meta = make_char_dataset(d, n_chars=5000)
@@ -384,6 +384,10 @@ def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
         args.append("--block_size=600")  # val.bin has 500 tokens
         expected = (f"the val split ({d / 'val.bin'}) has 500 tokens, too few for block_size=600 (a window is "
                     f"block_size + 1 tokens): use --block_size=499 or smaller, or more data")
+    elif case == "one_token":  # a tiny input's split: no block_size makes a window of it (it said --block_size=0)
+        (d / "val.bin").write_bytes(np.array([3], dtype=np.uint16).tobytes())
+        expected = (f"the val split ({d / 'val.bin'}) has 1 token, too few for any window (a window is block_size + 1 "
+                    f"tokens, block_size at least 1): prepare the dataset from more text")
     else:
         os.remove(d / "meta.json")
         expected = (f"no meta.json in {d}: a dataset folder holds train.bin and val.bin (uint16 token ids) and "
