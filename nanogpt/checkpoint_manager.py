@@ -22,7 +22,7 @@ Its functions:
 What a resume takes of the run's settings is start.py's; a checkpoint's tokenizer is dataio.py's.
 
 Imports checkpoint.py and sharded.py (through their modules, so tests can replace a writer), outdir.py (the run's
-id), hf_gpt2.py, the model, dataio.py, device.py, distributed.py, errors.py and hardware.py.
+id), hf_gpt2.py, the model, dataio.py, device.py, distributed.py, errors.py, hardware.py and text.py.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from nanogpt.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint, model_from
 from nanogpt.device import autocast_context, resolve_dtype
 from nanogpt.errors import UserError
 from nanogpt.hardware import check_attention_kernel
+from nanogpt.text import first_sentence
 from nanogpt.distributed import Dist, is_dtensor
 from model import GPT, GPTConfig
 from nanogpt.sharded import (
@@ -340,7 +341,7 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
             _check_state_shapes(optimizer)
         except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:  # its groups or tensors differ
             raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer ({type(e).__name__}: "
-                            f"{str(e)[:120]}): restore the checkpoint from a backup, or start from its weights with "
+                            f"{first_sentence(e)}): restore the checkpoint from a backup, or start from its weights with "
                             f"--init_from=PATH") from None
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)

@@ -19,7 +19,7 @@ A split's shards, in the order meta.json lists them, read as one stream of token
 A nanoGPT dataset folder reads as it is: its meta.pkl (char-level: {"vocab_size", "itos": {id: char}, "stoi"}) stands
 in for meta.json, read by an unpickler that builds only plain data (load_meta).
 
-Imports errors.py only: nothing above it (no script, no model, no checkpoint module).
+Imports errors.py and text.py only: nothing above them (no script, no model, no checkpoint module).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from nanogpt.errors import UserError
+from nanogpt.text import plural
 
 DTYPE = np.uint16
 MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535
@@ -394,6 +395,9 @@ class TokenSplit:
 
     def check_window(self, block_size: int) -> None:
         """A UserError unless the split holds one window: block_size tokens and the token after them."""
+        if self.total < 2:  # no block_size makes a window of it
+            raise UserError(f"{self.name} has {plural(self.total, 'token')}, too few for any window (a window is "
+                            f"block_size + 1 tokens, block_size at least 1): prepare the dataset from more text")
         if self.total <= block_size:
             raise UserError(
                 f"{self.name} has {self.total} tokens, too few for block_size={block_size} (a window is block_size + 1 "
