@@ -91,25 +91,9 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
 
 
 def build_model(cfg: BenchConfig, machine: Machine, **changes) -> GPT:
-    """
-    The model of `cfg`, initialised from cfg.seed. A padded vocabulary would draw more random numbers and so
-    give different weights; instead the unpadded model is initialised and copied in, with zero padding rows
-    (never looked up, and masked out of the loss), so runs with and without padding train the same model.
-    """
-    config = dataclasses.replace(model_config(cfg, cfg.vocab_size, machine), **changes)
+    """The model of `cfg`, initialised from cfg.seed (the same weights whatever the vocabulary padding: model.py)."""
     torch.manual_seed(cfg.seed)
-    model = GPT(dataclasses.replace(config, vocab_padding_multiple=1))
-    if config.padded_vocab_size == config.vocab_size:
-        model.config = config
-        return model
-    padded = GPT(config)
-    with torch.no_grad():
-        target = padded.state_dict()
-        for name, w in model.state_dict().items():
-            if target[name].shape != w.shape:  # the token embedding, tied to the head: (padded_vocab, C)
-                target[name].zero_()
-            target[name][: w.size(0)].copy_(w)
-    return padded
+    return GPT(dataclasses.replace(model_config(cfg, cfg.vocab_size, machine), **changes))
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,7 +23,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nanogpt.config import coerce, declared_problems, type_name
+from nanogpt.config import TrainConfig, coerce, declared_problems, type_name
 from nanogpt.errors import UserError
 from nanogpt.text import shown
 
@@ -66,8 +66,11 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
         arg = argv[i]
         i += 1
         if not arg.startswith("--"):
-            for key, value in _read_config_file(arg, problems, set(field_types)).items():
-                if key not in field_types and not difflib.get_close_matches(key, list(field_types), n=1):
+            values = _read_config_file(arg, problems, set(field_types))
+            if trains := [k for k in values if k not in field_types and k in TRAIN_KEYS]:  # a train.py config file
+                problems.append(f"{arg}: {_train_only(trains)}")
+            for key, value in values.items():
+                if key in trains or key not in field_types and not difflib.get_close_matches(key, field_types, n=1):
                     continue  # a helper name (`tokens = 64 * 1024`), as nanoGPT's exec'd config files have them
                 checked = _check(key, value, field_types, problems, where=f"{arg}: ")
                 if checked is not _INVALID:
@@ -334,7 +337,19 @@ def _line_in_file(error: BaseException, path: str) -> int | None:
     return line
 
 
+TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _train_only(keys: list[str]) -> str:
+    """Keys of train.py's settings given to another command: not typos of this command's keys."""
+    names = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+    return (f"{names} {'are' if len(keys) > 1 else 'is'} train.py's setting{'s' if len(keys) > 1 else ''}, not this "
+            f"command's: --help lists its keys (one that reads a checkpoint takes the model's shape from it)")
+
+
 def _unknown_key(key: str, field_types: dict[str, Any], in_file: bool = False) -> str:
+    if key in TRAIN_KEYS:
+        return _train_only([key])
     close = difflib.get_close_matches(key, list(field_types), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     helper = (" (a config file's own helper names are ignored unless close to a key: name it _" + key + ")"

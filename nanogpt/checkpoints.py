@@ -44,6 +44,7 @@ from nanogpt.errors import UserError
 from nanogpt.hardware import check_attention_kernel
 from nanogpt.hf_gpt2 import pretrained_gpt2
 from nanogpt.outdir import BEST, CKPT, SHARDED, SHARDED_BEST
+from nanogpt.text import first_sentence
 
 
 # ----------------------------------------------------------------------------------------------- saving
@@ -328,7 +329,7 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
             _check_state_shapes(optimizer)
         except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:  # its groups or tensors differ
             raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer ({type(e).__name__}: "
-                            f"{str(e)[:120]}): restore the checkpoint from a backup, or start from its weights with "
+                            f"{first_sentence(e)}): restore the checkpoint from a backup, or start from its weights with "
                             f"--init_from=PATH") from None
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)

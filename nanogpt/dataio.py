@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from nanogpt.errors import UserError
+from nanogpt.text import plural
 
 DTYPE = np.uint16
 MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535
@@ -391,6 +392,9 @@ class TokenSplit:
 
     def check_window(self, block_size: int) -> None:
         """A UserError unless the split holds one window: block_size tokens and the token after them."""
+        if self.total < 2:  # no block_size makes a window of it
+            raise UserError(f"{self.name} has {plural(self.total, 'token')}, too few for any window (a window is "
+                            f"block_size + 1 tokens, block_size at least 1): prepare the dataset from more text")
         if self.total <= block_size:
             raise UserError(
                 f"{self.name} has {self.total} tokens, too few for block_size={block_size} (a window is block_size + 1 "

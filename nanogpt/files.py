@@ -152,6 +152,8 @@ def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = 
         write(tmp)
         os.replace(tmp, path)
     except Exception as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # a writer's cleanup failing as a Ctrl-C unwinds it (torch's
+            raise e.__context__ from None  # zip writer: "unexpected pos"): the Ctrl-C is what happened
         if not caused_by_os_error(e):
             raise
         kept = f"the previous {what} is intact" if os.path.exists(path) else f"{what} was not written"

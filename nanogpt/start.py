@@ -233,7 +233,11 @@ def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
     """The checkpoint a resume continues from (read, its changed settings printed), or nothing to resume."""
     if plan.found is None:
         return Resumed()
-    ckpt = plan.found.read()
+    ckpt, path = plan.found.read(), plan.found.path
+    for field in ("iter_num", "best_val_loss", *(() if "sharded" in ckpt else ("optimizer",))):  # stripped to save space
+        if field not in ckpt:
+            raise UserError(f"checkpoint {path} has no {field}, so a resume cannot continue it: start a new run from "
+                            f"its weights with --init_from={path}")
     saved_gelu = checkpoint_model_config(ckpt["model_args"]).gelu
     changes = resume_changes(ckpt.get("config") or {}, saved_gelu, plan.cfg, dist.world_size,
                              ckpt.get("world_size", 1))

@@ -9,6 +9,13 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
+def first_sentence(e: BaseException, width: int = 200) -> str:
+    """A library's error as a message quotes it: its first line or sentence whole (torch's go on for paragraphs),
+    cut at a word and marked ' ...' only past `width`; its type's name where it says nothing."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+    return text if len(text) <= width else text[:width].rsplit(" ", 1)[0] + " ..."
+
+
 def size_text(n: int) -> str:
     """Bytes as read: '1.5 GiB', '12.0 KiB', '300 B'."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

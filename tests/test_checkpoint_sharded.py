@@ -178,7 +178,7 @@ import torch
 import torch.distributed as td
 import torch.distributed.checkpoint as dcp
 from model import GPT, GPTConfig
-from nanogpt import checkpoint_sharded, parallel
+from nanogpt import checkpoint_sharded, outdir, parallel
 from nanogpt.distributed import cleanup_distributed, setup_distributed
 
 out = {out!r}

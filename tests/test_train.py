@@ -445,3 +445,18 @@ def test_each_logged_step_time_is_that_steps_own_the_last_one_too(data_dir, tmp_
     assert [r["iter"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["ms"] for r in records] == pytest.approx([40.0] * 6)
     assert records[-1]["tok_s"] == pytest.approx(4 * 32 / 0.040)  # 1 micro-step x 4 x 32 tokens
+
+
+def test_vocab_padding_does_not_change_the_run(data_dir, tmp_path):
+    """vocab_padding_multiple is a speed switch: the unpadded run's first logged figures (the eval at iter 0, the
+    first step's loss) are the padded run's too."""
+    from nanogpt.metrics import read_records
+
+    firsts = []
+    for multiple in (1, 64):
+        out = tmp_path / f"pad{multiple}"
+        train(tiny_config(data_dir, out, max_iters=1, eval_interval=1, log_interval=1, vocab_padding_multiple=multiple))
+        records = read_records(str(out / "metrics.jsonl"))
+        firsts.append((next(r["val_loss"] for r in records if "val_loss" in r),
+                       next(r["loss"] for r in records if "ms" in r)))
+    assert firsts[1] == pytest.approx(firsts[0], abs=1e-6, rel=0)
