@@ -210,7 +210,7 @@ def test_truncated_checkpoint_is_a_clear_error(data_dir, tmp_path, capsys):
     assert "is truncated or corrupt" in line
 
 
-ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of the run (keep_last's ckpt_<iter>.pt, "
+ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of the run (keep_last's ckpt_0000300.pt, "
                       "ckpt_best.pt)")
 
 
