@@ -279,27 +279,19 @@ class StepConfig:
     n_embd: AtLeast1[int] = GPTConfig.n_embd  # a multiple of n_head
     dropout: Fraction[float] = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
     bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
-    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16
-    # (faster there), else sdpa
-    sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # "auto", "flash", "efficient",
-    # "cudnn", "math"
-    vocab_padding_multiple: Annotated[int, Range(1, 2**16)] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304
-    # rows; 1 turns padding off
-    flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # SDPA's flash kernel: "default" (PyTorch's,
-    # FlashAttention-2) or "fa4" (FlashAttention-4 through PyTorch's hook: H100/H200/B200, pip install flash-attn-4)
-    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
-    # the CPU, plain on a GPU
-    gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, the
-    # faster CPU kernel); None: erf from scratch, else what the checkpoint or GPT-2 weights were trained with
+    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # auto: math on a CPU under bf16 (faster there), else sdpa
+    sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # attention=sdpa's kernel
+    vocab_padding_multiple: Annotated[int, Range(1, 2**16)] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows
+    flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # fa4: FlashAttention-4 (H100+, flash-attn-4)
+    fused_loss: bool | None = None  # head and loss chunk by chunk, no (tokens x vocab) logits; None: fused on a CPU only
+    gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # tanh: GPT-2's; None: erf from scratch, else the weights'
 
-    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
-    optimizer: Annotated[str, OneOf(*OPTIMIZERS)] = "adamw"
+    # optimizer
+    optimizer: Annotated[str, OneOf(*OPTIMIZERS)] = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest
     muon_learning_rate: Positive[float] = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
-    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by
-    # 1 - lr * muon_weight_decay
+    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * this
     muon_momentum: Fraction[float] = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
-    muon_ns_dtype: Annotated[str, OneOf("auto", *NS_DTYPES)] = "auto"  # "bfloat16" (torch's), "float32"; auto:
-    # float32 on CPUs without bf16 kernels
+    muon_ns_dtype: Annotated[str, OneOf("auto", *NS_DTYPES)] = "auto"  # auto: float32 on CPUs without bf16 kernels
 
     # AdamW
     learning_rate: AtLeast0[float] = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
@@ -311,20 +303,16 @@ class StepConfig:
 
     # system
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast;
-    # float16 with a grad scaler)
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # autocast's; float16 adds a grad scaler
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     compile: bool = True  # torch.compile the model
-    compile_mode: Annotated[str, OneOf(*COMPILE_MODES)] = "default"  # torch.compile's mode: "default",
-    # "max-autotune-no-cudagraphs"; "max-autotune" and "reduce-overhead" add CUDA graphs (CUDA only)
+    compile_mode: Annotated[str, OneOf(*COMPILE_MODES)] = "default"  # torch.compile's; the last two add CUDA graphs
     fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
-    fp8_recipe: Annotated[str, OneOf(*float8.FP8_RECIPES)] = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
-    fp8_layers: Annotated[str, OneOf(*float8.FP8_LAYERS)] = "auto"  # "auto": only the layers large enough for float8
-    # to pay (float8.py); "all": every one
+    fp8_recipe: Annotated[str, OneOf(*float8.FP8_RECIPES)] = "tensorwise"  # float8 scaling
+    fp8_layers: Annotated[str, OneOf(*float8.FP8_LAYERS)] = "auto"  # auto: the layers large enough to pay (float8.py)
     deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (faster steps)
-    peak_flops: Positive[float | None] = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the
-    # CPU's measured matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
+    peak_flops: Positive[float | None] = None  # MFU's denominator; None: a known GPU's, or the CPU's measured peak
     seed: Seed[int] = 1337
 
     def problems(self, world_size: int = 1) -> list[str]:
@@ -406,11 +394,9 @@ def fp8_problems(device: str, dtype: str | None) -> list[str]:
 @dataclass
 class WeightsSource:
     """The weights sample.py and hellaswag.py run (their configs' first keys)."""
-    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a
-    # HF GPT-2 folder, or a checkpoint file or sharded folder
+    init_from: str = "resume"  # resume (out_dir's checkpoint), gpt2, gpt2-medium, ..., a HF folder or a checkpoint
     out_dir: Folder = "out"  # with init_from=resume: the training run's folder
-    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
-    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
+    ckpt: str | None = None  # in out_dir; None: the newest; ckpt_best.pt or ckpt_sharded_best: the best val loss's
 
     def weights_problems(self) -> list[str]:
         """An init_from that names no weights: one phrase, found before anything slow (a download, a load)."""
@@ -434,15 +420,11 @@ class TrainConfig(StepConfig):
     eval_iters: AtLeast1[int] = 200
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
-    init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "auto" (resume if out_dir holds a
-    # checkpoint, else scratch), "gpt2", "gpt2-medium", ... a HF folder, or a checkpoint (this repo's or nanoGPT's
-    # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (outdir.py)
-    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_0000300.pt (7 digits; 0: only ckpt.pt)
-    checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only):
-    # a hard kill (no SIGTERM) loses at most this many
+    init_from: str = "scratch"  # scratch, resume, auto (resume if out_dir has a checkpoint), gpt2*, a HF folder, a checkpoint
+    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_0000300.pt (0: only ckpt.pt)
+    checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only)
     checkpoint_minutes: AtLeast0[float] = 0.0  # also save once this many minutes passed since the last save (0: off)
-    async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save);
-    # the last save and a stop's are written before the run ends
+    async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save)
     report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
 
     # logging
@@ -450,8 +432,7 @@ class TrainConfig(StepConfig):
     wandb_project: str = "owt"
     wandb_run_name: str = "gpt2"
     hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
-    hellaswag_interval: AtLeast0[int] = 0  # ... only every this many steps, a multiple of eval_interval (0: at every
-    # eval)
+    hellaswag_interval: AtLeast0[int] = 0  # ... only every this many steps, a multiple of eval_interval (0: every eval)
     hellaswag_path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded once
 
     # learning rate schedule: linear warmup, then cosine decay to min_lr
@@ -460,16 +441,12 @@ class TrainConfig(StepConfig):
     warmup_iters: AtLeast0[int] = 2000
     lr_decay_iters: AtLeast0[int | None] = None  # None: max_iters (~ Chinchilla: about max_iters)
     min_lr: AtLeast0[float] = 6e-5  # ~ learning_rate / 10
-
-    # non-finite losses or gradient norms (float16 leaves them to its grad scaler)
-    max_nonfinite_skips: AtLeast0[int] = 0  # skip up to this many such steps per run; past that, stop with an error
+    max_nonfinite_skips: AtLeast0[int] = 0  # steps with a non-finite loss or grad norm skipped per run, then an error
 
     # system
-    backend: Annotated[str, OneOf("auto", "nccl", "gloo")] = "auto"  # DDP: "nccl" on CUDA, "gloo" on the CPU
-    parallelism: Annotated[str, OneOf(*PARALLELISMS)] = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters,
-    # grads, AdamW state sharded (FSDP2)
-    activation_checkpointing: AtLeast0[bool | int] = False  # recompute blocks' activations in the backward: True, or
-    # N blocks
+    backend: Annotated[str, OneOf("auto", "nccl", "gloo")] = "auto"  # DDP's; auto: nccl on CUDA, gloo on the CPU
+    parallelism: Annotated[str, OneOf(*PARALLELISMS)] = "ddp"  # ddp: a full copy per rank; fsdp: sharded (FSDP2)
+    activation_checkpointing: AtLeast0[bool | int] = False  # recompute activations in the backward: True, or N blocks
 
     def problems(self, world_size: int = 1) -> list[str]:
         problems = super().problems(world_size)
