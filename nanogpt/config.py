@@ -36,41 +36,31 @@ T = TypeVar("T")
 
 
 class Range:
-    """The numbers a key may hold: low <= value (low < value if low_open) and value <= high (value < high if
-    high_open); None, where the type allows it, always passes. `note`: what the message adds, e.g. what 0 means."""
+    """The numbers a key may hold: low <= value <= high, an open end excluding its bound (nan and inf are in none).
+    `note`: what a message adds, e.g. what 0 means."""
 
-    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False,
-                 high_open: bool = False, note: str = ""):
+    def __init__(self, low: float, high: float | None = None, low_open: bool = False, high_open: bool = False,
+                 note: str = ""):
         self.low, self.high, self.low_open, self.high_open, self.note = low, high, low_open, high_open, note
-
-    def holds(self, value) -> bool:
-        if value is None or isinstance(value, bool):
-            return True
-        if not isinstance(value, (int, float)) or isinstance(value, float) and not math.isfinite(value):
-            return False  # a number, finite: nan and inf are in no range (a checkpoint's config may hold anything)
-        return ((self.low is None or (value > self.low if self.low_open else value >= self.low))
-                and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
 
     def describe(self) -> str:
         """'at least 1', '> 0', 'in [0, 1)': as --help and the messages say it."""
         low, high = (f"{b:g}" if isinstance(b, float) else str(b) for b in (self.low, self.high))
         if self.high is None:
             return f"> {low}" if self.low_open else f"at least {low}"
-        if self.low is None:
-            return f"{'<' if self.high_open else '<='} {high}"
         return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
 
     def problem(self, key: str, value) -> str | None:
-        return None if self.holds(value) else f"{key}={value!r} must be {self.describe()}"
-
-    @property
-    def range_text(self) -> str:
-        """What --help shows beside the key (configurator.py)."""
-        return self.describe()
+        if value is None or isinstance(value, bool):  # None where the type allows it; a bool of `bool | int`
+            return None
+        finite = isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
+        holds = finite and (value > self.low if self.low_open else value >= self.low) and (
+            self.high is None or (value < self.high if self.high_open else value <= self.high))
+        return None if holds else f"{key}={value!r} must be {self.describe()}"
 
 
 class OneOf:
-    """The strings a key may hold (None, where the type allows it, always passes)."""
+    """The strings a key may hold."""
 
     def __init__(self, *choices: str, note: str = ""):
         self.choices, self.note = choices, note
@@ -83,11 +73,9 @@ class OneOf:
 
 
 class NotEmpty:
-    """A string that names something (a folder, a file): "" is none, and an unset shell variable (`--out_dir=$OUT`)
-    must not make a run write into the current folder."""
-
-    def __init__(self, note: str = ""):
-        self.note = note
+    """A string that names a folder: an unset shell variable (`--out_dir=$OUT`) must not make a run write into the
+    current folder."""
+    note = "give a folder: '.' for the current one"
 
     def describe(self) -> str:
         return "not empty"
@@ -102,25 +90,19 @@ AtLeast0 = Annotated[T, Range(0)]
 Positive = Annotated[T, Range(0, low_open=True)]
 Fraction = Annotated[T, Range(0, 1, high_open=True)]  # [0, 1): dropout, momenta
 Seed = Annotated[T, Range(0, 2**32 - 1)]  # numpy's SeedSequence takes no negative seed; + rank and step fit int64
-Folder = Annotated[str, NotEmpty(note="give a folder: '.' for the current one")]
+Folder = Annotated[str, NotEmpty()]
 
 
 def declarations(config) -> dict[str, tuple[Any, bool]]:
-    """key -> (its declared values: a Range or OneOf, whether its type admits None), for the keys of a config
-    dataclass that declare them."""
+    """key -> (what its type declares: a Range, OneOf or NotEmpty; whether None is a value too)."""
     hints = typing.get_type_hints(type(config), include_extras=True)
-    out = {}
-    for f in fields(config):
-        hint = hints.get(f.name)
-        for meta in getattr(hint, "__metadata__", ()):
-            if hasattr(meta, "problem"):
-                out[f.name] = meta, type(None) in typing.get_args(typing.get_args(hint)[0])
-    return out
+    return {f.name: (meta, type(None) in typing.get_args(typing.get_args(hints[f.name])[0]))
+            for f in fields(config) for meta in getattr(hints[f.name], "__metadata__", ()) if hasattr(meta, "problem")}
 
 
 def declared_problems(config) -> list[str]:
-    """Every key of `config` whose value is outside what its type declares, one phrase each (with the declaration's
-    note, or "(or None)" where None is a value too)."""
+    """Every key of `config` whose value is outside what its type declares, one phrase each, with the declaration's
+    note (or "or None" where None is a value too: it always passes)."""
     problems = []
     for key, (meta, optional) in declarations(config).items():
         if problem := meta.problem(key, getattr(config, key)):
@@ -147,79 +129,43 @@ def check(problems: list[str]) -> None:
 
 
 def coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(accepted, value converted to `tp`).
+    """(accepted, value converted to `tp`): bool, int, float, str, X | None, tuple[...] and list[...] keys.
 
-    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or
-    `compile=1` is always a mistake, so bools are never ints or floats and ints are never bools. An int is
-    a float (converted, so `learning_rate=1` stores 1.0).
+    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or `compile=1` is
+    always a mistake, so bools are never numbers and numbers never bools. An int is a float (converted, so
+    `learning_rate=1` stores 1.0); an int past 64 bits is none (what torch and numpy hold).
     """
-    if tp is Any:
-        return True, value
-    if tp is None or tp is type(None):
-        return value is None, value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
+    if origin in (typing.Union, types.UnionType):
         accepted = [converted for ok, converted in (coerce(value, arm) for arm in args) if ok]
-        # Prefer an arm that keeps the value as it is: `int | float` keeps 3 an int.
-        same = [c for c in accepted if type(c) is type(value)]
+        same = [c for c in accepted if type(c) is type(value)]  # `int | float` keeps 3 an int
         return bool(accepted), (same or accepted or [value])[0]
-    if origin is typing.Literal:
-        return any(value == a and type(value) is type(a) for a in args), value
-    if tp is bool:
-        return type(value) is bool, value
-    if tp is int:  # and within 64 bits: what torch and numpy hold (a config file's 10**10000 is no iteration count)
-        return type(value) is int and -2**63 <= value < 2**63, value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if origin in (tuple, list):
+        fixed = origin is tuple and Ellipsis not in args  # tuple[float, float], not tuple[int, ...]
+        if not isinstance(value, origin) or fixed and len(value) != len(args):
             return False, value
+        items = [coerce(v, t) for v, t in zip(value, args if fixed else args[:1] * len(value))]
+        return all(ok for ok, _ in items), origin(c for _, c in items)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             return True, float(value)
-        except OverflowError:
+        except OverflowError:  # an int past a float's range
             return False, value
-    if origin in (tuple, list):
-        if not isinstance(value, origin):
-            return False, value
-        if not args:
-            return True, value
-        if origin is tuple and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                return False, value
-            item_types: tuple[Any, ...] = args
-        else:
-            item_types = (args[0],) * len(value)
-        items = [coerce(v, t) for v, t in zip(value, item_types)]
-        return all(ok for ok, _ in items), origin(c for _, c in items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            return False, value
-        if not args:
-            return True, value
-        keys = [coerce(k, args[0]) for k in value]
-        values = [coerce(v, args[1]) for v in value.values()]
-        ok = all(k_ok for k_ok, _ in keys) and all(v_ok for v_ok, _ in values)
-        return ok, {k: v for (_, k), (_, v) in zip(keys, values)}
-    if origin is not None:
-        return isinstance(value, origin), value
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value  # an annotation we cannot check (a TypeVar...): trust the value
+    if tp is int:
+        return type(value) is int and -2**63 <= value < 2**63, value
+    if tp is bool or tp is type(None):
+        return type(value) is tp, value
+    return isinstance(value, tp), value
 
 
 def type_name(tp: Any) -> str:
     """`int | None`, `tuple[float, float]`: how the annotation is written, without the `typing.` noise."""
-    if tp is None or tp is type(None):
-        return "None"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin is not None and args:
-        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', repr(origin))}[{inner}]"
-    if isinstance(tp, type):
-        return tp.__name__
-    return repr(tp)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else type_name(a) for a in args)}]"
+    return "None" if tp is type(None) else getattr(tp, "__name__", repr(tp))
 
 
 def config_summary(config, width: int = 120) -> str:
