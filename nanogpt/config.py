@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import netrc
 import os
 import types
 import typing
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, TypeVar
-from urllib.parse import urlsplit
 
 import torch
 
@@ -439,30 +437,27 @@ class TrainConfig(StepConfig):
 
 
 def wandb_problem(cfg: TrainConfig) -> str | None:
-    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
-    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
-    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
-    under way."""
+    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key
+    for its server, which wandb.init would ask for once the run is under way. wandb answers by its own rules (the
+    environment, the netrc entry `wandb login` writes, its settings files), without a prompt or the network."""
     if not cfg.wandb_log:
         return None
     try:
         optional_import("wandb", "wandb_log=True")
     except UserError as e:
         return f"{e} (or --wandb_log=False)"
-    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb_setup.singleton().settings  # what wandb.init reads: WANDB_MODE, WANDB_BASE_URL, settings files
+    if settings.mode in ("offline", "dryrun", "disabled"):
         return None
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return None
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
-    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
-    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
-    where = "no netrc file"
-    if path is not None:
-        try:
-            if netrc.netrc(path).authenticators(host):
-                return None
-            where = f"no entry for {host} in {path}"
-        except (OSError, netrc.NetrcParseError) as e:
-            where = f"{path} is unreadable ({e})"
-    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
-            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")
+    fix = ("run `wandb login` once, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set "
+           "--wandb_log=False")
+    try:
+        if wbauth.authenticate_session(host=settings.base_url, source="train.py", prompt=False, update_session=False):
+            return None
+    except AuthenticationError as e:  # a key of the wrong form
+        return f"wandb_log=True but wandb cannot use its credentials ({e}): {fix}"
+    return f"wandb_log=True but wandb has no API key for {settings.base_url}: {fix}"
