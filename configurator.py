@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import textwrap
+import traceback
 import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,15 +37,11 @@ class ConfigError(UserError):
 
 
 def configure(config: T, argv: list[str], usage: str | None = None) -> T:
-    """Return a copy of `config` with the config files and `--key=value` overrides in `argv` applied in order
-    (configure_keys, without the set of keys given).
-
-    Items without a leading `--` are config files (plain Python assignments); later items win. A boolean key
-    given bare (`--compile`) means True. Nothing is applied unless every item is valid: otherwise one ConfigError
-    lists all the problems, so a user fixes a command line in one round instead of one error at a time.
-    `--help` or `-h` prints `usage` (default: the docstring of the config's module, the script) and the keys, and
-    exits 0.
-    """
+    """A copy of `config` with the config files (items without a leading `--`: plain Python assignments) and
+    `--key=value` overrides in `argv` applied in order, later items winning; a bool key given bare (`--compile`) is
+    True. Nothing is applied unless every item is valid: one ConfigError lists all the problems, so a user fixes a
+    command line in one round. `--help` or `-h` prints `usage` (default: the docstring of the config's module, the
+    script) and the keys, and exits 0."""
     return configure_keys(config, argv, usage)[0]
 
 
@@ -98,7 +95,7 @@ def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tupl
         elif not sep:
             problems.append(f"'{arg} {argv[i]}': use {arg}={argv[i]}" if next_is_value
                             else f"{arg!r} has no value: use {arg}=VALUE")
-            i += next_is_value
+            i += 1 if next_is_value else 0
             if key not in keys:
                 problems.append(_unknown_key(key, keys))
         elif key not in keys:
@@ -124,13 +121,9 @@ def _literal(raw: str) -> Any:
 HELP_FLAGS = ("--help", "-h")
 
 
-def help_requested(argv: list[str]) -> bool:
-    return any(a in HELP_FLAGS for a in argv)
-
-
 def exit_on_help(argv: list[str], usage: str | None, *configs: DataclassInstance) -> None:
     """With --help or -h anywhere in argv: print help_text(usage, *configs) and exit 0; else do nothing."""
-    if help_requested(argv):
+    if any(a in HELP_FLAGS for a in argv):
         print(help_text(usage, *configs))
         raise SystemExit(0)
 
@@ -160,9 +153,7 @@ def help_text(usage: str | None, *configs: DataclassInstance, width: int = 120) 
     for config in configs:
         hints, values = typing.get_type_hints(type(config)), declared_values(config)
         chain = [c for c in type(config).__mro__ if dataclasses.is_dataclass(c)]  # the class first, its bases after
-        comments: dict[str, str] = {}
-        for cls in reversed(chain):
-            comments.update((k, v) for k, v in _field_comments(cls).items() if v)
+        comments = {k: v for cls in reversed(chain) for k, v in _field_comments(cls).items()}  # a subclass's wins
         sections: dict[type, list[tuple[str, str, str]]] = {cls: [] for cls in reversed(chain)}
         for f in dataclasses.fields(config):
             owner = next(c for c in chain if f.name in inspect.get_annotations(c))
@@ -237,17 +228,11 @@ def _read_config_file(path: str, problems: list[str], keys: set[str]) -> dict[st
         problems.append(f"config file {path!r} failed: {type(e).__name__}: {e.msg} (line {e.lineno})")
         return {}
     except Exception as e:
-        lines = [tb.tb_lineno for tb in _frames(e.__traceback__) if tb.tb_frame.f_code.co_filename == path]
+        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
         where = f" (line {lines[-1]})" if lines else ""  # the innermost frame in the file
         problems.append(f"config file {path!r} failed: {type(e).__name__}: {' '.join(str(e).split())}{where}")
         return {}
     return {k: v for k, v in namespace.items() if k in keys or _is_config_name(k, v)}
-
-
-def _frames(tb: types.TracebackType | None):
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
 
 
 def _is_config_name(name: str, value: object) -> bool:

@@ -53,7 +53,7 @@ class SampleConfig(WeightsSource):  # init_from, out_dir, ckpt
     seed: Seed[int] = 1337
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
     dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # autocast's
-    window_dtype: Annotated[str | None, OneOf("auto", *DTYPES)] = None  # past block_size's window recompute; None: dtype's
+    window_dtype: Annotated[str | None, OneOf("auto", *DTYPES)] = None  # recomputing past block_size; None: dtype's
     compile: bool = False  # torch.compile the one-token decoding step (its compile takes a while: long runs only)
     attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # auto: math on a bf16 CPU for windows <= 256, else sdpa
     sdpa_backend: Annotated[str | None, OneOf(*SDPA_BACKENDS)] = None  # attention=sdpa's kernel; None: the model's

@@ -1,11 +1,10 @@
 """
 The settings, in one place: a training step's (StepConfig: data, model, optimizer, device and precision, which bench.py
 extends) and a run's (TrainConfig), each key with its type, default, meaning and, beside its type, the values it may
-hold (Range, OneOf); and every check of them, the keys together and on this machine, collected into one message
-before anything slow runs and before out_dir is touched (TrainConfig.check).
-
-The commands' own configs (sample.py's, bench.py's, ...) declare their ranges the same way and check them with
-declared_problems. configurator.py reads the types (Annotated's extras stripped) and --help shows the ranges.
+hold (Range, OneOf, NotEmpty); and every check of them, the keys together and on this machine, collected into one
+message before anything slow runs and before out_dir is touched (TrainConfig.check). The commands' own configs
+declare their values the same way and check them with declared_problems; configurator.py reads the types, --help
+shows the values.
 """
 from __future__ import annotations
 
@@ -186,8 +185,6 @@ def config_summary(config, width: int = 120) -> str:
 # ----------------------------------------------------------------------------------------------- a step's settings
 
 ATTENTIONS = ("auto", "math", "sdpa")
-OPTIMIZERS = ("adamw", "muon")
-NS_DTYPES = ("bfloat16", "float32")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
 
@@ -227,15 +224,15 @@ class StepConfig:
     sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # attention=sdpa's kernel
     vocab_padding_multiple: Annotated[int, Range(1, 2**16)] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows
     flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # fa4: FlashAttention-4 (H100+, flash-attn-4)
-    fused_loss: bool | None = None  # head and loss chunk by chunk, no (tokens x vocab) logits; None: fused on a CPU only
+    fused_loss: bool | None = None  # head and loss in chunks, no (tokens x vocab) logits; None: fused on a CPU only
     gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # tanh: GPT-2's; None: erf from scratch, else the weights'
 
     # optimizer
-    optimizer: Annotated[str, OneOf(*OPTIMIZERS)] = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest
+    optimizer: Annotated[str, OneOf("adamw", "muon")] = "adamw"  # muon: Muon for the blocks' matrices, AdamW the rest
     muon_learning_rate: Positive[float] = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
     muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * this
     muon_momentum: Fraction[float] = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
-    muon_ns_dtype: Annotated[str, OneOf("auto", *NS_DTYPES)] = "auto"  # auto: float32 on CPUs without bf16 kernels
+    muon_ns_dtype: Annotated[str, OneOf("auto", "bfloat16", "float32")] = "auto"  # auto: float32 on a CPU without bf16
 
     # AdamW
     learning_rate: AtLeast0[float] = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
@@ -264,10 +261,8 @@ class StepConfig:
         values, then the keys together and what the device can run (TrainConfig adds its own)."""
         problems = declared_problems(self)
         if self.gradient_accumulation_steps % world_size:
-            problems.append(
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not divisible by the "
-                f"{world_size} DDP processes: make it a multiple of {world_size}"
-            )
+            problems.append(f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not divisible by the "
+                            f"{world_size} DDP processes: make it a multiple of {world_size}")
         if self.n_head >= 1 and self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if (why := kernel_problem(self.attention, self.sdpa_backend)) is not None:
@@ -352,9 +347,6 @@ class WeightsSource:
 
 # ----------------------------------------------------------------------------------------------- a run's settings
 
-PARALLELISMS = ("ddp", "fsdp")
-
-
 @dataclass
 class TrainConfig(StepConfig):
     # I/O
@@ -364,7 +356,7 @@ class TrainConfig(StepConfig):
     eval_iters: AtLeast1[int] = 200
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
-    init_from: str = "scratch"  # scratch, resume, auto (resume if out_dir has a checkpoint), gpt2*, a HF folder, a checkpoint
+    init_from: str = "scratch"  # scratch, resume, auto (resume if out_dir has one), gpt2*, a HF folder, a checkpoint
     keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_0000300.pt (0: only ckpt.pt)
     checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only)
     checkpoint_minutes: AtLeast0[float] = 0.0  # also save once this many minutes passed since the last save (0: off)
@@ -389,7 +381,7 @@ class TrainConfig(StepConfig):
 
     # system
     backend: Annotated[str, OneOf("auto", "nccl", "gloo")] = "auto"  # DDP's; auto: nccl on CUDA, gloo on the CPU
-    parallelism: Annotated[str, OneOf(*PARALLELISMS)] = "ddp"  # ddp: a full copy per rank; fsdp: sharded (FSDP2)
+    parallelism: Annotated[str, OneOf("ddp", "fsdp")] = "ddp"  # ddp: a full copy per rank; fsdp: sharded (FSDP2)
     activation_checkpointing: AtLeast0[bool | int] = False  # recompute activations in the backward: True, or N blocks
 
     def problems(self, world_size: int = 1) -> list[str]:
@@ -398,10 +390,9 @@ class TrainConfig(StepConfig):
             problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={self.parallelism!r} "
                             f"saves one file: set parallelism='fsdp' or async_save=False")
         if self.init_from not in ("scratch", "resume", "auto", *GPT2_MODELS) and not os.path.exists(self.init_from):
-            problems.append(
-                f"init_from={self.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_MODELS)}, a folder "
-                f"with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
-            )
+            problems.append(f"init_from={self.init_from!r} is not one of scratch, resume, auto, "
+                            f"{', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 model, a checkpoint file or sharded "
+                            f"folder, or a run's out_dir")
         if self.eval_interval >= 1 and self.hellaswag_interval % self.eval_interval:
             problems.append(f"hellaswag_interval={self.hellaswag_interval} must be 0 or a multiple of eval_interval="
                             f"{self.eval_interval} (HellaSwag runs at evals)")
@@ -433,7 +424,6 @@ class TrainConfig(StepConfig):
         if self.optimizer == "muon":  # a rank holds shards, Muon needs whole matrices
             problems.append("optimizer='muon' needs whole matrices, and parallelism='fsdp' shards them: use ddp")
         return problems
-
 
 
 def wandb_problem(cfg: TrainConfig) -> str | None:

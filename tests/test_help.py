@@ -126,10 +126,10 @@ def test_train_help_text_of_some_keys(capsys):
     _, out, _ = run_help("train.py", capsys)
     keys = listed_keys(out)
     assert keys["eval_only"] == ["False", "bool", "evaluate once and exit"]
-    assert keys["fused_loss"] == ["None", "bool | None", "head and loss chunk by chunk, no (tokens x vocab) logits; "
-                                  "None: fused on a CPU only"]
+    assert keys["fused_loss"] == ["None", "bool | None", "head and loss in chunks, no (tokens x vocab) logits; None: "
+                                  "fused on a CPU only"]
     assert keys["min_lr"] == ["6e-05", "float", "~ learning_rate / 10 [at least 0]"]  # the range its type declares
-    assert keys["optimizer"] == ["'adamw'", "str", "muon: Muon for the blocks' matrices, AdamW for the rest "
+    assert keys["optimizer"] == ["'adamw'", "str", "muon: Muon for the blocks' matrices, AdamW the rest "
                                                    "[one of adamw, muon]"]
     assert keys["out_dir"][2] == "[not empty; give a folder: '.' for the current one]"
     assert out.index("StepConfig (config.py)") < out.index("--seed=") < out.index("TrainConfig (config.py)")
