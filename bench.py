@@ -58,8 +58,7 @@ class BenchConfig(StepConfig):
     real_data: bool = False  # batches of data/<dataset>/train.bin (step.get_batch) instead of random tokens
     warmup_steps: AtLeast0[int] = 10  # untimed steps first
     timed_steps: AtLeast1[int] = 20
-    profile: bool = False  # also 5 steps under torch.profiler after the timed ones: a chrome trace in results_dir, the
-    # top ops, and how busy the GPU was (the share of the time it did not wait for the host)
+    profile: bool = False  # also 5 steps under torch.profiler: a chrome trace in results_dir, top ops, GPU busy share
     results_dir: str = "bench_results"  # trace.json, and the studies' JSON and PNG files
     result_json: str = ""  # also write this run's figures to this file (the studies read it)
 

@@ -53,10 +53,8 @@ EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\
 @dataclass
 class ExportConfig:
     out_dir: Folder = "out"  # the training run's folder
-    ckpt: str | None = None  # a checkpoint in out_dir (None: the newest of ckpt.pt and
-    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
-    to: str = ""  # the folder to write (created; an earlier export there is replaced whole or not at all, other
-    # files left as they are)
+    ckpt: str | None = None  # in out_dir; None: the newest; ckpt_best.pt or ckpt_sharded_best: the best val loss's
+    to: str = ""  # the folder to write (created; an earlier export there is replaced whole or not at all)
 
 
 def log(msg: str) -> None:

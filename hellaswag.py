@@ -40,9 +40,9 @@ REFERENCE = {"gpt2": (0.2859, 0.2955), "gpt2-xl": (0.3842, 0.4893)}
 @dataclass
 class HellaSwagConfig(WeightsSource):  # init_from, out_dir, ckpt
     path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded to data/hellaswag/
-    max_examples: Annotated[int, Range(0, note="0: all")] = 0  # score only the first this many examples (0: all)
+    max_examples: Annotated[int, Range(0, note="0: all")] = 0  # score only the first this many examples
     device: str = "auto"  # "auto", "cpu", "cuda", ... (under torchrun: each rank's GPU)
-    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto" (bf16 on a GPU that has it, float32 on the CPU), "float32", "bfloat16", "float16"
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # auto: bf16 on a GPU that has it, else float32
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

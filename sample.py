@@ -44,24 +44,20 @@ SEPARATOR = "---------------"
 @dataclass
 class SampleConfig(WeightsSource):  # init_from, out_dir, ckpt
     start: str = "\n"  # the prompt, or "FILE:path" to read it from a file; "<|endoftext|>" works with GPT-2 BPE
-    num_samples: AtLeast1[int] = 10  # drawn together as one batch, each from its own random stream (from seed and its index)
-    batch_size: Annotated[int | None, Range(1, note="or None: all num_samples at once")] = None  # at most this many samples per batch, to bound memory (None: all num_samples); it
-    # does not change the samples (in float32; lower precisions may round a batch's logits differently)
+    num_samples: AtLeast1[int] = 10  # drawn as one batch, each from its own random stream (seed and its index)
+    batch_size: Annotated[int | None, Range(1, note="or None: all num_samples at once")] = None  # to bound memory
     max_new_tokens: AtLeast1[int] = 500  # tokens generated per sample
-    temperature: Annotated[float, Range(0, note="0 means greedy")] = 0.8  # 1.0: the model's distribution; lower: more conservative; 0: greedy
+    temperature: Annotated[float, Range(0, note="0 means greedy")] = 0.8  # 1.0: the model's distribution
     top_k: AtLeast1[int | None] = 200  # keep only the top_k most likely tokens (None: all)
-    top_p: Annotated[float | None, Range(0, 1, low_open=True)] = None  # nucleus sampling: the smallest set of tokens with probability >= top_p
+    top_p: Annotated[float | None, Range(0, 1, low_open=True)] = None  # nucleus: the fewest tokens of p >= top_p
     seed: Seed[int] = 1337
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast)
-    window_dtype: Annotated[str | None, OneOf("auto", *DTYPES)] = None  # past block_size every token recomputes the whole window: its dtype
-    # (None: dtype's; with dtype='auto', bf16 on a CPU with bf16 matmuls, where that matrix work is faster than float32)
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # autocast's
+    window_dtype: Annotated[str | None, OneOf("auto", *DTYPES)] = None  # recomputing past block_size; None: dtype's
     compile: bool = False  # torch.compile the one-token decoding step (its compile takes a while: long runs only)
-    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16 (dtype, or the window past
-    # block_size) for windows up to 256 positions, where its plain bf16 matmuls beat the CPU flash kernel, else sdpa
-    sdpa_backend: Annotated[str | None, OneOf(*SDPA_BACKENDS)] = None  # None: the model's setting; else "auto", "flash", "efficient", "cudnn", "math"
-    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of handing them back to the OS
-    # (every window step past block_size allocates the same large buffers again: fresh pages fault in each time)
+    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # auto: math on a bf16 CPU for windows <= 256, else sdpa
+    sdpa_backend: Annotated[str | None, OneOf(*SDPA_BACKENDS)] = None  # attention=sdpa's kernel; None: the model's
+    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers (each window step allocates them again)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from dataclasses import fields
 from typing import TypeVar
 
-from configurator import configure, exit_on_help, help_requested, script_doc
+from configurator import configure, exit_on_help, script_doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: bench.py and train.py
 
@@ -72,8 +72,7 @@ def study_config(defaults: T, argv: list[str], bench_defaults) -> tuple[T, list[
     """A study's own keys (the fields of `defaults`) from argv, and the rest: bench.py's config and overrides,
     which the study hands to bench.load_config and to its child runs. --help: the study's usage, its keys and
     bench.py's (`bench_defaults`: the study's bench.BenchConfig(); bench.py imports this module, never the reverse)."""
-    if help_requested(argv):
-        exit_on_help(argv, script_doc(defaults), defaults, bench_defaults)
+    exit_on_help(argv, script_doc(defaults), defaults, bench_defaults)
     own = {f.name for f in fields(defaults)}
     mine = [a for a in argv if a.startswith("--") and a[2:].split("=")[0] in own]
     return configure(defaults, mine), [a for a in argv if a not in mine]

@@ -27,6 +27,7 @@ import bench  # noqa: E402
 from nanogpt.measure import write_json
 from benchmarks import markdown_table, run_child, study_config  # noqa: E402
 from nanogpt.optional import pyplot
+from nanogpt.config import AtLeast1, Positive, check, declared_problems  # noqa: E402
 from nanogpt.device import resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.distributed import Dist
@@ -40,8 +41,8 @@ CHART = "benchmarks/memory.py (for memory.png)"  # what needs matplotlib, for it
 @dataclass
 class MemoryConfig:
     memory_seq_lens: tuple[int, ...] = (256, 512, 1024, 2048)  # each is the block_size of one measurement
-    memory_batch_size: int = 1
-    memory_budget_gb: float | None = None  # the largest-batch search's budget; None: the whole GPU
+    memory_batch_size: AtLeast1[int] = 1
+    memory_budget_gb: Positive[float | None] = None  # the largest-batch search's budget; None: the whole GPU
     find_max_batch: bool = False  # this process runs one largest-batch search (the study starts it, per path)
 
 
@@ -180,14 +181,10 @@ def report(own: MemoryConfig, cfg: bench.BenchConfig, study: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     own, argv = study_config(MemoryConfig(), sys.argv[1:] if argv is None else argv, bench.BenchConfig())
-    problems = [f"memory_seq_lens={own.memory_seq_lens} must be positive lengths, e.g. 256,512,1024"
-                ] if not own.memory_seq_lens or min(own.memory_seq_lens) < 1 else []
-    if own.memory_batch_size < 1:
-        problems.append(f"memory_batch_size={own.memory_batch_size} must be at least 1")
-    if own.memory_budget_gb is not None and own.memory_budget_gb <= 0:
-        problems.append(f"memory_budget_gb={own.memory_budget_gb} must be positive (or None: the whole GPU)")
-    if problems:
-        raise UserError("; ".join(problems))
+    problems = declared_problems(own)
+    if not own.memory_seq_lens or min(own.memory_seq_lens) < 1:
+        problems.append(f"memory_seq_lens={own.memory_seq_lens} must be positive lengths, e.g. 256,512,1024")
+    check(problems)
     cfg, argv = bench.load_config(argv)
     if own.find_max_batch:  # one search, in the process the study started for it
         result = largest_batch(cfg, own.memory_budget_gb)

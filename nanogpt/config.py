@@ -1,23 +1,20 @@
 """
 The settings, in one place: a training step's (StepConfig: data, model, optimizer, device and precision, which bench.py
 extends) and a run's (TrainConfig), each key with its type, default, meaning and, beside its type, the values it may
-hold (Range, OneOf); and every check of them, the keys together and on this machine, collected into one message
-before anything slow runs and before out_dir is touched (TrainConfig.check).
-
-The commands' own configs (sample.py's, bench.py's, ...) declare their ranges the same way and check them with
-declared_problems. configurator.py reads the types (Annotated's extras stripped) and --help shows the ranges.
+hold (Range, OneOf, NotEmpty); and every check of them, the keys together and on this machine, collected into one
+message before anything slow runs and before out_dir is touched (TrainConfig.check). The commands' own configs
+declare their values the same way and check them with declared_problems; configurator.py reads the types, --help
+shows the values.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import netrc
 import os
 import types
 import typing
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, TypeVar
-from urllib.parse import urlsplit
 
 import torch
 
@@ -36,41 +33,31 @@ T = TypeVar("T")
 
 
 class Range:
-    """The numbers a key may hold: low <= value (low < value if low_open) and value <= high (value < high if
-    high_open); None, where the type allows it, always passes. `note`: what the message adds, e.g. what 0 means."""
+    """The numbers a key may hold: low <= value <= high, an open end excluding its bound (nan and inf are in none).
+    `note`: what a message adds, e.g. what 0 means."""
 
-    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False,
-                 high_open: bool = False, note: str = ""):
+    def __init__(self, low: float, high: float | None = None, low_open: bool = False, high_open: bool = False,
+                 note: str = ""):
         self.low, self.high, self.low_open, self.high_open, self.note = low, high, low_open, high_open, note
-
-    def holds(self, value) -> bool:
-        if value is None or isinstance(value, bool):
-            return True
-        if not isinstance(value, (int, float)) or isinstance(value, float) and not math.isfinite(value):
-            return False  # a number, finite: nan and inf are in no range (a checkpoint's config may hold anything)
-        return ((self.low is None or (value > self.low if self.low_open else value >= self.low))
-                and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
 
     def describe(self) -> str:
         """'at least 1', '> 0', 'in [0, 1)': as --help and the messages say it."""
         low, high = (f"{b:g}" if isinstance(b, float) else str(b) for b in (self.low, self.high))
         if self.high is None:
             return f"> {low}" if self.low_open else f"at least {low}"
-        if self.low is None:
-            return f"{'<' if self.high_open else '<='} {high}"
         return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
 
     def problem(self, key: str, value) -> str | None:
-        return None if self.holds(value) else f"{key}={value!r} must be {self.describe()}"
-
-    @property
-    def range_text(self) -> str:
-        """What --help shows beside the key (configurator.py)."""
-        return self.describe()
+        if value is None or isinstance(value, bool):  # None where the type allows it; a bool of `bool | int`
+            return None
+        finite = isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
+        holds = finite and (value > self.low if self.low_open else value >= self.low) and (
+            self.high is None or (value < self.high if self.high_open else value <= self.high))
+        return None if holds else f"{key}={value!r} must be {self.describe()}"
 
 
 class OneOf:
-    """The strings a key may hold (None, where the type allows it, always passes)."""
+    """The strings a key may hold."""
 
     def __init__(self, *choices: str, note: str = ""):
         self.choices, self.note = choices, note
@@ -83,11 +70,9 @@ class OneOf:
 
 
 class NotEmpty:
-    """A string that names something (a folder, a file): "" is none, and an unset shell variable (`--out_dir=$OUT`)
-    must not make a run write into the current folder."""
-
-    def __init__(self, note: str = ""):
-        self.note = note
+    """A string that names a folder: an unset shell variable (`--out_dir=$OUT`) must not make a run write into the
+    current folder."""
+    note = "give a folder: '.' for the current one"
 
     def describe(self) -> str:
         return "not empty"
@@ -102,25 +87,19 @@ AtLeast0 = Annotated[T, Range(0)]
 Positive = Annotated[T, Range(0, low_open=True)]
 Fraction = Annotated[T, Range(0, 1, high_open=True)]  # [0, 1): dropout, momenta
 Seed = Annotated[T, Range(0, 2**32 - 1)]  # numpy's SeedSequence takes no negative seed; + rank and step fit int64
-Folder = Annotated[str, NotEmpty(note="give a folder: '.' for the current one")]
+Folder = Annotated[str, NotEmpty()]
 
 
 def declarations(config) -> dict[str, tuple[Any, bool]]:
-    """key -> (its declared values: a Range or OneOf, whether its type admits None), for the keys of a config
-    dataclass that declare them."""
+    """key -> (what its type declares: a Range, OneOf or NotEmpty; whether None is a value too)."""
     hints = typing.get_type_hints(type(config), include_extras=True)
-    out = {}
-    for f in fields(config):
-        hint = hints.get(f.name)
-        for meta in getattr(hint, "__metadata__", ()):
-            if hasattr(meta, "problem"):
-                out[f.name] = meta, type(None) in typing.get_args(typing.get_args(hint)[0])
-    return out
+    return {f.name: (meta, type(None) in typing.get_args(typing.get_args(hints[f.name])[0]))
+            for f in fields(config) for meta in getattr(hints[f.name], "__metadata__", ()) if hasattr(meta, "problem")}
 
 
 def declared_problems(config) -> list[str]:
-    """Every key of `config` whose value is outside what its type declares, one phrase each (with the declaration's
-    note, or "(or None)" where None is a value too)."""
+    """Every key of `config` whose value is outside what its type declares, one phrase each, with the declaration's
+    note (or "or None" where None is a value too: it always passes)."""
     problems = []
     for key, (meta, optional) in declarations(config).items():
         if problem := meta.problem(key, getattr(config, key)):
@@ -147,79 +126,43 @@ def check(problems: list[str]) -> None:
 
 
 def coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(accepted, value converted to `tp`).
+    """(accepted, value converted to `tp`): bool, int, float, str, X | None, tuple[...] and list[...] keys.
 
-    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or
-    `compile=1` is always a mistake, so bools are never ints or floats and ints are never bools. An int is
-    a float (converted, so `learning_rate=1` stores 1.0).
+    Stricter than isinstance on purpose: bool is a subclass of int in Python, but `batch_size=True` or `compile=1` is
+    always a mistake, so bools are never numbers and numbers never bools. An int is a float (converted, so
+    `learning_rate=1` stores 1.0); an int past 64 bits is none (what torch and numpy hold).
     """
-    if tp is Any:
-        return True, value
-    if tp is None or tp is type(None):
-        return value is None, value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
+    if origin in (typing.Union, types.UnionType):
         accepted = [converted for ok, converted in (coerce(value, arm) for arm in args) if ok]
-        # Prefer an arm that keeps the value as it is: `int | float` keeps 3 an int.
-        same = [c for c in accepted if type(c) is type(value)]
+        same = [c for c in accepted if type(c) is type(value)]  # `int | float` keeps 3 an int
         return bool(accepted), (same or accepted or [value])[0]
-    if origin is typing.Literal:
-        return any(value == a and type(value) is type(a) for a in args), value
-    if tp is bool:
-        return type(value) is bool, value
-    if tp is int:  # and within 64 bits: what torch and numpy hold (a config file's 10**10000 is no iteration count)
-        return type(value) is int and -2**63 <= value < 2**63, value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if origin in (tuple, list):
+        fixed = origin is tuple and Ellipsis not in args  # tuple[float, float], not tuple[int, ...]
+        if not isinstance(value, origin) or fixed and len(value) != len(args):
             return False, value
+        items = [coerce(v, t) for v, t in zip(value, args if fixed else args[:1] * len(value))]
+        return all(ok for ok, _ in items), origin(c for _, c in items)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             return True, float(value)
-        except OverflowError:
+        except OverflowError:  # an int past a float's range
             return False, value
-    if origin in (tuple, list):
-        if not isinstance(value, origin):
-            return False, value
-        if not args:
-            return True, value
-        if origin is tuple and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                return False, value
-            item_types: tuple[Any, ...] = args
-        else:
-            item_types = (args[0],) * len(value)
-        items = [coerce(v, t) for v, t in zip(value, item_types)]
-        return all(ok for ok, _ in items), origin(c for _, c in items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            return False, value
-        if not args:
-            return True, value
-        keys = [coerce(k, args[0]) for k in value]
-        values = [coerce(v, args[1]) for v in value.values()]
-        ok = all(k_ok for k_ok, _ in keys) and all(v_ok for v_ok, _ in values)
-        return ok, {k: v for (_, k), (_, v) in zip(keys, values)}
-    if origin is not None:
-        return isinstance(value, origin), value
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value  # an annotation we cannot check (a TypeVar...): trust the value
+    if tp is int:
+        return type(value) is int and -2**63 <= value < 2**63, value
+    if tp is bool or tp is type(None):
+        return type(value) is tp, value
+    return isinstance(value, tp), value
 
 
 def type_name(tp: Any) -> str:
     """`int | None`, `tuple[float, float]`: how the annotation is written, without the `typing.` noise."""
-    if tp is None or tp is type(None):
-        return "None"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin is not None and args:
-        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', repr(origin))}[{inner}]"
-    if isinstance(tp, type):
-        return tp.__name__
-    return repr(tp)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else type_name(a) for a in args)}]"
+    return "None" if tp is type(None) else getattr(tp, "__name__", repr(tp))
 
 
 def config_summary(config, width: int = 120) -> str:
@@ -242,8 +185,6 @@ def config_summary(config, width: int = 120) -> str:
 # ----------------------------------------------------------------------------------------------- a step's settings
 
 ATTENTIONS = ("auto", "math", "sdpa")
-OPTIMIZERS = ("adamw", "muon")
-NS_DTYPES = ("bfloat16", "float32")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
 
@@ -279,27 +220,19 @@ class StepConfig:
     n_embd: AtLeast1[int] = GPTConfig.n_embd  # a multiple of n_head
     dropout: Fraction[float] = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
     bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
-    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # "math", "sdpa", or "auto": math on a CPU under bf16
-    # (faster there), else sdpa
-    sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # "auto", "flash", "efficient",
-    # "cudnn", "math"
-    vocab_padding_multiple: Annotated[int, Range(1, 2**16)] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304
-    # rows; 1 turns padding off
-    flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # SDPA's flash kernel: "default" (PyTorch's,
-    # FlashAttention-2) or "fa4" (FlashAttention-4 through PyTorch's hook: H100/H200/B200, pip install flash-attn-4)
-    fused_loss: bool | None = None  # head + cross-entropy chunk by chunk, no (tokens x vocab) logits; None: fused on
-    # the CPU, plain on a GPU
-    gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # "tanh" (GPT-2's) or "erf" (exact, nanoGPT's, the
-    # faster CPU kernel); None: erf from scratch, else what the checkpoint or GPT-2 weights were trained with
+    attention: Annotated[str, OneOf(*ATTENTIONS)] = "auto"  # auto: math on a CPU under bf16 (faster there), else sdpa
+    sdpa_backend: Annotated[str, OneOf(*SDPA_BACKENDS)] = GPTConfig.sdpa_backend  # attention=sdpa's kernel
+    vocab_padding_multiple: Annotated[int, Range(1, 2**16)] = GPTConfig.vocab_padding_multiple  # 50257 -> 50304 rows
+    flash_impl: Annotated[str, OneOf(*FLASH_IMPLS)] = "default"  # fa4: FlashAttention-4 (H100+, flash-attn-4)
+    fused_loss: bool | None = None  # head and loss in chunks, no (tokens x vocab) logits; None: fused on a CPU only
+    gelu: Annotated[str | None, OneOf(*GELU_CHOICES)] = None  # tanh: GPT-2's; None: erf from scratch, else the weights'
 
-    # optimizer: "adamw" for every parameter, or "muon" for the blocks' weight matrices and AdamW for the rest
-    optimizer: Annotated[str, OneOf(*OPTIMIZERS)] = "adamw"
+    # optimizer
+    optimizer: Annotated[str, OneOf("adamw", "muon")] = "adamw"  # muon: Muon for the blocks' matrices, AdamW the rest
     muon_learning_rate: Positive[float] = 0.02  # Muon's max learning rate; the schedule scales it like AdamW's
-    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by
-    # 1 - lr * muon_weight_decay
+    muon_weight_decay: AtLeast0[float] = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * this
     muon_momentum: Fraction[float] = 0.95  # Nesterov momentum of the gradients that Muon orthogonalises
-    muon_ns_dtype: Annotated[str, OneOf("auto", *NS_DTYPES)] = "auto"  # "bfloat16" (torch's), "float32"; auto:
-    # float32 on CPUs without bf16 kernels
+    muon_ns_dtype: Annotated[str, OneOf("auto", "bfloat16", "float32")] = "auto"  # auto: float32 on a CPU without bf16
 
     # AdamW
     learning_rate: AtLeast0[float] = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
@@ -311,20 +244,16 @@ class StepConfig:
 
     # system
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N", "mps"
-    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # "auto", "float32", "bfloat16", "float16" (autocast;
-    # float16 with a grad scaler)
+    dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # autocast's; float16 adds a grad scaler
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     compile: bool = True  # torch.compile the model
-    compile_mode: Annotated[str, OneOf(*COMPILE_MODES)] = "default"  # torch.compile's mode: "default",
-    # "max-autotune-no-cudagraphs"; "max-autotune" and "reduce-overhead" add CUDA graphs (CUDA only)
+    compile_mode: Annotated[str, OneOf(*COMPILE_MODES)] = "default"  # torch.compile's; the last two add CUDA graphs
     fp8: bool = False  # float8 matmuls in the blocks through torchao (GPUs of compute capability 8.9+: float8.py)
-    fp8_recipe: Annotated[str, OneOf(*float8.FP8_RECIPES)] = "tensorwise"  # float8 scaling: "tensorwise" or "rowwise"
-    fp8_layers: Annotated[str, OneOf(*float8.FP8_LAYERS)] = "auto"  # "auto": only the layers large enough for float8
-    # to pay (float8.py); "all": every one
+    fp8_recipe: Annotated[str, OneOf(*float8.FP8_RECIPES)] = "tensorwise"  # float8 scaling
+    fp8_layers: Annotated[str, OneOf(*float8.FP8_LAYERS)] = "auto"  # auto: the layers large enough to pay (float8.py)
     deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (faster steps)
-    peak_flops: Positive[float | None] = None  # the peak FLOP/s that MFU divides by; None: a known GPU's, or the
-    # CPU's measured matmul peak in the run's dtype (cached in ~/.cache/nanogpt/cpu_peak_flops.json)
+    peak_flops: Positive[float | None] = None  # MFU's denominator; None: a known GPU's, or the CPU's measured peak
     seed: Seed[int] = 1337
 
     def problems(self, world_size: int = 1) -> list[str]:
@@ -332,10 +261,8 @@ class StepConfig:
         values, then the keys together and what the device can run (TrainConfig adds its own)."""
         problems = declared_problems(self)
         if self.gradient_accumulation_steps % world_size:
-            problems.append(
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not divisible by the "
-                f"{world_size} DDP processes: make it a multiple of {world_size}"
-            )
+            problems.append(f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not divisible by the "
+                            f"{world_size} DDP processes: make it a multiple of {world_size}")
         if self.n_head >= 1 and self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if (why := kernel_problem(self.attention, self.sdpa_backend)) is not None:
@@ -406,11 +333,9 @@ def fp8_problems(device: str, dtype: str | None) -> list[str]:
 @dataclass
 class WeightsSource:
     """The weights sample.py and hellaswag.py run (their configs' first keys)."""
-    init_from: str = "resume"  # "resume" (a checkpoint in out_dir), "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", a
-    # HF GPT-2 folder, or a checkpoint file or sharded folder
+    init_from: str = "resume"  # resume (out_dir's checkpoint), gpt2, gpt2-medium, ..., a HF folder or a checkpoint
     out_dir: Folder = "out"  # with init_from=resume: the training run's folder
-    ckpt: str | None = None  # with init_from=resume: a checkpoint in out_dir (None: the newest of ckpt.pt and
-    # ckpt_sharded, by iteration; ckpt_best.pt or ckpt_sharded_best: the best val loss's weights, if kept)
+    ckpt: str | None = None  # in out_dir; None: the newest; ckpt_best.pt or ckpt_sharded_best: the best val loss's
 
     def weights_problems(self) -> list[str]:
         """An init_from that names no weights: one phrase, found before anything slow (a download, a load)."""
@@ -422,9 +347,6 @@ class WeightsSource:
 
 # ----------------------------------------------------------------------------------------------- a run's settings
 
-PARALLELISMS = ("ddp", "fsdp")
-
-
 @dataclass
 class TrainConfig(StepConfig):
     # I/O
@@ -434,15 +356,11 @@ class TrainConfig(StepConfig):
     eval_iters: AtLeast1[int] = 200
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
-    init_from: str = "scratch"  # "scratch", "resume" (out_dir's newest checkpoint), "auto" (resume if out_dir holds a
-    # checkpoint, else scratch), "gpt2", "gpt2-medium", ... a HF folder, or a checkpoint (this repo's or nanoGPT's
-    # ckpt.pt, or a sharded folder) whose weights start a new run. A new run moves an earlier one aside (outdir.py)
-    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_0000300.pt (7 digits; 0: only ckpt.pt)
-    checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only):
-    # a hard kill (no SIGTERM) loses at most this many
+    init_from: str = "scratch"  # scratch, resume, auto (resume if out_dir has one), gpt2*, a HF folder, a checkpoint
+    keep_last: AtLeast0[int] = 0  # also keep the last K checkpoints as ckpt_0000300.pt (0: only ckpt.pt)
+    checkpoint_interval: AtLeast0[int] = 0  # also save every this many iterations between evals (0: at evals only)
     checkpoint_minutes: AtLeast0[float] = 0.0  # also save once this many minutes passed since the last save (0: off)
-    async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save);
-    # the last save and a stop's are written before the run ends
+    async_save: bool = False  # FSDP: write the shards in the background while training goes on (DCP's async_save)
     report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
 
     # logging
@@ -450,8 +368,7 @@ class TrainConfig(StepConfig):
     wandb_project: str = "owt"
     wandb_run_name: str = "gpt2"
     hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
-    hellaswag_interval: AtLeast0[int] = 0  # ... only every this many steps, a multiple of eval_interval (0: at every
-    # eval)
+    hellaswag_interval: AtLeast0[int] = 0  # ... only every this many steps, a multiple of eval_interval (0: every eval)
     hellaswag_path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded once
 
     # learning rate schedule: linear warmup, then cosine decay to min_lr
@@ -460,16 +377,12 @@ class TrainConfig(StepConfig):
     warmup_iters: AtLeast0[int] = 2000
     lr_decay_iters: AtLeast0[int | None] = None  # None: max_iters (~ Chinchilla: about max_iters)
     min_lr: AtLeast0[float] = 6e-5  # ~ learning_rate / 10
-
-    # non-finite losses or gradient norms (float16 leaves them to its grad scaler)
-    max_nonfinite_skips: AtLeast0[int] = 0  # skip up to this many such steps per run; past that, stop with an error
+    max_nonfinite_skips: AtLeast0[int] = 0  # steps with a non-finite loss or grad norm skipped per run, then an error
 
     # system
-    backend: Annotated[str, OneOf("auto", "nccl", "gloo")] = "auto"  # DDP: "nccl" on CUDA, "gloo" on the CPU
-    parallelism: Annotated[str, OneOf(*PARALLELISMS)] = "ddp"  # "ddp": a full copy per rank; "fsdp": parameters,
-    # grads, AdamW state sharded (FSDP2)
-    activation_checkpointing: AtLeast0[bool | int] = False  # recompute blocks' activations in the backward: True, or
-    # N blocks
+    backend: Annotated[str, OneOf("auto", "nccl", "gloo")] = "auto"  # DDP's; auto: nccl on CUDA, gloo on the CPU
+    parallelism: Annotated[str, OneOf("ddp", "fsdp")] = "ddp"  # ddp: a full copy per rank; fsdp: sharded (FSDP2)
+    activation_checkpointing: AtLeast0[bool | int] = False  # recompute activations in the backward: True, or N blocks
 
     def problems(self, world_size: int = 1) -> list[str]:
         problems = super().problems(world_size)
@@ -477,10 +390,9 @@ class TrainConfig(StepConfig):
             problems.append(f"async_save=True writes FSDP's sharded checkpoints, and parallelism={self.parallelism!r} "
                             f"saves one file: set parallelism='fsdp' or async_save=False")
         if self.init_from not in ("scratch", "resume", "auto", *GPT2_MODELS) and not os.path.exists(self.init_from):
-            problems.append(
-                f"init_from={self.init_from!r} is not one of scratch, resume, auto, {', '.join(GPT2_MODELS)}, a folder "
-                f"with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
-            )
+            problems.append(f"init_from={self.init_from!r} is not one of scratch, resume, auto, "
+                            f"{', '.join(GPT2_MODELS)}, a folder with a HF GPT-2 model, a checkpoint file or sharded "
+                            f"folder, or a run's out_dir")
         if self.eval_interval >= 1 and self.hellaswag_interval % self.eval_interval:
             problems.append(f"hellaswag_interval={self.hellaswag_interval} must be 0 or a multiple of eval_interval="
                             f"{self.eval_interval} (HellaSwag runs at evals)")
@@ -514,32 +426,28 @@ class TrainConfig(StepConfig):
         return problems
 
 
-
 def wandb_problem(cfg: TrainConfig) -> str | None:
-    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key,
-    where wandb.init looks for one: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), else the netrc entry for its
-    host that `wandb login` writes (NETRC, ~/.netrc or ~/_netrc). Without them wandb.init raises once the run is
-    under way."""
+    """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key
+    for its server, which wandb.init would ask for once the run is under way. wandb answers by its own rules (the
+    environment, the netrc entry `wandb login` writes, its settings files), without a prompt or the network."""
     if not cfg.wandb_log:
         return None
     try:
         optional_import("wandb", "wandb_log=True")
     except UserError as e:
         return f"{e} (or --wandb_log=False)"
-    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled"):
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb_setup.singleton().settings  # what wandb.init reads: WANDB_MODE, WANDB_BASE_URL, settings files
+    if settings.mode in ("offline", "dryrun", "disabled"):
         return None
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return None
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
-    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
-    path = next((p for p in map(os.path.expanduser, candidates) if os.path.isfile(p)), None)
-    where = "no netrc file"
-    if path is not None:
-        try:
-            if netrc.netrc(path).authenticators(host):
-                return None
-            where = f"no entry for {host} in {path}"
-        except (OSError, netrc.NetrcParseError) as e:
-            where = f"{path} is unreadable ({e})"
-    return (f"wandb_log=True but wandb has no API key (no WANDB_API_KEY, {where}): run `wandb login` once, or log "
-            f"offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False")
+    fix = ("run `wandb login` once, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set "
+           "--wandb_log=False")
+    try:
+        if wbauth.authenticate_session(host=settings.base_url, source="train.py", prompt=False, update_session=False):
+            return None
+    except AuthenticationError as e:  # a key of the wrong form
+        return f"wandb_log=True but wandb cannot use its credentials ({e}): {fix}"
+    return f"wandb_log=True but wandb has no API key for {settings.base_url}: {fix}"

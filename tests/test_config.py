@@ -78,24 +78,31 @@ def test_flash_impl_fa4_is_refused_in_one_line_where_it_cannot_run():
 
 
 def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    """wandb_problem asks wandb itself: its key in the netrc file `wandb login` writes or in WANDB_API_KEY, for the
+    server it logs to (WANDB_BASE_URL); none needed offline; a key of the wrong form named."""
+    wandb = pytest.importorskip("wandb")
     home = tmp_path / "home"
     no_wandb_login(monkeypatch, home)
     cfg = TrainConfig(wandb_log=True)
-    assert "no netrc file" in wandb_problem(cfg)
+    assert "wandb has no API key for https://" in wandb_problem(cfg)
     assert wandb_problem(TrainConfig(wandb_log=False)) is None
     (home / ".netrc").write_text("machine example.com\n  login user\n  password secret\n")  # another host's entry
-    assert f"no entry for api.wandb.ai in {home / '.netrc'}" in wandb_problem(cfg)
+    assert "wandb has no API key for https://" in wandb_problem(cfg)
     (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")  # `wandb login`'s
     assert wandb_problem(cfg) is None
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a self-hosted server: its own entry
-    assert f"no entry for wandb.example.com in {home / '.netrc'}" in wandb_problem(cfg)
+    wandb.teardown()  # wandb reads its settings once per process
+    assert "wandb has no API key for https://wandb.example.com: run `wandb login` once" in wandb_problem(cfg)
     for mode in ("offline", "disabled"):
         monkeypatch.setenv("WANDB_MODE", mode)
+        wandb.teardown()
         assert wandb_problem(cfg) is None
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    wandb.teardown()
     assert wandb_problem(cfg) is None
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 5)
+    assert wandb_problem(cfg).startswith("wandb_log=True but wandb cannot use its credentials (WANDB_API_KEY invalid")
 
 
 # ----------------------------------------------------------------------------------------------- every numeric key

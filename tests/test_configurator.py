@@ -387,31 +387,20 @@ def test_a_config_files_helper_names_are_accepted_and_a_typo_of_a_key_is_not(tmp
 class _Documented:
     """Keys whose comments --help reads. Not a test."""
 
-    # first group
-    short: int = 1  # a comment
-    # that goes on, however short its line
-    wrapped: int = 2  # a comment that the author wrapped early
-    # onto this line, and (a parenthesis that closes
-    # here)
-
-    # second group: a header after a blank line, right under a field's comment
+    # a section comment: no key's
+    short: int = 1  # a comment, with a # in it
+    # a comment line of its own: no key's either
     plain: int = 3
-    # key_of_header: its comment
-    key_of_header: int = 4
+
+    def method(self) -> None:
+        short: int = 2  # a local variable's comment, not the key's
+        del short
 
 
-def test_help_reads_the_comments_as_the_source_writes_them() -> None:
-    """A comment line right under a field's comment continues it, whatever the line lengths; after a blank line it
-    is a group header; a header "# key: text" right above that key is its comment."""
-    _, groups = configurator._class_source_docs(_Documented)
-    assert groups == [
-        (None, []),
-        ("first group", [("short", "a comment that goes on, however short its line"),
-                         ("wrapped", "a comment that the author wrapped early onto this line, and (a parenthesis "
-                                     "that closes here)")]),
-        ("second group: a header after a blank line, right under a field's comment", [("plain", "")]),
-        ("key_of_header", [("key_of_header", "its comment")]),
-    ]
+def test_help_reads_the_comment_on_each_fields_line() -> None:
+    """A key's help is the comment on its line in the class's source: comment lines of their own belong to no key,
+    nor does a method's."""
+    assert configurator._field_comments(_Documented) == {"short": "a comment, with a # in it"}
 
 
 def test_an_int_past_64_bits_is_refused_and_named_without_its_digits(tmp_path: Path) -> None:

@@ -121,29 +121,23 @@ def test_help_lists_every_key_with_its_default_type_and_comment(script, capsys):
 
 
 def test_train_help_text_of_some_keys(capsys):
-    """The exact comments, as the source writes them: one on the field's line, one continued on the next comment
-    line, one that a group header follows (not swallowed), one given by its header `# key: text`."""
+    """The exact comments, as the source writes them on the field's line, then the values its type declares (a range,
+    the choices, a declaration's note); StepConfig's keys (the base class) before TrainConfig's."""
     _, out, _ = run_help("train.py", capsys)
     keys = listed_keys(out)
     assert keys["eval_only"] == ["False", "bool", "evaluate once and exit"]
-    assert keys["fused_loss"] == ["None", "bool | None", "head + cross-entropy chunk by chunk, no (tokens x vocab) "
-                                  "logits; None: fused on the CPU, plain on a GPU"]
+    assert keys["fused_loss"] == ["None", "bool | None", "head and loss in chunks, no (tokens x vocab) logits; None: "
+                                  "fused on a CPU only"]
     assert keys["min_lr"] == ["6e-05", "float", "~ learning_rate / 10 [at least 0]"]  # the range its type declares
-    assert keys["optimizer"][2] == '"adamw" for every parameter, or "muon" for the blocks\' weight matrices and ' \
-                                   'AdamW for the rest'
-    lines = out.splitlines()
-    header = lines.index("  non-finite losses or gradient norms (float16 leaves them to its grad scaler)")
-    assert lines[header + 1].startswith("    --max_nonfinite_skips=0 ")
-    # the groups of StepConfig (the base class) come before TrainConfig's
-    assert lines.index("  data") < lines.index("  I/O") < lines.index("  logging")
-    assert out.index("StepConfig (config.py)") < out.index("TrainConfig (config.py)")
+    assert keys["optimizer"] == ["'adamw'", "str", "muon: Muon for the blocks' matrices, AdamW the rest "
+                                                   "[one of adamw, muon]"]
+    assert keys["out_dir"][2] == "[not empty; give a folder: '.' for the current one]"
+    assert out.index("StepConfig (config.py)") < out.index("--seed=") < out.index("TrainConfig (config.py)")
 
 
-def test_sample_help_continues_a_comment_inside_parentheses(capsys):
+def test_sample_help_shows_a_declarations_note(capsys):
     _, out, _ = run_help("sample.py", capsys)
-    assert listed_keys(out)["ckpt"][2] == ("with init_from=resume: a checkpoint in out_dir (None: the newest of "
-                                           "ckpt.pt and ckpt_sharded, by iteration; ckpt_best.pt or "
-                                           "ckpt_sharded_best: the best val loss's weights, if kept)")
+    assert listed_keys(out)["temperature"][2] == "1.0: the model's distribution [at least 0; 0 means greedy]"
 
 
 def test_a_subclass_default_is_listed_under_the_subclass_with_the_base_comment():

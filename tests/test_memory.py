@@ -77,6 +77,13 @@ def test_an_out_of_memory_error_after_unscale_does_not_break_the_next_trial(monk
     assert memory.step_fits(run, cfg, 2) is True
 
 
+def test_the_studys_keys_are_refused_out_of_their_declared_ranges_in_one_message():
+    with pytest.raises(UserError) as e:
+        memory.main(["--memory_batch_size=0", "--memory_budget_gb=-1.0", "--memory_seq_lens=(0, 256)"])
+    assert str(e.value) == ("memory_batch_size=0 must be at least 1; memory_budget_gb=-1.0 must be > 0 (or None); "
+                            "memory_seq_lens=(0, 256) must be positive lengths, e.g. 256,512,1024")
+
+
 def test_the_largest_batch_search_is_cuda_only(tmp_path):
     cfg, _ = bench.load_config(TINY)
     with pytest.raises(UserError, match="find_max_batch needs CUDA"):

@@ -1,8 +1,8 @@
 """metrics.py: a run's metrics.jsonl, written through Logger and read by read_metrics: a new run starts its own file
 and a resume appends to its run's (a start line each), the wall time (elapsed_s) continues across resumes, a line
-torn by a kill is skipped with a warning and the next append starts a new line; and wandb_problem, which finds
-wandb's API key where `wandb login` writes it (train.py refusing wandb_log=True before the model is built:
-tests/test_train.py)."""
+torn by a kill is skipped with a warning and the next append starts a new line. (wandb_problem, which asks wandb
+whether it has an API key: tests/test_config.py; train.py refusing wandb_log=True before the model is built:
+tests/test_train.py.)"""
 from __future__ import annotations
 
 import dataclasses

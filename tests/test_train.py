@@ -256,11 +256,16 @@ def wandb_run(data_dir, tmp_path, monkeypatch, capsys):
 
 
 def no_wandb_login(monkeypatch, home) -> None:
-    """An environment where wandb has no key: a HOME without a netrc file, no key in the environment, online."""
+    """An environment where wandb has no key: a HOME without a netrc file or wandb's settings, no key in the
+    environment, online; and wandb's settings, which it reads once per process, read anew (wandb.teardown)."""
+    import wandb
+
     home.mkdir(exist_ok=True)
     monkeypatch.setenv("HOME", str(home))
-    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL", "NETRC",
+                "WANDB_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
+    wandb.teardown()
 
 
 def test_wandb_log_without_wandb_installed_is_one_line_before_the_model(data_dir, tmp_path, monkeypatch, capsys):
@@ -276,9 +281,10 @@ def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, 
     no_wandb_login(monkeypatch, tmp_path / "home")
     r = wandb_run(data_dir, tmp_path, monkeypatch, capsys)
     assert r.returncode == 2
-    assert r.stderr.splitlines() == [
-        "error: wandb_log=True but wandb has no API key (no WANDB_API_KEY, no netrc file): run `wandb login` once, or "
-        "log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set --wandb_log=False"]
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("error: wandb_log=True but wandb has no API key for https://") and line.endswith(
+        ": run `wandb login` once, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set "
+        "--wandb_log=False"), line
 
 
 def test_the_log_lists_the_settings_that_differ_from_the_defaults_and_counts_in_words(data_dir, tmp_path, capsys):
