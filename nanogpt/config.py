@@ -426,6 +426,10 @@ class TrainConfig(StepConfig):
         return problems
 
 
+WANDB_FIX = ("run `wandb login` once, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set "
+             "--wandb_log=False")
+
+
 def wandb_problem(cfg: TrainConfig) -> str | None:
     """Why wandb_log=True would fail, asked before anything slow: wandb not installed, or (logging online) no API key
     for its server, which wandb.init would ask for once the run is under way. wandb answers by its own rules (the
@@ -436,18 +440,18 @@ def wandb_problem(cfg: TrainConfig) -> str | None:
         optional_import("wandb", "wandb_log=True")
     except UserError as e:
         return f"{e} (or --wandb_log=False)"
-    from wandb.errors import AuthenticationError
-    from wandb.sdk import wandb_setup
-    from wandb.sdk.lib import wbauth
+    try:  # wandb's own reading of its credentials; a wandb of another shape than 0.31's: its init will tell
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
 
-    settings = wandb_setup.singleton().settings  # what wandb.init reads: WANDB_MODE, WANDB_BASE_URL, settings files
-    if settings.mode in ("offline", "dryrun", "disabled"):
-        return None
-    fix = ("run `wandb login` once, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or set "
-           "--wandb_log=False")
-    try:
+        settings = wandb_setup.singleton().settings  # what wandb.init reads: WANDB_MODE, WANDB_BASE_URL, its files
+        if settings.mode in ("offline", "dryrun", "disabled"):
+            return None
         if wbauth.authenticate_session(host=settings.base_url, source="train.py", prompt=False, update_session=False):
             return None
+    except (ImportError, AttributeError, TypeError):
+        return None
     except AuthenticationError as e:  # a key of the wrong form
-        return f"wandb_log=True but wandb cannot use its credentials ({e}): {fix}"
-    return f"wandb_log=True but wandb has no API key for {settings.base_url}: {fix}"
+        return f"wandb_log=True but wandb cannot use its credentials ({e}): {WANDB_FIX}"
+    return f"wandb_log=True but wandb has no API key for {settings.base_url}: {WANDB_FIX}"
