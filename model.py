@@ -1,22 +1,15 @@
 """
-A GPT-2-style language model, in one file that works copied alone (it imports torch and the standard library only):
-GPTConfig, CausalSelfAttention, MLP, Block and GPT, with nanoGPT's API: `GPT(GPTConfig(...))`, `logits, loss =
-model(idx, targets)`, `GPT.from_pretrained("gpt2")`, `model.generate(idx, max_new_tokens)`,
-`configure_optimizers`, `estimate_mfu` (against the peak FLOP/s given, or a known GPU's).
+A GPT-2-style language model in one file that imports torch and the standard library only: GPTConfig,
+CausalSelfAttention, MLP, Block and GPT, with nanoGPT's API: `GPT(GPTConfig(...))`, `logits, loss = model(idx,
+targets)`, `GPT.from_pretrained("gpt2")`, `model.generate(idx, max_new_tokens)`, `configure_optimizers`, `estimate_mfu`.
+References: OpenAI's GPT-2 and HF transformers' port, by way of nanoGPT, whose module and parameter names it keeps, so
+GPT-2's weights map onto it one to one.
 
-References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
-The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
-
-Speed switches live in GPTConfig and none of them changes what the model computes beyond float rounding:
-  attention="math" | "sdpa", sdpa_backend="auto" | "flash" | "efficient" | "cudnn" | "math",
-  vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out),
-  fused_loss (the head and the loss chunk by chunk: the project's nanogpt/fused_loss.py, imported when it is on).
-One setting does change the function, and only slightly: gelu="tanh" (GPT-2's "gelu_new", needed for its weights)
-or "erf" (the exact GELU, as in nanoGPT, and the faster of the two on CPUs: docs/performance.md).
-
-The project around it adds, taking the model as an argument: fast decoding with a KV cache (nanogpt/engine.py, which
-fills the cache through forward's kv_cache), GPT-2 weights loaded offline-first (nanogpt/hf_gpt2.py), and the checks
-that turn a bad setting into one line before a model is built. Here a bad argument is a ValueError.
+The speed settings change nothing the model computes beyond float rounding: attention="math" (the reference) or
+"sdpa", sdpa_backend (the SDPA kernel), vocab_padding_multiple (50257 -> 50304 rows for GPT-2, the extra logits masked
+out), and `model.head_loss`, a loss the caller hands in for the loss-only forward (e.g. the head and cross-entropy
+chunk by chunk). gelu changes it slightly: "tanh" (GPT-2's approximation, which its weights need) or "erf" (exact).
+A bad argument is a ValueError.
 """
 from __future__ import annotations
 
@@ -57,10 +50,6 @@ class GPTConfig:
     attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
     sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
     gelu: str = "tanh"  # "tanh": GPT-2's approximation (its weights need it); "erf": the exact GELU
-    # True: a forward that asks for the loss only (return_logits=False: the training step, evaluation) computes the
-    # head and the loss chunk by chunk (the project's nanogpt/fused_loss.py): no (tokens x vocab) logits, the same loss
-    # and gradients. False: the plain path (full logits, F.cross_entropy). Calls that want the logits always get them.
-    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,9 +67,8 @@ class GPTConfig:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if type(self.dropout) not in (int, float) or not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        for name in ("bias", "fused_loss"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.bias, bool):
+            problems.append(f"bias={self.bias!r} must be True or False")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -257,26 +245,6 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: i
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
 
 
-def _fused_loss():
-    """The project's chunked head + loss (nanogpt/fused_loss.py), or None where model.py runs copied alone: the plain
-    loss then, the same figures with the (B, T, vocab) logits formed."""
-    try:
-        from nanogpt.fused_loss import fused_linear_cross_entropy
-    except ImportError:
-        return None
-    return fused_linear_cross_entropy
-
-
-def _device_peak_flops(device: torch.device) -> float | None:
-    """A known GPU's dense bf16 peak FLOP/s (nanogpt/mfu.py's table), or None: a CPU, an unknown GPU, or model.py
-    copied alone."""
-    try:
-        from nanogpt.mfu import device_peak_flops
-    except ImportError:
-        return None
-    return device_peak_flops(device)
-
-
 class GPT(nn.Module):
     @classmethod
     def uninitialized(cls, config: GPTConfig) -> "GPT":
@@ -305,6 +273,10 @@ class GPT(nn.Module):
         self.lm_head = lm_head
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
+        # The loss of a forward that wants no logits (return_logits=False): None, cross_entropy_sum of the full
+        # logits; or the caller's (x (N, C), lm_head.weight, targets (N,), vocab_size) -> the same sum, e.g. the
+        # head and loss chunk by chunk, which never holds the (N, padded vocab) logits.
+        self.head_loss = None
 
     def _init_weights(self, module: nn.Module) -> None:
         weight = getattr(module, "weight", None)
@@ -340,26 +312,19 @@ class GPT(nn.Module):
         """
         idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
-        kv_cache: optional KV cache (nanogpt/engine.py); idx then holds only the positions after those already cached.
-        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets
-        (None without targets), as nanoGPT's `logits, loss = model(X, Y)`.
-        return_logits=False, for callers that need only the loss (train_step, estimate_loss): (None, loss), and with
-        config.fused_loss the (B, T, padded vocab) logits are never formed (nanogpt/fused_loss.py; model.py
-        copied alone computes the plain loss instead).
+        kv_cache: optional KV cache (CausalSelfAttention.forward); idx then holds only the positions after those
+        already cached. Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored
+        targets (None without targets), as nanoGPT's `logits, loss = model(X, Y)`. return_logits=False, for callers
+        that need only the loss: (None, loss), computed by self.head_loss where one is set.
         """
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
-        fused = _fused_loss() if targets is not None and not return_logits and self.config.fused_loss else None
-        if fused is not None:
-            n_targets = (targets != -1).sum().clamp(min=1)
-            loss_sum = fused(x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size)
-            return None, loss_sum / n_targets
-        # the logits are made anyway (asked for, or fused_loss off): the plain loss from them is the cheaper one
+        # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
+        n_targets = None if targets is None else (targets != -1).sum().clamp(min=1)
+        if targets is not None and not return_logits and self.head_loss is not None:
+            C, V = x.size(-1), self.config.vocab_size
+            return None, self.head_loss(x.view(-1, C), self.lm_head.weight, targets.reshape(-1), V) / n_targets
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
-        loss = None
-        if targets is not None:
-            # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
-            n_targets = (targets != -1).sum().clamp(min=1)
-            loss = cross_entropy_sum(logits, targets, self.config.vocab_size) / n_targets
+        loss = None if targets is None else cross_entropy_sum(logits, targets, self.config.vocab_size) / n_targets
         return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
     def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:
@@ -414,13 +379,10 @@ class GPT(nn.Module):
     def from_pretrained(
         cls, model_type: str, override_args: dict | None = None, vocab_padding_multiple: int = 64
     ) -> "GPT":
-        """
-        GPT-2's weights through HF transformers (imported here): "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a
-        local folder written by `save_pretrained`. Only `dropout`, `attention`, `sdpa_backend` and `fused_loss` may be
-        overridden. (The project loads them through nanogpt/hf_gpt2.py: the HF cache first, offline in seconds.)
-        """
+        """GPT-2's weights through HF transformers (imported here): "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a
+        local folder written by `save_pretrained`. Only `dropout`, `attention` and `sdpa_backend` may be overridden."""
         override_args = dict(override_args or {})
-        allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
+        allowed = {"dropout", "attention", "sdpa_backend"}
         if set(override_args) - allowed:
             raise ValueError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
         from transformers import GPT2LMHeadModel
@@ -498,18 +460,14 @@ class GPT(nn.Module):
         N = self.get_num_params()
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
-    def estimate_mfu(
-        self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None, seq_len: int | None = None
-    ) -> float | None:
+    def estimate_mfu(self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None,
+                     seq_len: int | None = None) -> float | None:
         """Model FLOPs utilisation: achieved FLOP/s over the device's peak `peak_flops` (bf16 dense: an A100's is
-        312e12). None given: a known GPU's (the project's nanogpt/mfu.py), else None: no peak is assumed (nanoGPT's
-        takes an A100's for every device, a CPU too)."""
-        peak = peak_flops if peak_flops is not None else _device_peak_flops(self.lm_head.weight.device)
-        if peak is None or dt <= 0:
+        312e12). None where no peak is known: nanoGPT's took an A100's for every device, a CPU too."""
+        if peak_flops is None or dt <= 0:
             return None
         T = seq_len or self.config.block_size
-        flops_per_iter = self.flops_per_token(T) * T * fwdbwd_per_iter
-        return flops_per_iter / dt / peak
+        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / peak_flops
 
     # ------------------------------------------------------------------------------------------- generation
 
