@@ -166,23 +166,14 @@ class CausalSelfAttention(nn.Module):
         return mask | torch.eye(T, dtype=torch.bool, device=mask.device)
 
     def _math_attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        B, nh, T, hs = q.size()
-        S = k.size(-2)
-        scale = 1.0 / math.sqrt(hs)
+        """The reference: softmax(q·kᵀ/√hs, the scores of keys a query may not see set to -inf)·v."""
+        T = q.size(-2)
         if mask is None and T > 1:  # plain causal (one query, a window's last or a cached step's, sees every key)
             mask = causal_mask(T, q.device)  # (T, T)
-        if mask is None or q.dtype == torch.float16:
-            att = (q * scale) @ k.transpose(-2, -1)  # (B, nh, T, S); scaled before: (T, hs) numbers, not (T, S)
-            if mask is not None:  # float16: a masked score may overflow to inf, and inf - inf is NaN: replace it
-                att = att.masked_fill(~mask, float("-inf"))
-        else:
-            # the mask as 0 / -inf added by the matmul itself (its C operand; the scale as its alpha): the scores
-            # masked_fill gives, without a pass of their own over the (T, S) scores of every head
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-            att = torch.baddbmm(bias.expand(B, nh, T, S).reshape(B * nh, T, S), q.reshape(B * nh, T, hs),
-                                k.reshape(B * nh, S, hs).transpose(1, 2), alpha=scale).view(B, nh, T, S)
-        att = F.softmax(att, dim=-1)
-        att = self.attn_dropout(att)
+        att = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, nh, T, S)
+        if mask is not None:  # replaced, not added to: a float16 score that overflowed to inf would give NaN
+            att = att.masked_fill(~mask, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
         return att @ v  # (B, nh, T, S) x (B, nh, S, hs) -> (B, nh, T, hs)
 
     def _sdpa(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
@@ -190,8 +181,17 @@ class CausalSelfAttention(nn.Module):
         backend = SDPA_BACKENDS[self.sdpa_backend]
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        with sdpa_kernel(backend):  # a forced kernel: PyTorch raises a RuntimeError where it cannot run this call
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        with sdpa_kernel(backend):
+            try:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                      is_causal=is_causal)
+            except RuntimeError as e:  # PyTorch's refusal names no kernel: its CPU and CUDA wordings
+                if not any(s in str(e) for s in ("No viable backend", "No available kernel")):
+                    raise  # another error (out of memory, a shape): as it is
+                raise RuntimeError(
+                    f"sdpa_backend={self.sdpa_backend!r} cannot run this attention on {q.device.type} with dtype "
+                    f"{q.dtype}{' and dropout' if dropout_p else ''}: choose another sdpa_backend, or 'auto' "
+                    f"(PyTorch: {e})") from None
 
 
 class MLP(nn.Module):
