@@ -23,13 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 ATTENTION_CHOICES = ("math", "sdpa")
-SDPA_BACKENDS = {
-    "auto": None,  # PyTorch picks the fastest kernel that can run
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "math": SDPBackend.MATH,
-}
+SDPA_BACKENDS = {"auto": None,  # None: PyTorch picks the fastest kernel that can run
+                 "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 GELU_CHOICES = ("tanh", "erf")
 # HF transformers' activation_function names of the two GELU forms (GPTConfig.gelu)
 HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
@@ -91,9 +87,8 @@ def hf_config_args(hf_config) -> dict:
 
 
 def causal_mask(T: int, device: torch.device | str) -> torch.Tensor:
-    """The (T, T) boolean "may attend" mask: query i sees keys 0..i. Built where needed (math attention, padding;
-    the KV cache masks by position) instead of a (block_size, block_size) buffer per layer; plain causal SDPA
-    needs none (is_causal)."""
+    """The (T, T) boolean "may attend" mask: query i sees keys 0..i. Built where needed, not a (block_size,
+    block_size) buffer per layer: plain causal SDPA needs none (is_causal), a KV cache masks by position."""
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
@@ -112,16 +107,10 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        kv_cache=None,
-        pos: torch.Tensor | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        """kv_cache: a KV cache (nanogpt/engine.py's KVCache: update(layer, k, v, pos) stores this layer's keys and values
-        and returns what attention reads). pos: (T,) the positions of x's rows, where kv_cache stores them.
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, kv_cache=None,
+                pos: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """kv_cache: keys and values of earlier positions (update(layer, k, v, pos) stores this layer's and returns
+        what attention reads; static: it returns every slot, written or not). pos: (T,) the positions of x's rows.
         last_only: the output of the last position only, (B, 1, C): every row's key and value, one query."""
         B, T, C = x.size()  # batch, sequence length, n_embd
         hs = C // self.n_head
@@ -152,11 +141,8 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def _mask(self, T: int, key_padding_mask: torch.Tensor | None, device) -> torch.Tensor | None:
-        """The boolean "may attend" mask, or None where plain causal attention is exact.
-        Why the key-padding path stays though no script passes attention_mask: it is forward()'s half of padded
-        batches of different lengths (HF's attention_mask convention, right padding), for callers that score or
-        train on such batches; tests pin it to a float64 reference on every attention path. generate() does not
-        use it: its batch rows share one prompt length, and the cache path builds its own mask from positions."""
+        """The boolean "may attend" mask, or None where plain causal attention is exact. key_padding_mask: (B, T),
+        HF's attention_mask (right padding), for batches of sequences of different lengths."""
         if key_padding_mask is None:
             return None
         causal = causal_mask(T, device)  # (T, T)
@@ -249,9 +235,8 @@ class GPT(nn.Module):
     @classmethod
     def uninitialized(cls, config: GPTConfig) -> "GPT":
         """A GPT of `config` whose weights are allocated but not initialised, for a caller that writes every one of
-        them next (a checkpoint's, GPT-2's): the random init GPT(config) does is most of the time it takes to
-        build one (GPT-2 medium: 2.4 s on 2 cores, against 0.01 s without it), and a load throws it away. The global RNG is left as it
-        was. The head stays tied to the token embedding."""
+        them next (a checkpoint's, GPT-2's): the random init is most of the time a build takes, and a load throws it
+        away. The global RNG is left as it was; the head stays tied to the token embedding."""
         with _SkippedInit():
             return cls(config)
 
@@ -261,15 +246,11 @@ class GPT(nn.Module):
         with _SkippedInit():  # the tied table: drawn by _init_weights, for its real rows only
             wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
             lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=wte,
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(
+            wte=wte, wpe=nn.Embedding(config.block_size, config.n_embd), drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
         self.lm_head = lm_head
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
@@ -284,9 +265,7 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(weight)  # same seed gives the same model whatever vocab_padding_multiple is
             weight = weight.detach()[: self.config.vocab_size]
         if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "SCALE_INIT", False):
-                std *= (2 * self.config.n_layer) ** -0.5
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "SCALE_INIT", False) else 0.02
             torch.nn.init.normal_(weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -301,22 +280,15 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        kv_cache=None,
-        return_logits: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """
-        idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, kv_cache=None,
+                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
         kv_cache: optional KV cache (CausalSelfAttention.forward); idx then holds only the positions after those
         already cached. Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored
         targets (None without targets), as nanoGPT's `logits, loss = model(X, Y)`. return_logits=False, for callers
-        that need only the loss: (None, loss), computed by self.head_loss where one is set.
-        """
+        that need only the loss: (None, loss), computed by self.head_loss where one is set."""
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
         # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
         n_targets = None if targets is None else (targets != -1).sum().clamp(min=1)
@@ -331,10 +303,8 @@ class GPT(nn.Module):
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
-                f"crop the input to the last {self.config.block_size} tokens"
-            )
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
+                             f"crop the input to the last {self.config.block_size} tokens")
         if kv_cache is not None and past + T > kv_cache.size:
             raise ValueError(f"{past + T} positions do not fit the KV cache, which holds {kv_cache.size}")
         if attention_mask is not None and kv_cache is not None:
@@ -376,9 +346,8 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------- GPT-2 weights
 
     @classmethod
-    def from_pretrained(
-        cls, model_type: str, override_args: dict | None = None, vocab_padding_multiple: int = 64
-    ) -> "GPT":
+    def from_pretrained(cls, model_type: str, override_args: dict | None = None,
+                        vocab_padding_multiple: int = 64) -> "GPT":
         """GPT-2's weights through HF transformers (imported here): "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a
         local folder written by `save_pretrained`. Only `dropout`, `attention` and `sdpa_backend` may be overridden."""
         override_args = dict(override_args or {})
@@ -401,9 +370,8 @@ class GPT(nn.Module):
         ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
         theirs = set(sd_hf) - {"lm_head.weight"}
         if ours != theirs:
-            raise ValueError(
-                f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
-            )
+            raise ValueError(f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, "
+                             f"unexpected {sorted(theirs - ours)[:5]}")
         vocab_size = model.config.vocab_size
         with torch.no_grad():
             for k in sorted(theirs):
@@ -419,37 +387,23 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------- training helpers
 
-    def configure_optimizers(
-        self,
-        weight_decay: float,
-        learning_rate: float,
-        betas: tuple[float, float],
-        device_type: str,
-        fused: bool | None = None,
-        verbose: bool = True,
-        params: list[nn.Parameter] | None = None,
-    ) -> torch.optim.AdamW:
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str, fused: bool | None = None, verbose: bool = True,
+                             params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
         """AdamW with weight decay on 2-D weights (matmuls, embeddings) only; biases and LayerNorms are not decayed.
-        fused=None: the fused kernel on CUDA, as nanoGPT's (the project decides per device and torch: optim.py).
-        params: a subset to optimize (default: all)."""
+        fused=None: the fused kernel on CUDA, as nanoGPT's. params: a subset to optimize (default: all)."""
         if params is None:
             params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if fused is None:
             fused = device_type == "cuda"
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
         if verbose:
             impl = "fused" if fused else ("foreach" if device_type == "cuda" else "for-loop")
-            print(
-                f"optimizer: AdamW ({impl}), {len(decay)} decayed tensors "
-                f"({sum(p.numel() for p in decay):,} params), {len(no_decay)} not decayed "
-                f"({sum(p.numel() for p in no_decay):,} params)"
-            )
+            print(f"optimizer: AdamW ({impl}), {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} "
+                  f"params), {len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
         return optimizer
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -474,12 +428,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """
-        nanoGPT's loop: idx (B, T) extended by max_new_tokens tokens, each drawn from softmax(logits / temperature)
+        """nanoGPT's loop: idx (B, T) extended by max_new_tokens tokens, each drawn from softmax(logits / temperature)
         over the top_k most likely (temperature 0: the most likely one), the whole context (its last block_size
-        tokens) run through the model again for every token. The project's nanogpt/engine.py generates the same tokens
-        fast (a KV cache, the window past block_size), and is tested against this loop. Call model.eval() first.
-        """
+        tokens) run through the model again for every token: the reference a KV cache's decoding must match.
+        Call model.eval() first."""
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)  # (B, T, vocab_size)
