@@ -42,7 +42,7 @@ from nanogpt.measure import (OptimizerTimer, OtherLoad, PeakMemory, allocator_li
                              is_result, machine_line, matmul_floor_or_why, step_profiler, write_json, write_profile)
 from nanogpt.mfu import mfu_text, resolve_peak_flops
 from nanogpt.optim import build_optimizer
-from nanogpt.step import OneStepLate, batch_generator, get_batch, model_config, setup_process, train_step
+from nanogpt.step import OneStepLate, batch_generator, get_batch, model_config, set_head_loss, setup_process, train_step
 from nanogpt.text import plural
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -92,7 +92,7 @@ def load_config(argv: list[str], usage: str | None = None) -> tuple[BenchConfig,
 def build_model(cfg: BenchConfig, machine: Machine, **changes) -> GPT:
     """The model of `cfg`, initialised from cfg.seed (the same weights whatever the vocabulary padding: model.py)."""
     torch.manual_seed(cfg.seed)
-    return GPT(dataclasses.replace(model_config(cfg, cfg.vocab_size, machine), **changes))
+    return set_head_loss(GPT(dataclasses.replace(model_config(cfg, cfg.vocab_size, machine), **changes)), machine)
 
 
 @functools.lru_cache(maxsize=4)
@@ -263,7 +263,7 @@ def print_run_header(cfg: BenchConfig, run: dict) -> None:
           f"{model.get_num_params() / 1e6:.2f}M params")
     print(f"settings: dtype={dtype_label(run['dtype'])}, attention={mc.attention}"
           f"{'/' + mc.sdpa_backend if mc.attention == 'sdpa' else ''}, compile={cfg.compile}, tf32={tf32}, "
-          f"AdamW={adamw}, fused_loss={mc.fused_loss}")
+          f"AdamW={adamw}, fused_loss={model.head_loss is not None}")
     print(f"defaults: {run['defaults']}")
     data = f"{run['data_path']} (real data)" if run["data_path"] else f"random tokens (seed {cfg.seed})"
     print(f"run: {plural(cfg.gradient_accumulation_steps, 'micro-step')} x {cfg.batch_size} x {cfg.block_size} "

@@ -42,7 +42,7 @@ HF_ACTIVATION = {"tanh": "gelu_new", "erf": "gelu"}  # GPTConfig.gelu -> the nam
 # model_args keys with a GPT-2 equivalent. The attention path and kernel change nothing that the weights compute;
 # dropout is a training setting (HF's *_pdrop); anything else (a setting added later) must be mapped here first.
 EXPRESSIBLE = {"block_size", "vocab_size", "vocab_padding_multiple", "n_layer", "n_head", "n_embd", "dropout", "bias",
-               "attention", "sdpa_backend", "gelu", "fused_loss"}  # fused_loss: how the loss is computed
+               "attention", "sdpa_backend", "gelu", "fused_loss"}  # fused_loss: older checkpoints' loss setting
 # every name an export writes: an earlier export's file that this one does not write is removed (files.write_files),
 # so that no tokenizer or weights of another model stay beside this one
 EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?"

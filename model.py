@@ -1,22 +1,15 @@
 """
-A GPT-2-style language model, in one file that works copied alone (it imports torch and the standard library only):
-GPTConfig, CausalSelfAttention, MLP, Block and GPT, with nanoGPT's API: `GPT(GPTConfig(...))`, `logits, loss =
-model(idx, targets)`, `GPT.from_pretrained("gpt2")`, `model.generate(idx, max_new_tokens)`,
-`configure_optimizers`, `estimate_mfu` (against the peak FLOP/s given, or a known GPU's).
+A GPT-2-style language model in one file that imports torch and the standard library only: GPTConfig,
+CausalSelfAttention, MLP, Block and GPT, with nanoGPT's API: `GPT(GPTConfig(...))`, `logits, loss = model(idx,
+targets)`, `GPT.from_pretrained("gpt2")`, `model.generate(idx, max_new_tokens)`, `configure_optimizers`, `estimate_mfu`.
+References: OpenAI's GPT-2 and HF transformers' port, by way of nanoGPT, whose module and parameter names it keeps, so
+GPT-2's weights map onto it one to one.
 
-References: OpenAI's GPT-2 (TensorFlow) and the HuggingFace transformers implementation, by way of nanoGPT.
-The module names and parameter names follow nanoGPT, so GPT-2 checkpoints map onto them one to one.
-
-Speed switches live in GPTConfig and none of them changes what the model computes beyond float rounding:
-  attention="math" | "sdpa", sdpa_backend="auto" | "flash" | "efficient" | "cudnn" | "math",
-  vocab_padding_multiple (50257 -> 50304 rows for GPT-2, whose extra logits are masked out),
-  fused_loss (the head and the loss chunk by chunk: the project's nanogpt/fused_loss.py, imported when it is on).
-One setting does change the function, and only slightly: gelu="tanh" (GPT-2's "gelu_new", needed for its weights)
-or "erf" (the exact GELU, as in nanoGPT, and the faster of the two on CPUs: docs/performance.md).
-
-The project around it adds, taking the model as an argument: fast decoding with a KV cache (nanogpt/engine.py, which
-fills the cache through forward's kv_cache), GPT-2 weights loaded offline-first (nanogpt/hf_gpt2.py), and the checks
-that turn a bad setting into one line before a model is built. Here a bad argument is a ValueError.
+The speed settings change nothing the model computes beyond float rounding: attention="math" (the reference) or
+"sdpa", sdpa_backend (the SDPA kernel), vocab_padding_multiple (50257 -> 50304 rows for GPT-2, the extra logits masked
+out), and `model.head_loss`, a loss the caller hands in for the loss-only forward (e.g. the head and cross-entropy
+chunk by chunk). gelu changes it slightly: "tanh" (GPT-2's approximation, which its weights need) or "erf" (exact).
+A bad argument is a ValueError.
 """
 from __future__ import annotations
 
@@ -30,13 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 ATTENTION_CHOICES = ("math", "sdpa")
-SDPA_BACKENDS = {
-    "auto": None,  # PyTorch picks the fastest kernel that can run
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "math": SDPBackend.MATH,
-}
+SDPA_BACKENDS = {"auto": None,  # None: PyTorch picks the fastest kernel that can run
+                 "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 GELU_CHOICES = ("tanh", "erf")
 # HF transformers' activation_function names of the two GELU forms (GPTConfig.gelu)
 HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
@@ -57,10 +46,6 @@ class GPTConfig:
     attention: str = "sdpa"  # "math" (explicit softmax(q·kᵀ/√d)·v) or "sdpa" (F.scaled_dot_product_attention)
     sdpa_backend: str = "auto"  # with attention="sdpa": "auto", "flash", "efficient", "cudnn" or "math"
     gelu: str = "tanh"  # "tanh": GPT-2's approximation (its weights need it); "erf": the exact GELU
-    # True: a forward that asks for the loss only (return_logits=False: the training step, evaluation) computes the
-    # head and the loss chunk by chunk (the project's nanogpt/fused_loss.py): no (tokens x vocab) logits, the same loss
-    # and gradients. False: the plain path (full logits, F.cross_entropy). Calls that want the logits always get them.
-    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,9 +63,8 @@ class GPTConfig:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if type(self.dropout) not in (int, float) or not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        for name in ("bias", "fused_loss"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.bias, bool):
+            problems.append(f"bias={self.bias!r} must be True or False")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -103,9 +87,8 @@ def hf_config_args(hf_config) -> dict:
 
 
 def causal_mask(T: int, device: torch.device | str) -> torch.Tensor:
-    """The (T, T) boolean "may attend" mask: query i sees keys 0..i. Built where needed (math attention, padding;
-    the KV cache masks by position) instead of a (block_size, block_size) buffer per layer; plain causal SDPA
-    needs none (is_causal)."""
+    """The (T, T) boolean "may attend" mask: query i sees keys 0..i. Built where needed, not a (block_size,
+    block_size) buffer per layer: plain causal SDPA needs none (is_causal), a KV cache masks by position."""
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
@@ -124,16 +107,10 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        kv_cache=None,
-        pos: torch.Tensor | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        """kv_cache: a KV cache (nanogpt/engine.py's KVCache: update(layer, k, v, pos) stores this layer's keys and values
-        and returns what attention reads). pos: (T,) the positions of x's rows, where kv_cache stores them.
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, kv_cache=None,
+                pos: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """kv_cache: keys and values of earlier positions (update(layer, k, v, pos) stores this layer's and returns
+        what attention reads; static: it returns every slot, written or not). pos: (T,) the positions of x's rows.
         last_only: the output of the last position only, (B, 1, C): every row's key and value, one query."""
         B, T, C = x.size()  # batch, sequence length, n_embd
         hs = C // self.n_head
@@ -164,11 +141,8 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def _mask(self, T: int, key_padding_mask: torch.Tensor | None, device) -> torch.Tensor | None:
-        """The boolean "may attend" mask, or None where plain causal attention is exact.
-        Why the key-padding path stays though no script passes attention_mask: it is forward()'s half of padded
-        batches of different lengths (HF's attention_mask convention, right padding), for callers that score or
-        train on such batches; tests pin it to a float64 reference on every attention path. generate() does not
-        use it: its batch rows share one prompt length, and the cache path builds its own mask from positions."""
+        """The boolean "may attend" mask, or None where plain causal attention is exact. key_padding_mask: (B, T),
+        HF's attention_mask (right padding), for batches of sequences of different lengths."""
         if key_padding_mask is None:
             return None
         causal = causal_mask(T, device)  # (T, T)
@@ -178,23 +152,14 @@ class CausalSelfAttention(nn.Module):
         return mask | torch.eye(T, dtype=torch.bool, device=mask.device)
 
     def _math_attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        B, nh, T, hs = q.size()
-        S = k.size(-2)
-        scale = 1.0 / math.sqrt(hs)
+        """The reference: softmax(q·kᵀ/√hs, the scores of keys a query may not see set to -inf)·v."""
+        T = q.size(-2)
         if mask is None and T > 1:  # plain causal (one query, a window's last or a cached step's, sees every key)
             mask = causal_mask(T, q.device)  # (T, T)
-        if mask is None or q.dtype == torch.float16:
-            att = (q * scale) @ k.transpose(-2, -1)  # (B, nh, T, S); scaled before: (T, hs) numbers, not (T, S)
-            if mask is not None:  # float16: a masked score may overflow to inf, and inf - inf is NaN: replace it
-                att = att.masked_fill(~mask, float("-inf"))
-        else:
-            # the mask as 0 / -inf added by the matmul itself (its C operand; the scale as its alpha): the scores
-            # masked_fill gives, without a pass of their own over the (T, S) scores of every head
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-            att = torch.baddbmm(bias.expand(B, nh, T, S).reshape(B * nh, T, S), q.reshape(B * nh, T, hs),
-                                k.reshape(B * nh, S, hs).transpose(1, 2), alpha=scale).view(B, nh, T, S)
-        att = F.softmax(att, dim=-1)
-        att = self.attn_dropout(att)
+        att = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, nh, T, S)
+        if mask is not None:  # replaced, not added to: a float16 score that overflowed to inf would give NaN
+            att = att.masked_fill(~mask, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
         return att @ v  # (B, nh, T, S) x (B, nh, S, hs) -> (B, nh, T, hs)
 
     def _sdpa(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
@@ -202,8 +167,17 @@ class CausalSelfAttention(nn.Module):
         backend = SDPA_BACKENDS[self.sdpa_backend]
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        with sdpa_kernel(backend):  # a forced kernel: PyTorch raises a RuntimeError where it cannot run this call
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        with sdpa_kernel(backend):
+            try:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                      is_causal=is_causal)
+            except RuntimeError as e:  # PyTorch's refusal names no kernel: its CPU and CUDA wordings
+                if not any(s in str(e) for s in ("No viable backend", "No available kernel")):
+                    raise  # another error (out of memory, a shape): as it is
+                raise RuntimeError(
+                    f"sdpa_backend={self.sdpa_backend!r} cannot run this attention on {q.device.type} with dtype "
+                    f"{q.dtype}{' and dropout' if dropout_p else ''}: choose another sdpa_backend, or 'auto' "
+                    f"(PyTorch: {e})") from None
 
 
 class MLP(nn.Module):
@@ -257,33 +231,12 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: i
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
 
 
-def _fused_loss():
-    """The project's chunked head + loss (nanogpt/fused_loss.py), or None where model.py runs copied alone: the plain
-    loss then, the same figures with the (B, T, vocab) logits formed."""
-    try:
-        from nanogpt.fused_loss import fused_linear_cross_entropy
-    except ImportError:
-        return None
-    return fused_linear_cross_entropy
-
-
-def _device_peak_flops(device: torch.device) -> float | None:
-    """A known GPU's dense bf16 peak FLOP/s (nanogpt/mfu.py's table), or None: a CPU, an unknown GPU, or model.py
-    copied alone."""
-    try:
-        from nanogpt.mfu import device_peak_flops
-    except ImportError:
-        return None
-    return device_peak_flops(device)
-
-
 class GPT(nn.Module):
     @classmethod
     def uninitialized(cls, config: GPTConfig) -> "GPT":
         """A GPT of `config` whose weights are allocated but not initialised, for a caller that writes every one of
-        them next (a checkpoint's, GPT-2's): the random init GPT(config) does is most of the time it takes to
-        build one (GPT-2 medium: 2.4 s on 2 cores, against 0.01 s without it), and a load throws it away. The global RNG is left as it
-        was. The head stays tied to the token embedding."""
+        them next (a checkpoint's, GPT-2's): the random init is most of the time a build takes, and a load throws it
+        away. The global RNG is left as it was; the head stays tied to the token embedding."""
         with _SkippedInit():
             return cls(config)
 
@@ -293,18 +246,18 @@ class GPT(nn.Module):
         with _SkippedInit():  # the tied table: drawn by _init_weights, for its real rows only
             wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
             lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=wte,
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(
+            wte=wte, wpe=nn.Embedding(config.block_size, config.n_embd), drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
         self.lm_head = lm_head
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
+        # The loss of a forward that wants no logits (return_logits=False): None, cross_entropy_sum of the full
+        # logits; or the caller's (x (N, C), lm_head.weight, targets (N,), vocab_size) -> the same sum, e.g. the
+        # head and loss chunk by chunk, which never holds the (N, padded vocab) logits.
+        self.head_loss = None
 
     def _init_weights(self, module: nn.Module) -> None:
         weight = getattr(module, "weight", None)
@@ -312,9 +265,7 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(weight)  # same seed gives the same model whatever vocab_padding_multiple is
             weight = weight.detach()[: self.config.vocab_size]
         if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "SCALE_INIT", False):
-                std *= (2 * self.config.n_layer) ** -0.5
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "SCALE_INIT", False) else 0.02
             torch.nn.init.normal_(weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -329,47 +280,31 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        kv_cache=None,
-        return_logits: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """
-        idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, kv_cache=None,
+                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """idx: (B, T) token ids. targets: (B, T) ids, -1 where the loss ignores a position.
         attention_mask: optional (B, T), 1/True for real tokens, 0/False for padding (padding on the right).
-        kv_cache: optional KV cache (nanogpt/engine.py); idx then holds only the positions after those already cached.
-        Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored targets
-        (None without targets), as nanoGPT's `logits, loss = model(X, Y)`.
-        return_logits=False, for callers that need only the loss (train_step, estimate_loss): (None, loss), and with
-        config.fused_loss the (B, T, padded vocab) logits are never formed (nanogpt/fused_loss.py; model.py
-        copied alone computes the plain loss instead).
-        """
+        kv_cache: optional KV cache (CausalSelfAttention.forward); idx then holds only the positions after those
+        already cached. Returns logits (B, T, vocab_size) over the real vocabulary, and the mean loss over non-ignored
+        targets (None without targets), as nanoGPT's `logits, loss = model(X, Y)`. return_logits=False, for callers
+        that need only the loss: (None, loss), computed by self.head_loss where one is set."""
         x = self._hidden(idx, attention_mask, kv_cache)  # (B, T, C)
-        fused = _fused_loss() if targets is not None and not return_logits and self.config.fused_loss else None
-        if fused is not None:
-            n_targets = (targets != -1).sum().clamp(min=1)
-            loss_sum = fused(x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size)
-            return None, loss_sum / n_targets
-        # the logits are made anyway (asked for, or fused_loss off): the plain loss from them is the cheaper one
+        # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
+        n_targets = None if targets is None else (targets != -1).sum().clamp(min=1)
+        if targets is not None and not return_logits and self.head_loss is not None:
+            C, V = x.size(-1), self.config.vocab_size
+            return None, self.head_loss(x.view(-1, C), self.lm_head.weight, targets.reshape(-1), V) / n_targets
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
-        loss = None
-        if targets is not None:
-            # mean over the targets that count; a batch with none (all -1) has loss 0 and no gradient, not NaN
-            n_targets = (targets != -1).sum().clamp(min=1)
-            loss = cross_entropy_sum(logits, targets, self.config.vocab_size) / n_targets
+        loss = None if targets is None else cross_entropy_sum(logits, targets, self.config.vocab_size) / n_targets
         return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
     def _hidden(self, idx, attention_mask=None, kv_cache=None) -> torch.Tensor:
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
-                f"crop the input to the last {self.config.block_size} tokens"
-            )
+            raise ValueError(f"sequence of {past + T} tokens is longer than block_size={self.config.block_size}: "
+                             f"crop the input to the last {self.config.block_size} tokens")
         if kv_cache is not None and past + T > kv_cache.size:
             raise ValueError(f"{past + T} positions do not fit the KV cache, which holds {kv_cache.size}")
         if attention_mask is not None and kv_cache is not None:
@@ -411,16 +346,12 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------- GPT-2 weights
 
     @classmethod
-    def from_pretrained(
-        cls, model_type: str, override_args: dict | None = None, vocab_padding_multiple: int = 64
-    ) -> "GPT":
-        """
-        GPT-2's weights through HF transformers (imported here): "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a
-        local folder written by `save_pretrained`. Only `dropout`, `attention`, `sdpa_backend` and `fused_loss` may be
-        overridden. (The project loads them through nanogpt/hf_gpt2.py: the HF cache first, offline in seconds.)
-        """
+    def from_pretrained(cls, model_type: str, override_args: dict | None = None,
+                        vocab_padding_multiple: int = 64) -> "GPT":
+        """GPT-2's weights through HF transformers (imported here): "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", or a
+        local folder written by `save_pretrained`. Only `dropout`, `attention` and `sdpa_backend` may be overridden."""
         override_args = dict(override_args or {})
-        allowed = {"dropout", "attention", "sdpa_backend", "fused_loss"}
+        allowed = {"dropout", "attention", "sdpa_backend"}
         if set(override_args) - allowed:
             raise ValueError(f"cannot override {sorted(set(override_args) - allowed)} of GPT-2; only {sorted(allowed)}")
         from transformers import GPT2LMHeadModel
@@ -439,9 +370,8 @@ class GPT(nn.Module):
         ours = set(sd) - {"lm_head.weight"}  # tied to transformer.wte.weight
         theirs = set(sd_hf) - {"lm_head.weight"}
         if ours != theirs:
-            raise ValueError(
-                f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, unexpected {sorted(theirs - ours)[:5]}"
-            )
+            raise ValueError(f"GPT-2 checkpoint keys differ: missing {sorted(ours - theirs)[:5]}, "
+                             f"unexpected {sorted(theirs - ours)[:5]}")
         vocab_size = model.config.vocab_size
         with torch.no_grad():
             for k in sorted(theirs):
@@ -457,37 +387,23 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------- training helpers
 
-    def configure_optimizers(
-        self,
-        weight_decay: float,
-        learning_rate: float,
-        betas: tuple[float, float],
-        device_type: str,
-        fused: bool | None = None,
-        verbose: bool = True,
-        params: list[nn.Parameter] | None = None,
-    ) -> torch.optim.AdamW:
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str, fused: bool | None = None, verbose: bool = True,
+                             params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
         """AdamW with weight decay on 2-D weights (matmuls, embeddings) only; biases and LayerNorms are not decayed.
-        fused=None: the fused kernel on CUDA, as nanoGPT's (the project decides per device and torch: optim.py).
-        params: a subset to optimize (default: all)."""
+        fused=None: the fused kernel on CUDA, as nanoGPT's. params: a subset to optimize (default: all)."""
         if params is None:
             params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if fused is None:
             fused = device_type == "cuda"
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
         if verbose:
             impl = "fused" if fused else ("foreach" if device_type == "cuda" else "for-loop")
-            print(
-                f"optimizer: AdamW ({impl}), {len(decay)} decayed tensors "
-                f"({sum(p.numel() for p in decay):,} params), {len(no_decay)} not decayed "
-                f"({sum(p.numel() for p in no_decay):,} params)"
-            )
+            print(f"optimizer: AdamW ({impl}), {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} "
+                  f"params), {len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,} params)")
         return optimizer
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -498,30 +414,24 @@ class GPT(nn.Module):
         N = self.get_num_params()
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
-    def estimate_mfu(
-        self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None, seq_len: int | None = None
-    ) -> float | None:
+    def estimate_mfu(self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None,
+                     seq_len: int | None = None) -> float | None:
         """Model FLOPs utilisation: achieved FLOP/s over the device's peak `peak_flops` (bf16 dense: an A100's is
-        312e12). None given: a known GPU's (the project's nanogpt/mfu.py), else None: no peak is assumed (nanoGPT's
-        takes an A100's for every device, a CPU too)."""
-        peak = peak_flops if peak_flops is not None else _device_peak_flops(self.lm_head.weight.device)
-        if peak is None or dt <= 0:
+        312e12). None where no peak is known: nanoGPT's took an A100's for every device, a CPU too."""
+        if peak_flops is None or dt <= 0:
             return None
         T = seq_len or self.config.block_size
-        flops_per_iter = self.flops_per_token(T) * T * fwdbwd_per_iter
-        return flops_per_iter / dt / peak
+        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / peak_flops
 
     # ------------------------------------------------------------------------------------------- generation
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """
-        nanoGPT's loop: idx (B, T) extended by max_new_tokens tokens, each drawn from softmax(logits / temperature)
+        """nanoGPT's loop: idx (B, T) extended by max_new_tokens tokens, each drawn from softmax(logits / temperature)
         over the top_k most likely (temperature 0: the most likely one), the whole context (its last block_size
-        tokens) run through the model again for every token. The project's nanogpt/engine.py generates the same tokens
-        fast (a KV cache, the window past block_size), and is tested against this loop. Call model.eval() first.
-        """
+        tokens) run through the model again for every token: the reference a KV cache's decoding must match.
+        Call model.eval() first."""
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)  # (B, T, vocab_size)

@@ -315,8 +315,10 @@ def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPT
     """The GPTConfig of a checkpoint's model_args. Checkpoints from before the gelu setting have none: this repo's
     used GPT-2's tanh form, nanoGPT's (which have no vocab_padding_multiple) the exact one, nn.GELU(). nanoGPT's
     vocab_size is its number of rows, already final (65 for characters, 50304 for its padded GPT-2 runs): no padding
-    is added to it."""
+    is added to it. Older checkpoints' fused_loss (how the training loss was computed, now no GPTConfig key) is
+    dropped."""
     args = dict(model_args)
+    args.pop("fused_loss", None)
     if "gelu" not in args:
         args["gelu"] = "tanh" if "vocab_padding_multiple" in args else "erf"
     args.setdefault("vocab_padding_multiple", 1)

@@ -9,10 +9,7 @@ GPT.generate is the plain loop this engine is tested against.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -64,7 +61,6 @@ class KVCache:
         self.pos = self.length = 0
 
 
-
 # ----------------------------------------------------------------------------------------------- generation
 
 
@@ -94,15 +90,13 @@ def generate(
     returned, never fed), at most block_size.
     compile=True runs that one-token step through torch.compile: its shapes are the same at every position
     (static cache, positions as a tensor), so it compiles once per batch size, dtype and cache size, for any
-    depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own. Each
-    loop's calls after its first skip dynamo's guard checks, process-wide (_unchecked_guards): not for a program
-    whose other threads run compiled code meanwhile.
+    depth: a later call with another T + max_new_tokens (below block_size) compiles a variant of its own.
     The context is the last block_size tokens, exactly as without the cache: past block_size the window
     slides, so every new position changes every position embedding, and each step recomputes the whole window
     (no cache; the last block and the head at the last position only). That is matrix-matrix work, unlike the
-    one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it with the weights in that
-    dtype for the phase (restored after) and, uncompiled, packed once for oneDNN's bf16 matmuls where those run it;
-    with compile=True it is compiled instead (one shape: (B, block_size)).
+    one-token steps: window_dtype (e.g. torch.bfloat16 on a CPU with bf16 matmuls) runs it under autocast to that
+    dtype (float32: autocast off), else under the caller's autocast, if any; with compile=True it is compiled too
+    (one shape: (B, block_size)).
     The model runs in eval mode (no dropout) during generation and returns to its previous mode after.
     """
     was_training = model.training
@@ -124,33 +118,16 @@ def generate(
             logits = logits[:, :vocab_size]  # (B, vocab_size)
             return torch.cat((idx, sample_next_token(logits, temperature, top_k, top_p, generator)), dim=1)
 
-        def cached_steps(idx: torch.Tensor, new: int, limit: int) -> tuple[torch.Tensor, int]:
-            while new < limit and idx.size(1) <= model.config.block_size:  # within the block: the cache
-                idx, new = append_next(idx, _next_token_logits(model, idx, cache, step)), new + 1
-            return idx, new
-
-        def window_steps(idx: torch.Tensor, new: int, limit: int) -> tuple[torch.Tensor, int]:
-            while new < limit:
+        new = 0
+        while new < max_new_tokens and idx.size(1) <= model.config.block_size:  # within the block: the cache
+            idx, new = append_next(idx, _next_token_logits(model, idx, cache, step)), new + 1
+        # past block_size the window slides: each step recomputes it whole, in window_dtype if given
+        with window_precision(idx.device.type, window_dtype):
+            while new < max_new_tokens:
                 # a copy, so that the strides are the same at every step and the compiled window compiles once
                 # (.contiguous() would keep a single row's slice as it is: its stride, the whole length, grows)
                 last_block = idx[:, -model.config.block_size:].clone(memory_format=torch.contiguous_format)
                 idx, new = append_next(idx, window(model, last_block)), new + 1
-            return idx, new
-
-        # each loop's first compiled call checks dynamo's guards (picks its variant, or compiles one); the later
-        # calls have its shapes, dtypes and model, so they skip the check (_unchecked_guards). Without the cache the
-        # steps run eagerly, on a context one longer each time: a caller's own compiled modules must check theirs
-        idx, new = cached_steps(idx, 0, min(max_new_tokens, 2))  # the prompt, then the first one-token step
-        with _unchecked_guards(compile and use_cache):
-            idx, new = cached_steps(idx, new, max_new_tokens)
-        # past block_size the window slides: each step recomputes it whole, in window_dtype if given (weights of a
-        # higher precision converted once for the whole phase), else under the caller's autocast, if any
-        sliding = new < max_new_tokens
-        with window_phase(model, idx, window_dtype if sliding else None, pack=sliding and not compile), \
-                _tensor_guards_kept(compile):
-            idx, new = window_steps(idx, new, min(max_new_tokens, new + 1))
-            with _unchecked_guards(compile):
-                idx, new = window_steps(idx, new, max_new_tokens)
     finally:
         model.train(was_training)
     return idx
@@ -189,110 +166,13 @@ def last_logits(model, x: torch.Tensor) -> torch.Tensor:
     return model.lm_head(x[:, -1, :])[:, : model.config.vocab_size].float()
 
 
-@contextlib.contextmanager
-def window_phase(model: nn.Module, idx: torch.Tensor, dtype: torch.dtype | None, pack: bool = True) -> Iterator[None]:
-    """The weights as the window steps past block_size run them, for windows of idx's batch: in `dtype`
-    (_window_precision) and, if pack, packed for oneDNN where it runs them (_prepacked_linears)."""
-    rows = idx.size(0) * model.config.block_size  # of a window step's matmuls
-    with _window_precision(model, idx.device.type, dtype), _prepacked_linears(model, rows, enabled=pack):
-        yield
-
-
-@contextlib.contextmanager
-def _window_precision(model: nn.Module, device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
-    """
-    The window phase's precision. None: the caller's autocast, if any. The weights' own dtype: autocast off (so a
-    caller's bf16 autocast does not apply). A lower one (bf16 for float32 weights): the weights themselves in that
-    dtype for the phase, converted once and restored after, with autocast off, so that no step casts a weight or an
-    activation and the elementwise work (softmax, GELU, norms, residuals) reads half the bytes; the float32
-    originals are kept, not rounded: the cached steps before and every later call see them unchanged.
-    """
+def window_precision(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The window phase's precision: None, the caller's autocast, if any; float32, autocast off; a lower dtype
+    (bf16), autocast to it. One context for the whole phase: autocast casts each weight once in it (it keeps the
+    casts of the leaf tensors that require grad until it exits), not once a step."""
     if dtype is None:
-        yield
-        return
-    params = [p for p in model.parameters() if p.dtype.is_floating_point and p.dtype != dtype]
-    originals = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.data.to(dtype)
-        with torch.autocast(device_type, enabled=False):
-            yield
-    finally:
-        for p, original in zip(params, originals):
-            p.data = original
-
-
-@contextlib.contextmanager
-def _prepacked_linears(model: nn.Module, rows: int, enabled: bool = True) -> Iterator[None]:
-    """
-    The window phase's Linears run from weights packed once for the phase, where that is oneDNN's bf16 matmul on a
-    CPU (bf16 weights, autocast off: the window in bf16 as _window_precision sets it): each weight laid out in
-    oneDNN's blocked format for matmuls of `rows` rows (torch.ops.mkldnn._reorder_linear_weight) and each Linear run
-    from it (mkldnn._linear_pointwise, the kernel inductor's weight freezing uses), which reads it faster than
-    F.linear's matmul reads the plain (out, in) weight; the same products, the same logits. A weight no other
-    module reads (all but the head, tied to the token embedding) gives its dense copy up for the phase and gets it
-    back, bit for bit, from the packed one after: the phase holds one bf16 copy of each weight but the head's.
-    Elsewhere (another device or dtype, autocast, compiled): nothing.
-    """
-    # plain Linears only: a subclass (torchao's Float8Linear) computes its own way
-    linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
-    if not (enabled and linears and torch.backends.mkldnn.is_available()
-            and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 for m in linears)
-            and not torch.is_autocast_enabled("cpu") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        yield
-        return
-    holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    freed = {}  # id(Linear) -> its packed weight, for the Linears whose dense copy was given up
-    try:
-        for m in linears:
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight, rows)
-            m.forward = functools.partial(_packed_linear, packed, m.bias)
-            if holders[id(m.weight)] == 1:  # no other module reads it
-                freed[id(m)] = packed
-                m.weight.data = m.weight.data.new_empty(0)
-        del packed
-        yield
-    finally:
-        for m in linears:  # one at a time: each packed copy goes as its dense one comes back
-            vars(m).pop("forward", None)
-            packed = freed.pop(id(m), None)
-            if packed is not None:
-                m.weight.data = packed.to_dense()
-            del packed
-
-
-def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """x (..., in) @ weight.T + bias, the weight packed by _prepacked_linears: (..., out)."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), weight, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.size(-1))
-
-
-def _unchecked_guards(enabled: bool):
-    """
-    Calls of compiled functions that skip dynamo's guard checks (torch.compiler.set_stance's
-    skip_guard_eval_unsafe: only the guards that tell the compiled variants apart run), for a loop whose every call
-    has the shapes, dtypes, model and settings of one already made with its guards checked. At batch 1 the check is
-    ~10% of a small model's compiled step (20 of ~220 us for 4 x 128). Entering it costs ~50 us: once per loop, not
-    per step. Nothing where compile is off, or where the caller set a stance of its own. The setting is PyTorch's,
-    for the whole process: another thread's compiled calls made meanwhile skip their checks too (generate with
-    compile=True is not for threads that run compiled code beside it).
-    """
-    if not enabled:
         return contextlib.nullcontext()
-    stance = getattr(torch._dynamo.eval_frame, "_stance", None)  # the current stance (PyTorch has no getter)
-    if stance is None or stance.stance != "default" or stance.skip_guard_eval_unsafe:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True, force_backend=stance.backend)
-
-
-def _tensor_guards_kept(enabled: bool):
-    """The compiled window's guards check every weight: the window phase changes the weights' dtype in place (each
-    parameter's data), and dynamo's shortcut that skips a module's tensor guards while its attributes are the same
-    objects would run another dtype's compiled window on them (PyTorch 2.11 on CUDA did: float32 activations against
-    bf16 weights). A compiled window's guards are built at its first call, under this setting."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=False)
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 _COMPILED: dict = {}

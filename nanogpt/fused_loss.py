@@ -2,8 +2,8 @@
 The fused linear + cross-entropy of the language-model head: the loss of x @ weight.T against the targets, computed
 chunk by chunk, with its gradients, so that the (tokens x vocab) logits never exist at once.
 
-GPT.forward (model.py) uses it for the loss of a call that wants no logits (return_logits=False, with
-GPTConfig.fused_loss): the training step and evaluation. It takes plain tensors, a function of the head's inputs
+GPT.forward (model.py) uses it for the loss of a call that wants no logits (return_logits=False) where it is the
+model's head_loss (fused_loss=True: step.set_head_loss): the training step and evaluation. It takes plain tensors, a function of the head's inputs
 only: Imports torch alone, nothing of the project's (no model, no script).
 """
 from __future__ import annotations

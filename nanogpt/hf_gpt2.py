@@ -63,7 +63,7 @@ def load_hf_gpt2(model_type: str):
                        f"connection or pass {folder}") from None
 
 
-OVERRIDABLE = ("dropout", "attention", "sdpa_backend", "fused_loss")  # settings that do not touch GPT-2's weights
+OVERRIDABLE = ("dropout", "attention", "sdpa_backend")  # settings that do not touch GPT-2's weights
 
 
 def pretrained_gpt2(model_type: str, overrides: dict | None = None, vocab_padding_multiple: int = 64) -> GPT:

@@ -171,10 +171,11 @@ def muon_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def ns_dtype_for(setting: str, device_type: str) -> torch.dtype:
-    """muon_ns_dtype: "auto" is bfloat16 (torch's choice) on GPUs and on CPUs with bf16 matmul kernels, else float32."""
+    """muon_ns_dtype: "auto" is bfloat16 (torch's choice) on GPUs and on CPUs with bf16 matmul kernels (oneDNN has
+    them for AVX-512 and SVE), else float32."""
     if setting != "auto":
         return NS_DTYPES[setting]
-    if device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if device_type == "cpu" and torch.backends.cpu.get_cpu_capability() not in ("AVX512", "SVE256"):
         return torch.float32
     return torch.bfloat16
 

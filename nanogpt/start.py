@@ -37,7 +37,7 @@ from nanogpt.hf_gpt2 import GPT2_MODELS, pretrained_gpt2
 from nanogpt.metrics import Logger
 from nanogpt.optim import Optimizers
 from nanogpt.signals import StopRequest
-from nanogpt.step import MODEL_KEYS, model_config, model_settings
+from nanogpt.step import MODEL_KEYS, model_config, model_settings, set_head_loss
 from nanogpt.text import plural, shown, size_text
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, whatever the settings say
@@ -303,7 +303,7 @@ def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
         raise UserError(f"{what} does not fit in this machine's memory ({why}): {fix}") from None
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}")
-    return model
+    return set_head_loss(model, machine)
 
 
 def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:

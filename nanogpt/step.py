@@ -13,12 +13,13 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from model import GPTConfig
+from model import GPT, GPTConfig
 from nanogpt import dataio, parallel
 from nanogpt.config import Machine, StepConfig
 from nanogpt.device import DeviceClock, keep_freed_memory, set_deterministic
 from nanogpt.distributed import Dist
 from nanogpt.errors import RunError
+from nanogpt.fused_loss import fused_linear_cross_entropy
 from nanogpt.optim import step_unless
 
 
@@ -32,8 +33,14 @@ MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size",
 def model_settings(cfg: StepConfig, machine: Machine) -> dict:
     """The settings that do not touch the weights, "auto" as `machine` decided it: they apply to a checkpoint's or
     GPT-2's model too."""
-    return dict(dropout=cfg.dropout, attention=machine.attention, sdpa_backend=cfg.sdpa_backend,
-                fused_loss=machine.fused_loss)
+    return dict(dropout=cfg.dropout, attention=machine.attention, sdpa_backend=cfg.sdpa_backend)
+
+
+def set_head_loss(model: GPT, machine: Machine) -> GPT:
+    """`model`, whose loss-only forwards (the step, evaluation) use the loss machine.fused_loss chose: the head and
+    cross-entropy chunk by chunk (fused_loss.py: no (tokens x vocab) logits), or the plain loss of the logits."""
+    model.head_loss = fused_linear_cross_entropy if machine.fused_loss else None
+    return model
 
 
 def model_config(cfg: StepConfig, vocab_size: int, machine: Machine) -> GPTConfig:

@@ -22,8 +22,7 @@ ERR_RATIO, ERR_SLACK = 2.0, 2.5e-7
 
 
 def tiny_config(**changes) -> GPTConfig:
-    # the plain loss path, which returns the logits these tests compare (tests/test_fused_loss.py: the fused one)
-    base = dict(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, dropout=0.0, fused_loss=False)
+    base = dict(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
     base.update(changes)
     return GPTConfig(**base)
 

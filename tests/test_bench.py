@@ -59,6 +59,7 @@ def test_a_run_prints_its_figures_and_writes_the_same_to_its_json(tmp_path):
     assert "allocator: glibc malloc" in out or re.search(r"allocator: (jemalloc|tcmalloc|mimalloc)", out)
     assert "2 layers, 2 heads, n_embd 64, block 64, vocab 300 (padded to 320)" in out  # overrides beat the file
     assert "1 micro-step x 2 x 64 tokens = 128 tokens/iter; 1 warm-up + 3 timed steps; random tokens" in out
+    assert ", fused_loss=True" in out  # the CPU's default loss, handed to the model
     # progress while it works, before the figures (a compiled CPU run is silent for a minute otherwise)
     lines = out.splitlines()
     progress = [line for line in lines if line.endswith("...")]
@@ -272,8 +273,7 @@ def test_matmul_floor_replays_every_matmul_of_the_forward_and_backward():
     head) and 2 attention products; the backward two matmuls for each of those 7 (gradient of input and of weight
     or of the other operand): 21, counted by hand from the model's structure."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math",
-                          fused_loss=False))
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math"))
     x = torch.randint(0, 50, (2, 16))
     ms, n = matmul_floor(model, [(x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
     assert n == 21 and ms > 0
@@ -290,8 +290,8 @@ def test_matmul_floor_counts_the_fused_losss_in_place_and_out_matmuls(monkeypatc
 
     monkeypatch.setattr(fused_loss.fused_linear_cross_entropy, "__defaults__", (8,))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math",
-                          fused_loss=True))
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, attention="math"))
+    model.head_loss = fused_loss.fused_linear_cross_entropy
     x = torch.randint(0, 50, (2, 16))
     _, n = matmul_floor(model, [(x, x)], torch.autocast("cpu", enabled=False), "cpu", repeats=1)
     assert n == 18 + 4 * 3

@@ -228,7 +228,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(da
     assert not marker.exists()
 
 
-def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
+def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints_and_drops_their_fused_loss():
     from nanogpt.checkpoint_file import checkpoint_model_config
 
     ours = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 65,
@@ -238,6 +238,8 @@ def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints():
     assert checkpoint_model_config(nanogpt).gelu == "erf"  # nanoGPT's nn.GELU()
     assert checkpoint_model_config({**ours, "gelu": "erf"}).gelu == "erf"  # recorded: used as it is
     assert checkpoint_model_config(ours, attention="math").attention == "math"  # overrides apply
+    # before the model took its loss from the caller (head_loss), model_args recorded fused_loss: not the model's
+    assert checkpoint_model_config({**ours, "fused_loss": True}) == checkpoint_model_config(ours)
 
 
 def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_used(data_dir, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """nanogpt/device.py: the malloc setting, the dtype, attention and loss defaults, waiting for the run's GPU."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from types import SimpleNamespace
@@ -100,7 +101,8 @@ def test_auto_attention_is_math_on_a_cpu_under_bf16_and_sdpa_elsewhere_explicit_
 
 def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_wins():
     from nanogpt.config import TrainConfig
-    from nanogpt.step import model_settings
+    from nanogpt.fused_loss import fused_linear_cross_entropy
+    from nanogpt.start import load_model
 
     assert resolve_fused_loss(None, "cpu") is True
     assert resolve_fused_loss(None, "cuda:1") is False  # compiled, the plain loss was 1.22x faster on an H100
@@ -109,7 +111,10 @@ def test_fused_loss_defaults_to_fused_on_the_cpu_and_plain_on_a_gpu_explicit_win
             assert resolve_fused_loss(explicit, device) is explicit
     assert TrainConfig().fused_loss is None
     for cfg, fused in ((TrainConfig(device="cpu"), True), (TrainConfig(device="cpu", fused_loss=False), False)):
-        assert model_settings(cfg, cfg.machine())["fused_loss"] is fused
+        # every init_from's model comes through load_model, which hands it the loss the machine chose
+        cfg = dataclasses.replace(cfg, n_layer=1, n_head=2, n_embd=16, block_size=8)
+        model = load_model(cfg, cfg.machine(), {"vocab_size": 20}, None)
+        assert model.head_loss is (fused_linear_cross_entropy if fused else None)
     from configurator import ConfigError, configure
 
     assert configure(TrainConfig(), ["--fused_loss=False"]).fused_loss is False

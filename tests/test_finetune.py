@@ -117,8 +117,7 @@ def test_finetune_shakespeare_config_parses_and_routes_to_from_pretrained(monkey
     # attention="auto": the path for this machine's device and dtype (device.resolve_attention, tested there)
     device = resolve_device("auto")
     attention = resolve_attention("auto", device, resolve_dtype("auto", device))[0]
-    assert calls == [("gpt2-xl", {"dropout": 0.0, "attention": attention, "sdpa_backend": "auto", "fused_loss": True},
-                      64)]
+    assert calls == [("gpt2-xl", {"dropout": 0.0, "attention": attention, "sdpa_backend": "auto"}, 64)]
 
 
 def gpt2_token_files(data_dir) -> None:

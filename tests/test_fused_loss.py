@@ -1,5 +1,5 @@
 """
-The fused, chunked linear + cross-entropy (fused_loss.fused_linear_cross_entropy, GPTConfig.fused_loss): the same loss
+The fused, chunked linear + cross-entropy (fused_loss.fused_linear_cross_entropy, a model's head_loss): the same loss
 and gradients as the plain path (full logits, F.cross_entropy), checked against a float64 reference, in float32
 and under bf16 autocast, with ignored targets (-1), a padded vocabulary, several chunks, gradient accumulation,
 DDP (torchrun, gloo) and torch.compile. Its CUDA checks are in tests/cuda/test_cuda_fused.py.
@@ -7,7 +7,6 @@ DDP (torchrun, gloo) and torch.compile. Its CUDA checks are in tests/cuda/test_c
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 
@@ -103,7 +102,9 @@ def test_fused_loss_is_exact_in_float64_and_without_grad():
 
 def tiny_model(fused: bool, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, fused_loss=fused))
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32))
+    model.head_loss = fused_linear_cross_entropy if fused else None
+    return model
 
 
 def model_batch(seed=1, B=3, T=16):
@@ -116,7 +117,7 @@ def model_batch(seed=1, B=3, T=16):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_with_fused_loss_equals_the_plain_model(dtype):
-    """GPT(fused_loss=True) against GPT(fused_loss=False), same weights: loss and every parameter's gradient (the
+    """The fused head_loss against the plain loss, same weights: loss and every parameter's gradient (the
     tied embedding/head too), and the padded embedding rows get no gradient. Tolerances: float32 ulps; bf16 the
     rounding of the head matmul's bf16 output, the same order as bf16 against float32 (measured ~1e-3 relative)."""
     idx, targets = model_batch()
@@ -214,13 +215,12 @@ def test_compiled_fused_loss_equals_eager_plain():
     idx, targets = model_batch(seed=4)
     plain = tiny_model(fused=False)
     compiled = torch.compile(copy.deepcopy(plain).train())
-    compiled._orig_mod.config = dataclasses.replace(plain.config, fused_loss=True)
+    compiled._orig_mod.head_loss = fused_linear_cross_entropy
     grads = []
     for model in (plain, compiled):
         _, loss = model(idx, targets, return_logits=False)
         loss.backward()
         grads.append((loss.detach(), {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters()}))
-    assert compiled._orig_mod.config.fused_loss
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-6, atol=0)
     for n, g in grads[0][1].items():
         assert rel(grads[1][1][n], g) < 1e-5, n

@@ -60,7 +60,7 @@ def test_from_pretrained_matches_hf_gpt2_logits(tmp_path, multiple: int, activat
 
 @pytest.mark.usefixtures("offline")
 def test_from_pretrained_rejects_bad_overrides_names_and_shapes(tmp_path) -> None:
-    allowed = r"only \['attention', 'dropout', 'fused_loss', 'sdpa_backend'\]"
+    allowed = r"only \['attention', 'dropout', 'sdpa_backend'\]"
     with pytest.raises(UserError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):
         pretrained_gpt2("gpt2", {"n_layer": 4})
     with pytest.raises(ValueError, match=r"cannot override \['n_layer'\] of GPT-2; " + allowed):  # model.py's own

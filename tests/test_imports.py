@@ -77,6 +77,15 @@ def test_model_imports_torch_and_the_standard_library_only_at_module_level():
     assert {n.split(".")[0] for n in names} <= allowed, names
 
 
+def test_model_imports_nothing_of_the_project_anywhere():
+    """Not even inside a function: copied alone, model.py computes what it says (what the caller wants different,
+    the caller hands in). transformers, inside from_pretrained, is the one import beside torch's and the stdlib's."""
+    allowed = set(sys.stdlib_module_names) | {"torch", "transformers"}
+    names = imports_of(os.path.join(ROOT, "model.py"))
+    assert {n.split(".")[0] for n in names} <= allowed, names
+    assert not names & set(project_modules()) and "nanogpt" not in {n.split(".")[0] for n in names}, names
+
+
 def test_no_file_imports_one_that_imports_it_back():
     graph = import_graph()
     circles = []

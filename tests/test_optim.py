@@ -135,6 +135,6 @@ def test_muon_ns_dtype_auto_is_float32_only_on_a_cpu_without_bf16_kernels(monkey
 
     assert ns_dtype_for("float32", "cuda") == torch.float32 and ns_dtype_for("bfloat16", "cpu") == torch.bfloat16
     assert ns_dtype_for("auto", "cuda") == torch.bfloat16
-    for supported, dtype in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
+    for capability, dtype in (("AVX512", torch.bfloat16), ("SVE256", torch.bfloat16), ("AVX2", torch.float32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert ns_dtype_for("auto", "cpu") == dtype

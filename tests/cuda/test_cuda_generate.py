@@ -64,10 +64,10 @@ def test_compiled_step_compiles_once_per_generation_for_a_deep_model_on_cuda():
     check(reference, same_size, 4, torch.float32)
 
 
-def test_a_compiled_window_follows_the_weights_dtype_the_phase_gives_them():
-    """The window phase converts the weights in place (each parameter's data) for window_dtype: the same model's
-    compiled window in float32, then in bf16, then in float32 again, each as its eager window chooses (a compiled
-    variant of the other dtype reused would multiply bf16 activations by float32 weights, or round float32 ones)."""
+def test_a_compiled_window_follows_the_window_dtype():
+    """The window phase runs under autocast to window_dtype: the same model's compiled window in float32, then in
+    bf16, then in float32 again, each as its eager window chooses (a compiled variant of the other dtype reused
+    would round float32 activations to bf16, or keep bf16 ones in float32)."""
     model, reference = tiny()
     prompt = torch.randint(0, 101, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     for window_dtype in (None, torch.bfloat16, None):
