@@ -1,16 +1,9 @@
 """
-How a run starts, in three calls from train.py that keep out_dir as it is until the start is accepted:
-
-  begin()   the settings checked (every problem in one line) and out_dir looked over, then out_dir held for the run
-            (its live run's lock) and the start decided from what it holds: resume or not, from which checkpoint,
-            with which settings (init_from="auto", a torchrun restart, the run's own settings for the keys not given),
-            and what "auto" means on this machine
-  load()    the data checked, the run's log begun, a resume's checkpoint read, the weights init_from names built
-  accept()  once every rank passed every check: a resume's optimizer state restored, then a new run moves the run in
-            out_dir aside and writes run.json, a resume keeps its run's
-
-A resume's rules live here too: which settings it takes from its run (settings_of_the_run), and which it cannot
-change (resume_changes: the model's shape, its GELU, the optimizer).
+How a run starts, in three calls from train.py that leave out_dir as it is until the start is accepted: begin() checks
+the settings and out_dir, holds out_dir and decides the start (resume or not, from which checkpoint, with which
+settings); load() checks the data, begins the log and builds the model; accept(), once every rank passed every check,
+restores a resume's state, or moves the previous run aside for a new one. A resume's rules live here too: which
+settings it takes from its run, and which it cannot change (the model's shape, its GELU, the optimizer).
 """
 from __future__ import annotations
 
@@ -69,9 +62,8 @@ class StartPlan:
 
 @contextlib.contextmanager
 def begin(cfg: TrainConfig, given: set[str] | None = None) -> Iterator[StartPlan]:
-    """The start decided (decide), with out_dir held for this run until the block ends (rank 0 holds it for every
-    rank; an evaluation that saves nothing holds nothing). Every setting is checked before out_dir is touched.
-    `given`: the keys the user set (a resume takes its run's setting for every other key; None: every key given)."""
+    """The start decided (decide), out_dir held for this run until the block ends (by rank 0, for every rank; not by
+    an evaluation that saves nothing). `given`: the keys the user set (None: every key)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check(world_size)
     check_out_dir(cfg)
@@ -108,24 +100,19 @@ NOT_RESUMED = ("init_from", "out_dir", "device", "backend", "eval_only")
 
 def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
                         world_size: int = 1) -> tuple[TrainConfig, list[str]]:
-    """
-    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
-    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
-    settings, data, schedule), so the resume continues that run. `saved`: the config the checkpoint records.
-    Returns the config and the settings taken.
-    """
+    """nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file, so every setting
+    not given is the checkpoint's run's (`saved`, its recorded config). Returns the config and the settings taken."""
+    def refuse(problems: list[str]) -> None:  # a checkpoint edited by hand, or of another program
+        if problems:
+            raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(problems)}: give these "
+                            f"settings on the command line, or restore the checkpoint from a backup")
+
     hints = typing.get_type_hints(type(cfg))
     taken = {k: v for k, v in saved.items()
              if k in hints and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    wrong = [f"{k}={shown(v)} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]]
-    if wrong:  # a checkpoint edited by hand, or of another program
-        raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(wrong)}: give these settings "
-                        f"on the command line, or restore the checkpoint from a backup")
+    refuse([f"{k}={shown(v)} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]])
     taken = {k: coerce(v, hints[k])[1] for k, v in taken.items()}
-    out_of_range = [p for p in declared_problems(replace(cfg, **taken)) if p.split("=")[0] in taken]
-    if out_of_range:
-        raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(out_of_range)}: give these "
-                        f"settings on the command line, or restore the checkpoint from a backup")
+    refuse([p for p in declared_problems(replace(cfg, **taken)) if p.split("=")[0] in taken])
     notes = []
     if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
         try:
@@ -200,10 +187,8 @@ def log_header(log: Logger, plan: StartPlan, dist: Dist) -> float | None:
 
 
 def check_data(cfg: TrainConfig) -> tuple[str, dict | None, int | None]:
-    """The dataset's folder, its meta.json and the vocabulary its ids are checked against now: checked once up front,
-    so a missing file or an id beyond the vocabulary fails before any training, and before out_dir or its metrics
-    are touched. The ids are checked here against the dataset's own vocabulary (scratch); against other weights'
-    (GPT-2's, a checkpoint's) once those are read (None here)."""
+    """The dataset's folder, its meta.json, and the vocabulary its ids were checked against (None: other weights',
+    checked once read): a missing file or a bad id fails before the model is built and before out_dir is touched."""
     data_dir = dataio.dataset_dir(cfg.dataset, cfg.data_dir)
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
     data_vocab = meta["vocab_size"] if cfg.init_from == "scratch" else None
@@ -234,7 +219,8 @@ def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
     if plan.found is None:
         return Resumed()
     ckpt, path = plan.found.read(), plan.found.path
-    for field in ("iter_num", "best_val_loss", *(() if "sharded" in ckpt else ("optimizer",))):  # stripped to save space
+    # what a resume needs, which a checkpoint stripped to save space may lack
+    for field in ("iter_num", "best_val_loss", *(() if "sharded" in ckpt else ("optimizer",))):
         if field not in ckpt:
             raise UserError(f"checkpoint {path} has no {field}, so a resume cannot continue it: start a new run from "
                             f"its weights with --init_from={path}")
@@ -250,10 +236,8 @@ def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
 
 def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: int,
                    saved_world_size: int) -> list[str]:
-    """Settings of `cfg` that differ from the checkpoint's run (its config `saved`, and the GELU its model was
-    trained with). A different model shape (step.MODEL_KEYS) or GELU cannot resume (UserError); anything else is
-    allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
-    load_training_state)."""
+    """Settings of `cfg` that differ from the checkpoint's run (`saved`, and its model's GELU), to be printed: they
+    apply from the resume on. Another model shape (step.MODEL_KEYS), GELU or optimizer cannot resume (UserError)."""
     changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
         f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
         for k in (f.name for f in fields(cfg))
@@ -283,8 +267,7 @@ def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: i
 
 
 def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
-    """The model init_from names (init_model), on the CPU, once its tokenizer is the dataset's and its context holds
-    block_size."""
+    """The model init_from names, on the CPU, once its tokenizer is the dataset's and its context holds block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
         tokenizers.check_tokenizer(*checkpoints.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
@@ -359,13 +342,11 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler,
            dist: Dist, log: Logger, stop: StopRequest) -> str | None:
     """
-    The start accepted. A resume's training state is restored first (the optimizer's, a sharded checkpoint's weights
-    too, into the placed model; the grad scaler's; the dropout RNG). Then, once every rank got here (none refuses the
-    start once rank 0 accepted it), a signal stops the run with a checkpoint (stop.arm), a new run moves the one in
-    out_dir aside whole and writes its run.json, a resume keeps its run's, and the start's line opens metrics.jsonl.
-    Rank 0 alone writes, and only for a start that saves (one that evaluates only changes nothing there); returns the
-    run's id (None on the other ranks). A write that fails undoes what the start changed (the previous run moved back,
-    run.json as it was) and is a WriteError: the folder is as it was.
+    The start accepted. A resume's training state is restored first (optimizer, a sharded checkpoint's weights, grad
+    scaler, dropout RNG). Then, once every rank got here (none refuses the start once rank 0 accepted it), a signal
+    stops the run with a checkpoint, a new run moves the previous one aside and writes its run.json, a resume keeps its
+    run's, and the start's line opens metrics.jsonl. Rank 0 alone writes, only for a start that saves; a write that
+    fails undoes what the start changed (a WriteError). Returns the run's id (None on the other ranks).
     """
     resumed = loaded.resumed
     if resumed.ckpt is not None:
