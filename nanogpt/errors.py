@@ -32,7 +32,7 @@ class RunError(UserError):
 
 class Stopped(SystemExit):
     """A stop by a signal, with a checkpoint, raised by every rank at the same step. It exits 128 + the signal (the
-    shell's convention), so a requeue script tells a resumable stop from the end (0), a failure (1), a user error (2)."""
+    shell's convention): a requeue script tells a resumable stop from the end (0), a failure (1), a user error (2)."""
 
     def __init__(self, message: str, code: int = 128 + signal.SIGTERM):
         super().__init__(code)
