@@ -31,9 +31,6 @@ ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of t
                       "ckpt_best.pt)")
 
 
-# ----------------------------------------------------------------------------------------------- writing
-
-
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """Write `state` to `path` atomically (files.atomic_write): a crash leaves the old checkpoint or the new one, never
     a torn file; a failed write is a WriteError."""
@@ -119,9 +116,6 @@ def _writable(path: str, run_id: str | None) -> str:
     return path
 
 
-# ----------------------------------------------------------------------------------------------- the train state
-
-
 def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, config: dict, dist: Dist, elapsed_s: float,
                 meta: dict | None, run_id: str | None = None) -> dict:
     """A checkpoint's entries besides the model and optimizer tensors: `config` the run's settings, `meta` the
@@ -154,9 +148,6 @@ def restore_rng(ckpt: dict, seed: int, dist: Dist, iter_num: int) -> None:
     torch.set_rng_state(rng["torch"].cpu())
     if dist.device.startswith("cuda") and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"].cpu(), dist.device)
-
-
-# ----------------------------------------------------------------------------------------------- reading a file
 
 
 # nanoGPT before PyTorch 2.0 saved each layer's causal mask as a buffer named attn.bias: a constant, not a weight

@@ -31,9 +31,6 @@ from nanogpt.outdir import BEST, CKPT, SHARDED, SHARDED_BEST
 from nanogpt.text import first_sentence
 
 
-# ----------------------------------------------------------------------------------------------- saving
-
-
 class CheckpointWriter:
     """A run's saves, the one place that chooses their format: ckpt.pt (rank 0 writes it) or, under FSDP, ckpt_sharded
     (every rank its shards), in the background when asked (one save in flight at a time)."""
@@ -80,9 +77,6 @@ class CheckpointWriter:
         (pending, where), self.in_flight = self.in_flight, None
         pending.finish()
         return f"saved sharded checkpoint at {where}, written in {time.time() - pending.started:.1f} s beside training"
-
-
-# ----------------------------------------------------------------------------------------------- finding
 
 
 def _read_state(path: str) -> dict[str, Any]:
@@ -175,9 +169,6 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
 def _found(path: str) -> FoundCheckpoint:
     state = _read_state(path)
     return FoundCheckpoint(path, int(state.get("iter_num", 0)), "", state)
-
-
-# ----------------------------------------------------------------------------------------------- reading weights
 
 
 def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -276,9 +267,6 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
     check_attention_kernel(model, autocast_context(device, resolve_dtype(dtype, device, training=False)), compile)
     log(f"model: {model.get_num_params() / 1e6:.2f}M parameters, {model.config}")
     return model, tokenizer
-
-
-# ----------------------------------------------------------------------------------------------- resuming
 
 
 def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:

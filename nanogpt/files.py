@@ -1,9 +1,7 @@
-"""
-Every file the project writes goes through here, whole or not at all: written beside its place, fsynced and renamed
+"""Every file the project writes goes through here, whole or not at all: written beside its place, fsynced and renamed
 over it; a line appended whole; a link replaced in one rename. A symbolic link or anything but a regular file where a
 file goes is refused, and an OSError (or a library's error caused by one: torch's writer on a full disk, safetensors'
-Rust error) becomes a WriteError naming the path, the cause and what was kept.
-"""
+Rust error) becomes a WriteError naming the path, the cause and what was kept."""
 from __future__ import annotations
 
 import contextlib
@@ -87,8 +85,7 @@ def check_target(path: str) -> None:
 
 
 def target_problem(path: str) -> str | None:
-    """Why a file cannot be written at `path`, asked before slow work (a benchmark's minutes) rather than after it;
-    None where it can."""
+    """Why a file cannot be written at `path` (None: it can), asked before slow work rather than found after it."""
     if os.path.isdir(path) or os.path.islink(path):
         return f"{path} is {kind_of(path)}, not a file"
     parent = os.path.dirname(os.path.abspath(path))
@@ -143,12 +140,10 @@ def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = 
 
 def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX,
                 stale: re.Pattern | None = None) -> list[str]:
-    """
-    atomic_write for a set: `write(tmp)` writes the files into a temporary folder inside `folder`, and only once all
+    """atomic_write for a set: `write(tmp)` writes the files into a temporary folder inside `folder`, and only once all
     are fsynced is each renamed over its name in `folder`. Files of `stale`'s names (an earlier write's) that this one
     does not write are removed with the replaced ones (returned). A failure is a WriteError and leaves `folder` as it
-    was; a kill mid-renames leaves the temporary folder, its old/ holding the files renamed over (_warn_cut_short).
-    """
+    was; a kill mid-renames leaves the temporary folder, its old/ holding the files renamed over (_warn_cut_short)."""
     _warn_cut_short(folder)
     made, parent = [], os.path.abspath(folder)
     while not os.path.lexists(parent):  # the folders makedirs makes, innermost first
@@ -165,7 +160,8 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
         names = sorted(os.listdir(new))
         for name in names:  # a link or folder of another's where a file goes is refused before anything moves
             check_target(os.path.join(folder, name))
-            _fsync_file(os.path.join(new, name))
+            with open(os.path.join(new, name), "rb") as f:
+                os.fsync(f.fileno())
         gone = sorted(n for n in os.listdir(folder) if stale and stale.fullmatch(n) and n not in names
                       and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
         for name in gone:  # aside like a replaced file: put back on a failure
@@ -215,11 +211,6 @@ def _warn_cut_short(folder: str) -> None:
                       f"what you need, then remove it", file=sys.stderr, flush=True)
 
 
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -233,9 +224,8 @@ def write_text(path: str, text: str, what: str, fix: str = OUT_DIR_FIX) -> None:
 
 
 def append_line(path: str, line: str) -> None:
-    """Append one line to `path` (made where missing), never through a link, whole or not at all: a disk that fills
-    mid-line takes part of it, which is cut off again so no later line is glued to a fragment. A failure is a
-    WriteError."""
+    """Append one line to `path`, never through a link, whole or not at all: a disk that fills mid-line takes part of
+    it, which is cut off again so no later line is glued to a fragment. A failure is a WriteError."""
     check_target(path)
     data = line.encode("utf-8")
     made = not os.path.lexists(path)
@@ -275,7 +265,7 @@ def replace_link(path: str, target: str) -> None:
 
 
 def remove_file(path: str, what: str) -> None:
-    """Remove a file the run wrote (a checkpoint keep_last no longer keeps); a failure is a WriteError."""
+    """Remove a file the run wrote and no longer keeps; a failure is a WriteError."""
     try:
         os.remove(path)
     except FileNotFoundError:

@@ -1,10 +1,8 @@
-"""
-The run folder: an out_dir holds one run, and this module names every file a run writes there, holds the folder for
-its live run (rank 0's lock, for all ranks) and decides how a start treats what it finds. Every run gets an id, in
+"""The run folder: an out_dir holds one run, and this module names every file a run writes there, holds the folder
+for its live run (rank 0's lock, for all ranks) and decides how a start treats what it finds. Every run gets an id, in
 run.json and in each checkpoint and metrics.jsonl, so another run's checkpoint is never resumed as this one's. A new
 run never destroys an earlier one: a nanoGPT user reruns the same command and expects a fresh run, so the old run's
-files are moved aside into out_dir/previous/<time>/, from where it still resumes.
-"""
+files are moved aside into out_dir/previous/<time>/, from where it still resumes."""
 from __future__ import annotations
 
 import contextlib
@@ -51,17 +49,12 @@ _TEMPORARY = re.compile(r"\.tmp\.\d+$")
 _A_RUNS = re.compile(rf"{re.escape(RUN_FILE)}|{_CHECKPOINTS}")
 
 
-# ----------------------------------------------------------------------------------------------- the live run's hold
-
-
 @contextlib.contextmanager
 def hold(out_dir: str, enabled: bool = True) -> Iterator[None]:
-    """
-    Hold out_dir for this process's run, from before its start is decided to its end: a second start there is
+    """Hold out_dir for this process's run, from before its start is decided to its end: a second start there is
     refused (UserError naming the holder) before it reads or changes anything. The hold is an flock on run.lock,
     which the OS lets go when the process ends, a SIGKILL too: no stale lock to clear. A file system that cannot
-    lock gets a warning and no hold. Folders it made are removed if still empty at the end.
-    """
+    lock gets a warning and no hold. Folders it made are removed if still empty at the end."""
     if not enabled:
         yield
         return
@@ -220,9 +213,6 @@ def _holder(text: bytes) -> str:
         return "a process that is starting"
 
 
-# ----------------------------------------------------------------------------------------------- the run in out_dir
-
-
 def read_run(out_dir: str) -> dict | None:
     """out_dir's run.json (id, start time, torchrun's job), or None for a folder without one; a damaged one is a
     UserError."""
@@ -272,9 +262,7 @@ def resolve_init_from(init_from: str, out_dir: str, restart: int = 0, job: str |
 def move_previous_run(out_dir: str) -> tuple[str, list[str], list[str]] | None:
     """Move the run's files (RUN_FILES, nothing else) into out_dir/previous/<its start time>/; returns that folder, the
     names moved and the folders made (for move_back), or None. A failure moves back what it moved: a WriteError."""
-    if not os.path.isdir(out_dir):
-        return None
-    names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n))
+    names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n)) if os.path.isdir(out_dir) else []
     if not names:
         return None
     started = (read_run(out_dir) or {}).get("started")
@@ -311,7 +299,7 @@ def move_back(out_dir: str, dest: str, names: list[str], made: list[str]) -> Non
 
 def disk_usage(folder: str) -> int:
     """The bytes the files under `folder` take, each file once (keep_last's hard links share ckpt.pt's), links not
-    followed (ckpt_sharded names a folder counted itself)."""
+    followed."""
     seen, total = set(), 0
     for root, _, files in os.walk(folder):
         for name in files:
@@ -354,8 +342,6 @@ def restore_run(out_dir: str, run: dict | None) -> None:
         elif read_run(out_dir) != run:
             _write_run(out_dir, run)
 
-
-# ----------------------------------------------------------------------------------------------- writing in out_dir
 
 # What each name a run writes in out_dir must be where it exists: a file, a folder, or a link to a save of its own
 ENTRIES = {LOCK_FILE: "file", RUN_FILE: "file", METRICS: "file", CKPT: "file", BEST: "file", REPORT: "file",

@@ -36,9 +36,6 @@ from nanogpt.text import plural, shown, size_text
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, whatever the settings say
 
 
-# ----------------------------------------------------------------------------------------------- deciding
-
-
 def check_out_dir(cfg: TrainConfig) -> None:
     """Before anything changes there: a resume's folder exists, and where the run writes stands nothing of another
     kind (a link, a folder where a file goes: outdir.check_entries)."""
@@ -129,9 +126,6 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
     return resumed, [f"{k}={v!r}" for k, v in taken.items()] + notes
 
 
-# ----------------------------------------------------------------------------------------------- the data and weights
-
-
 @dataclass
 class Loaded:
     """What load() read: the data, the weights, a resume's state, and MFU's peak."""
@@ -197,9 +191,6 @@ def check_data(cfg: TrainConfig) -> tuple[str, dict | None, int | None]:
     return data_dir, meta, data_vocab
 
 
-# ----------------------------------------------------------------------------------------------- a resume
-
-
 @dataclass
 class Resumed:
     """What a resume continues from: the checkpoint, its iteration and best val loss, what changed since."""
@@ -261,9 +252,6 @@ def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: i
     if world_size != saved_world_size:
         changed.append(f"world_size: {saved_world_size} -> {world_size}")
     return changed
-
-
-# ----------------------------------------------------------------------------------------------- the model
 
 
 def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
@@ -334,9 +322,6 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model
-
-
-# ----------------------------------------------------------------------------------------------- accepting
 
 
 def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler,
