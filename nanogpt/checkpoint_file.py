@@ -1,9 +1,7 @@
-"""
-One checkpoint file (ckpt.pt), the format of a one-process or DDP run and of nanoGPT's: written atomically, read
+"""One checkpoint file (ckpt.pt), the format of a one-process or DDP run and of nanoGPT's: written atomically, read
 without running code from it (weights_only), each recorded field checked before it is used. It holds the model's and
 optimizer's state dicts and the train state (iteration, best val loss, model_args, the run's config and id, the
-tokenizer, the RNG). nanoGPT's files are read too, their compiled and DDP prefixes and pre-2.0 masks dropped.
-"""
+tokenizer, the RNG). nanoGPT's files are read too, their compiled and DDP prefixes and pre-2.0 masks dropped."""
 from __future__ import annotations
 
 import contextlib
@@ -120,27 +118,17 @@ def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, config:
                 meta: dict | None, run_id: str | None = None) -> dict:
     """A checkpoint's entries besides the model and optimizer tensors: `config` the run's settings, `meta` the
     dataset's tokenizer (so the checkpoint names it), `run_id` the run's (outdir.py)."""
-    return {
-        "run_id": run_id,
-        "scaler": scaler.state_dict(),
-        "iter_num": iter_num,
-        "best_val_loss": best_val_loss,
-        "model_args": asdict(model.config),
-        "config": config,
-        "world_size": dist.world_size,
-        "elapsed_s": elapsed_s,  # the run's wall time so far, so metrics.jsonl's time continues across resumes
-        "meta": dataio.tokenizer_meta(meta) if meta is not None else None,
-        "rng": {  # rank 0's: a one-process resume continues it exactly (DDP ranks reseed, see restore_rng)
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.startswith("cuda") else None,
-        },
-    }
+    return {"run_id": run_id, "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val_loss,
+            "model_args": asdict(model.config), "config": config, "world_size": dist.world_size,
+            "elapsed_s": elapsed_s,  # the run's wall time so far, so metrics.jsonl's time continues across resumes
+            "meta": dataio.tokenizer_meta(meta) if meta is not None else None,
+            "rng": {"torch": torch.get_rng_state(),  # rank 0's: a one-process resume continues it (restore_rng)
+                    "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.startswith("cuda") else None}}
 
 
 def restore_rng(ckpt: dict, seed: int, dist: Dist, iter_num: int) -> None:
-    """The dropout RNG of a resumed run. One process resuming a one-process run continues the saved state, so the
-    resumed run is bitwise the uninterrupted one; DDP ranks (whose states differ and are not all saved) reseed
-    from (seed, rank, iteration), which keeps their dropout masks different from each other's."""
+    """The dropout RNG of a resume: a one-process run's saved state, so the resume is bitwise the uninterrupted run;
+    DDP ranks (whose states are not all saved) reseed from (seed, rank, iteration), their masks still distinct."""
     rng = ckpt.get("rng")
     if rng is None or dist.world_size > 1 or ckpt.get("world_size", 1) > 1:
         torch.manual_seed(seed + dist.rank + 1_000_003 * iter_num)
@@ -155,8 +143,7 @@ _OLD_MASK_KEY = re.compile(r"transformer\.h\.\d+\.attn\.bias")
 
 
 def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
-    """Strip wrapper prefixes that old (nanoGPT) checkpoints of compiled or DDP models carry, and drop the causal
-    mask buffers of pre-2.0 nanoGPT checkpoints."""
+    """`sd` without the prefixes of compiled or DDP models and the mask buffers of pre-2.0 nanoGPT's checkpoints."""
     out = {}
     for k, v in sd.items():
         for prefix in ("_orig_mod.", "module."):
@@ -273,8 +260,8 @@ def check_model_shape(model_args: dict[str, Any], state: dict[str, torch.Tensor]
 
 def _torch_optimizer_state(state) -> bool:
     """A torch optimizer's state_dict: its per-parameter state and its groups."""
-    return isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"),
-                                                                                            list)
+    return isinstance(state, dict) and isinstance(state.get("state"), dict) and \
+        isinstance(state.get("param_groups"), list)
 
 
 def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:

@@ -1,10 +1,8 @@
-"""
-A run's checkpoints in either format (ckpt.pt, or FSDP's sharded folder): saving in the run's, finding the newest of
-a run folder, and reading one to resume or for inference; every command reads checkpoints through here. A resume
+"""A run's checkpoints in either format (ckpt.pt, or FSDP's sharded folder): saving in the run's, finding the newest
+of a run folder, and reading one to resume or for inference; every command reads checkpoints through here. A resume
 reads the newest of ckpt.pt and ckpt_sharded by the iteration each records, not by format: any run resumes from
 either, with any number of ranks. What reads weights takes a file or a sharded folder alike, maps a file instead of
-reading it, and never touches the optimizer state.
-"""
+reading it, and never touches the optimizer state."""
 from __future__ import annotations
 
 import json
@@ -222,15 +220,12 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
 
 
 def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,
-                       overrides: dict[str, Any], compile: bool = False,
-                       log: Callable[[str], None] = print,
+                       overrides: dict[str, Any], compile: bool = False, log: Callable[[str], None] = print,
                        attention_for: Callable[[GPTConfig], str] | None = None) -> tuple[GPT, tokenizers.Tokenizer]:
-    """
-    The model to sample or score with, in eval mode on `device`, and the tokenizer it was trained with. init_from:
+    """The model to sample or score with, in eval mode on `device`, and the tokenizer it was trained with. init_from:
     "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded or run folder, GPT-2's name
     or a HF folder. `attention_for`: the attention for the model's config (sample.py's attention=auto). The attention
-    kernel is checked for `dtype` here, so a refusal is one line before any generation.
-    """
+    kernel is checked for `dtype` here, so a refusal is one line before any generation."""
     found = find_checkpoint(out_dir, name) if init_from == "resume" else None
     path = found.path if found is not None else checkpoint_path(init_from)
     if path is not None:
@@ -255,12 +250,10 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
     # sampling never draws the ids past the tokenizer's
     padded_bpe = isinstance(tokenizer, tokenizers.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
     if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
-        raise UserError(
-            f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "
-            f"{model.config.vocab_size}: " + ("the model was trained on other data: put that data's meta.json in the "
-                                              "folder its run config names" if path else "export its run again, or "
-                                              "give the run's checkpoint: --init_from=OUT_DIR")
-        )
+        fix = ("the model was trained on other data: put that data's meta.json in the folder its run config names"
+               if path else "export its run again, or give the run's checkpoint: --init_from=OUT_DIR")
+        raise UserError(f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "
+                        f"{model.config.vocab_size}: {fix}")
     if attention_for is not None:
         model.set_attention(attention_for(model.config))
     model.eval().to(device)
@@ -270,11 +263,9 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
 
 
 def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
-    """
-    The optimizer state of a resume, whatever the checkpoint's format and the model's sharding (a sharded checkpoint's
-    weights too). This run's optimizer settings (weight decay, betas, ...) apply over the checkpoint's; its moments
-    and step counts are restored. A state saved before the first step is empty: the fresh optimizer already is it.
-    """
+    """The optimizer state of a resume, whatever the checkpoint's format and the model's sharding (a sharded
+    checkpoint's weights too). This run's optimizer settings (weight decay, betas, ...) apply over the checkpoint's;
+    its moments and step counts are restored. A state saved before the first step is empty: a fresh optimizer is it."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     torch_optimizer = optimizer.as_torch()
     if "sharded" in ckpt:
@@ -321,8 +312,6 @@ def _load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    by_name = {
-        "state": {order[i]: s for i, s in optim_sd["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]],
-    }
+    by_name = {"state": {order[i]: s for i, s in optim_sd["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
