@@ -1,10 +1,8 @@
-"""
-FSDP's sharded checkpoints: a folder that torch.distributed.checkpoint (DCP) writes, each rank its shards, plus
+"""FSDP's sharded checkpoints: a folder that torch.distributed.checkpoint (DCP) writes, each rank its shards, plus
 train_state.pt (everything but the tensors), written last as the folder's completion mark; the link
 out_dir/ckpt_sharded names the latest complete folder (ckpt_sharded_best the best val loss's). Any number of ranks
 reads any folder, and one process gathers it whole (sample.py) or writes it as one ckpt.pt (convert_sharded.py).
-torch.distributed.checkpoint is imported where it is used: its import is slow, and most runs never need it.
-"""
+torch.distributed.checkpoint is imported where it is used: its import is slow, and most runs never need it."""
 from __future__ import annotations
 
 import contextlib
@@ -112,10 +110,8 @@ def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
         exc = errors[0]  # torch.load's text for bytes that are not its own (weights_only's advice) would mislead
         why = _first_line(exc) if isinstance(exc, OSError) else type(exc).__name__
         raise _damaged(folder, f"a shard file does not read as DCP wrote it ({why})") from None
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state.get("optimizer", {}))
 
 
 def _errors_of(e: BaseException) -> list[BaseException]:
@@ -138,8 +134,7 @@ def _write_errors(path: str):
     try:
         yield
     except (Exception, CheckpointException) as e:
-        errors = _errors_of(e)
-        failed = next((exc for exc in errors if files.caused_by_os_error(exc)), None)
+        failed = next((exc for exc in _errors_of(e) if files.caused_by_os_error(exc)), None)
         if failed is None:
             raise
         shutil.rmtree(path, ignore_errors=True)  # this save's part-written folder: no link names it, and it holds space
@@ -173,13 +168,11 @@ class ShardedSave:
 
 def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
                  improved: bool = False, keep_best: bool = False) -> str:
-    """
-    Every rank writes its shards with DCP into a new folder ckpt_sharded_<iter>_<n>; rank 0 then writes train_state.pt
-    (the completion mark), points ckpt_sharded at it with one rename, and removes the folders no link names. keep_best:
-    ckpt_sharded_best names the best val loss's folder, moved first when this save `improved`, so at every moment both
-    links name complete folders. An optimizer with no state yet is not saved: DCP would fill it with a zero-gradient
-    step (step=1), and a resume would then differ from the uninterrupted run. Returns the new folder.
-    """
+    """Every rank writes its shards with DCP into a new folder ckpt_sharded_<iter>_<n>; rank 0 then writes
+    train_state.pt (the completion mark), points ckpt_sharded at it with one rename, and removes the folders no link
+    names. keep_best: ckpt_sharded_best names the best val loss's folder, moved first when this save `improved`, so at
+    every moment both links name complete folders. An optimizer with no state yet is not saved: DCP would fill it with
+    a zero-gradient step (step=1), and a resume would differ from the uninterrupted run. Returns the new folder."""
     import torch.distributed as torch_dist
     import torch.distributed.checkpoint as dcp
 
@@ -252,15 +245,6 @@ def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep
     outdir.remove_saves(out_dir, [e for e in os.listdir(out_dir) if SHARDED_FOLDER.fullmatch(e) and e not in kept])
 
 
-def _check_convert_target(path: str, run_id: str | None) -> None:
-    """A conversion writes a new file or replaces a checkpoint of the same run, never anything else."""
-    if (why := files.target_problem(path)) is not None:
-        raise UserError(f"cannot write {path}: {why}")
-    if os.path.isfile(path) and not is_ours(path, run_id):
-        raise UserError(f"{path} exists and is not a checkpoint of this run ({run_id}): it is not written over; give "
-                        f"another file name (python convert_sharded.py FOLDER OUT_FILE), or move it away first")
-
-
 def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> tuple[GPT, dict[str, Any]]:
     """The whole model of a sharded checkpoint in one process, and its train state (`overrides`: the model's)."""
     state = read_train_state(folder)
@@ -270,14 +254,18 @@ def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> 
 
 
 def convert_to_single_file(folder: str, path: str | None = None) -> str:
-    """Write a sharded checkpoint as one ckpt.pt (default: beside the folder), as train.py writes it without FSDP;
-    returns the file."""
+    """Write a sharded checkpoint as one ckpt.pt (default: beside the folder), as a run without FSDP writes it."""
     if not os.path.exists(folder):
         raise UserError(f"{folder} does not exist: give an FSDP run's out_dir/{SHARDED}")
     if not is_sharded(folder):
         raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED}")
     path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT)
-    _check_convert_target(path, read_train_state(folder).get("run_id"))
+    run_id = read_train_state(folder).get("run_id")
+    if (why := files.target_problem(path)) is not None:
+        raise UserError(f"cannot write {path}: {why}")
+    if os.path.isfile(path) and not is_ours(path, run_id):  # only a conversion of the same run is replaced
+        raise UserError(f"{path} exists and is not a checkpoint of this run ({run_id}): it is not written over; give "
+                        f"another file name (python convert_sharded.py FOLDER OUT_FILE), or move it away first")
     model, state = load_sharded_as_full(folder)
     cfg = state["config"]
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),
