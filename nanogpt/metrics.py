@@ -1,9 +1,7 @@
-"""
-A run's metrics: out_dir/metrics.jsonl, a JSON line per logged step, per eval and per start of the run, with the run's
-wall time (which continues across resumes); written by train.py through Logger, read by plot.py and report.py. A line
-cut short (a kill, a full disk) or edited by hand is skipped by the readers with one warning, and the next append
-starts a new line.
-"""
+"""A run's metrics: out_dir/metrics.jsonl, a JSON line per logged step, per eval and per start of the run, with the
+run's wall time (which continues across resumes); written by train.py through Logger, read by plot.py and report.py.
+A line cut short (a kill, a full disk) or edited by hand is skipped by the readers with one warning, and the next
+append starts a new line."""
 from __future__ import annotations
 
 import json
@@ -23,11 +21,9 @@ class Logger:
     asked (`wandb`: wandb.init's arguments). Before start() nothing is written: a refused start changes nothing."""
 
     def __init__(self, dist: Dist, out_dir: str, wandb: dict | None = None):
-        self.master = dist.master
-        self.out_dir, self.wandb_init = out_dir, wandb
+        self.master, self.out_dir, self.wandb_init = dist.master, out_dir, wandb
         self.path: str | None = None  # metrics.jsonl, once the start is accepted and saves
-        self.t_start = time.time()
-        self.wandb = None
+        self.t_start, self.wandb = time.time(), None
 
     def continue_from(self, elapsed_s: float) -> None:
         """A resumed run's wall time continues from its checkpoint's, so elapsed_s never runs backwards."""
@@ -113,8 +109,7 @@ def is_record(record) -> bool:
 
 
 def read_records(path: str) -> list[dict]:
-    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) or not a record (edited by
-    hand) is skipped, all of them in one warning that names them."""
+    """Every record of a metrics.jsonl; the lines that are not JSON or not a record are skipped, named in one warning."""
     records, torn, foreign = [], [], []
     with open(path, encoding="utf-8", errors="replace") as f:  # a byte that is no UTF-8: that line is not JSON
         for n, line in enumerate(f, 1):

@@ -1,8 +1,6 @@
-"""
-The run report: at the end of a train.py run, out_dir/report.md says in one page what ran and what came of it: the
+"""The run report: at the end of a train.py run, out_dir/report.md says in one page what ran and what came of it: the
 command line, the machine, the settings that differ from the defaults, tokens/s and MFU, the loss picture (when
-matplotlib is installed), the best val loss, HellaSwag when it was scored, and a short sample from the final weights.
-"""
+matplotlib is installed), the best val loss, HellaSwag when it was scored, and a short sample from the final weights."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +17,7 @@ from nanogpt import engine, files, plot, tokenizers
 from nanogpt.config import TrainConfig
 from nanogpt.mfu import mfu_text
 from nanogpt.errors import UserError
-from nanogpt.metrics import MetricsLog, read_metrics
+from nanogpt.metrics import read_metrics
 from nanogpt.outdir import LOSS_PNG, REPORT
 
 
@@ -85,20 +83,16 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
         lines += [f"| {st['iter']} | {st['init_from']} | {'; '.join(st.get('changes') or []) or '-'} | "
                   f"`{st['command']}` |" for st in starts]
     lines += ["", "## Loss", ""]
-    lines.append(_loss_picture(out_dir, run))
+    try:
+        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, LOSS_PNG))
+        lines.append(f"![train and val loss against steps and wall time]({LOSS_PNG})")
+    except UserError as e:  # matplotlib is optional: the report goes without the picture
+        lines.append(f"(no picture: {e}; then `python plot.py {out_dir}`)")
     if sample is not None:
         lines += ["", "## A sample from the final weights", "", "```text", sample.strip("\n"), "```"]
     path = os.path.join(out_dir, REPORT)
     files.write_text(path, "\n".join(lines) + "\n", "report")
     return path
-
-
-def _loss_picture(out_dir: str, run: MetricsLog) -> str:
-    try:
-        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, LOSS_PNG))
-    except UserError as e:  # matplotlib is optional: the report goes without the picture
-        return f"(no picture: {e}; then `python plot.py {out_dir}`)"
-    return f"![train and val loss against steps and wall time]({LOSS_PNG})"
 
 
 def write_run_report(cfg: TrainConfig, model, meta: dict | None, info: dict[str, str], log: Callable[[str], None],
