@@ -1,10 +1,8 @@
-"""
-How a run starts, in three calls from train.py that leave out_dir as it is until the start is accepted: begin() checks
-the settings and out_dir, holds out_dir and decides the start (resume or not, from which checkpoint, with which
+"""How a run starts, in three calls from train.py that leave out_dir as it is until the start is accepted: begin()
+checks the settings and out_dir, holds out_dir and decides the start (resume or not, from which checkpoint, with which
 settings); load() checks the data, begins the log and builds the model; accept(), once every rank passed every check,
 restores a resume's state, or moves the previous run aside for a new one. A resume's rules live here too: which
-settings it takes from its run, and which it cannot change (the model's shape, its GELU, the optimizer).
-"""
+settings it takes from its run, and which it cannot change (the model's shape, its GELU, the optimizer)."""
 from __future__ import annotations
 
 import contextlib
@@ -90,8 +88,7 @@ def decide(cfg: TrainConfig, given: set[str] | None = None, world_size: int = 1)
     return StartPlan(cfg, cfg.machine(), notes, found, job)
 
 
-# What a resume never takes from the checkpoint's run, and never lists as a change: where it runs, what says to resume,
-# and whether it only evaluates.
+# What a resume never takes from its run nor lists as a change: where it runs, whether it resumes or only evaluates
 NOT_RESUMED = ("init_from", "out_dir", "device", "backend", "eval_only")
 
 
@@ -118,8 +115,7 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
             notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
                          f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
     resumed = replace(cfg, **taken)
-    cannot = [p for p in resumed.problems(world_size)
-              if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
+    cannot = [p for p in resumed.problems(world_size) if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
     if cannot:  # a run of another machine (flash_impl='fa4', compile_mode='reduce-overhead' on a CPU)
         raise UserError(f"the run's own settings (from its checkpoint: not given here) cannot run here: "
                         f"{'; '.join(cannot)}: give these settings on the command line")
@@ -225,30 +221,22 @@ def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
     return Resumed(ckpt, int(ckpt["iter_num"]), float(ckpt["best_val_loss"]), changes)
 
 
-def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: int,
-                   saved_world_size: int) -> list[str]:
+def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: int, saved_world_size: int) -> list[str]:
     """Settings of `cfg` that differ from the checkpoint's run (`saved`, and its model's GELU), to be printed: they
     apply from the resume on. Another model shape (step.MODEL_KEYS), GELU or optimizer cannot resume (UserError)."""
-    changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
-        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
-        for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
-        and getattr(cfg, k) != "auto" and saved[k] != "auto"
-    ]
+    changed = [f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (f.name for f in fields(cfg))
+               if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
+               and getattr(cfg, k) != "auto" and saved[k] != "auto"]  # "auto" is resolved anew on this machine
     model = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
     if cfg.gelu is not None and cfg.gelu != saved_gelu:
         model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
     if model:
-        raise UserError(
-            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
-            f"out_dir to start a new run"
-        )
+        raise UserError(f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, "
+                        f"or a new out_dir to start a new run")
     saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
     if saved_optimizer != cfg.optimizer:
-        raise UserError(
-            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
-            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
-        )
+        raise UserError(f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not "
+                        f"{cfg.optimizer!r}: use --optimizer={saved_optimizer}, or a new out_dir to start a new run")
     if world_size != saved_world_size:
         changed.append(f"world_size: {saved_world_size} -> {world_size}")
     return changed
@@ -299,10 +287,8 @@ def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
     if cfg.init_from in GPT2_MODELS or os.path.isdir(cfg.init_from):
         model = pretrained_gpt2(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
-    raise UserError(
-        f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
-        f"a folder with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
-    )
+    raise UserError(f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, "
+                    f"gpt2-xl, a folder with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir")
 
 
 def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
@@ -315,10 +301,8 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
         raise UserError(f"init_from={cfg.init_from!r}: {', '.join(wrong)}: the model's shape is its weights'; remove "
                         f"{'these settings' if len(wrong) > 1 else 'this setting'}")
     if cfg.gelu is not None and cfg.gelu != model.config.gelu:
-        raise UserError(
-            f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
-            f"gelu={model.config.gelu!r}: remove the gelu setting"
-        )
+        raise UserError(f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
+                        f"gelu={model.config.gelu!r}: remove the gelu setting")
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model
@@ -326,13 +310,11 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
 
 def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler,
            dist: Dist, log: Logger, stop: StopRequest) -> str | None:
-    """
-    The start accepted. A resume's training state is restored first (optimizer, a sharded checkpoint's weights, grad
-    scaler, dropout RNG). Then, once every rank got here (none refuses the start once rank 0 accepted it), a signal
-    stops the run with a checkpoint, a new run moves the previous one aside and writes its run.json, a resume keeps its
-    run's, and the start's line opens metrics.jsonl. Rank 0 alone writes, only for a start that saves; a write that
-    fails undoes what the start changed (a WriteError). Returns the run's id (None on the other ranks).
-    """
+    """The start accepted. A resume's training state is restored first (optimizer, a sharded checkpoint's weights,
+    grad scaler, dropout RNG). Then, once every rank got here (none refuses the start once rank 0 accepted it), a
+    signal stops the run with a checkpoint, a new run moves the previous one aside and writes its run.json, a resume
+    keeps its run's, and the start's line opens metrics.jsonl. Rank 0 alone writes, only for a start that saves; a
+    failed write undoes what the start changed (a WriteError). Returns the run's id (None on the other ranks)."""
     resumed = loaded.resumed
     if resumed.ckpt is not None:
         checkpoints.load_training_state(model, optimizer, resumed.ckpt)
