@@ -13,20 +13,15 @@ from nanogpt.errors import Interrupted, stop_behind
 
 
 class StopRequest:
-    """
-    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) from a run's first moment to its end. Until arm() a signal
+    """SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) from a run's first moment to its end. Until arm() a signal
     stops the start at once (Interrupted, nothing saved); after, it asks the run to stop with a checkpoint after the
     current micro-step, quickly: torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM. A second Ctrl-C exits
-    at once. The ranks agree on a stop before acting (joined()), so no rank waits forever in a collective.
-    """
+    at once. The ranks agree on a stop before acting (joined()), so no rank waits forever in a collective."""
 
     def __init__(self):
-        self.dist = Dist()
+        self.dist, self.armed = Dist(), False
         self.signal: int | None = None
-        self.armed = False
-        self._group = None
-        self._first = 0.0
-        self._previous = {}
+        self._group, self._first, self._previous = None, 0.0, {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
