@@ -1,7 +1,5 @@
-"""
-Running on several processes: joining and leaving the process group (torchrun's DDP and FSDP ranks, or one process),
-DDP's wrapper settings, and the checks that every rank has rank 0's settings and sees its out_dir.
-"""
+"""Running on several processes: joining and leaving the process group (torchrun's DDP and FSDP ranks, or one
+process), DDP's wrapper settings, and the checks that every rank has rank 0's settings and sees its out_dir."""
 from __future__ import annotations
 
 import contextlib
@@ -65,10 +63,8 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
         raise UserError(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                f"use torchrun --nproc_per_node={torch.cuda.device_count()} or fewer"
-            )
+            raise UserError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                            f"use torchrun --nproc_per_node={torch.cuda.device_count()} or fewer")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -91,12 +87,9 @@ JOB_KEY = "nanogpt/job"  # in torchrun's store: torchrun_job's id
 
 
 def torchrun_job() -> str | None:
-    """
-    An id of this torchrun job, the same in every worker of every restart and in no other job: the first worker writes
-    it into the agent's store, which lives as long as the job (TORCHELASTIC_RUN_ID is "none" for every static
-    rendezvous). None outside torchrun, or where the workers do not share the agent's store: a restart then follows
-    init_from.
-    """
+    """An id of this torchrun job, the same in every worker of every restart and in no other job: the first worker
+    writes it into the agent's store, which lives as long as the job (TORCHELASTIC_RUN_ID is "none" for every static
+    rendezvous). None outside torchrun, or where workers do not share the agent's store: restarts follow init_from."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
@@ -117,13 +110,11 @@ def checkpoint_group(d: Dist) -> torch_dist.ProcessGroup | None:
 
 
 def cleanup_distributed(d: Dist, barrier: bool = False) -> None:
-    """
-    The end of a process group: with `barrier` (only where every rank is known to get here) every rank waits for the
-    others, so none exits while another still writes; then the group is destroyed and freed, since only its destructor
-    stops gloo's worker threads, and one left running into interpreter exit aborts the process ("terminate called
-    without an active exception"). Whatever holds the group (a DDP wrapper, an FSDP model) is released before this
-    call; the collection here frees what only reference cycles kept.
-    """
+    """The end of a process group: with `barrier` (only where every rank is known to get here) every rank waits for
+    the others, so none exits while another still writes; then the group is destroyed and freed, since only its
+    destructor stops gloo's worker threads, and one left running into interpreter exit aborts the process ("terminate
+    called without an active exception"). Whatever holds the group (a DDP wrapper, an FSDP model) is released before
+    this call; the collection here frees what only reference cycles kept."""
     if not d.enabled or not torch_dist.is_initialized():
         return
     if barrier:
@@ -168,11 +159,8 @@ def _forget_device_mesh_groups() -> None:
 
 # The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
 # PyTorch 2.13 renamed the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
-NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else {"broadcast_buffers": False}
-)
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
 # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
 # gradient's size less memory (tests/cuda/test_cuda_ddp.py measures it).
 DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
@@ -185,8 +173,8 @@ def check_same_settings(settings: dict, dist: Dist) -> None:
         return
     everyone: list = [None] * dist.world_size
     torch_dist.all_gather_object(everyone, settings)
-    differ = {k: sorted({repr(s.get(k)) for s in everyone}) for k in settings if any(s.get(k) != settings[k]
-                                                                                       for s in everyone)}
+    differ = {k: sorted({repr(s.get(k)) for s in everyone}) for k in settings
+              if any(s.get(k) != settings[k] for s in everyone)}
     if differ:
         keys = "; ".join(f"{k}: {' vs '.join(values)}" for k, values in differ.items())
         raise UserError(f"the ranks' settings differ ({keys}): give every rank the same config files and --key=value "
@@ -219,7 +207,6 @@ def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
             blind.setdefault(node_name, []).append(rank)
     if blind:
         where = "; ".join(f"{n}: ranks {', '.join(map(str, r))}" for n, r in blind.items())
-        raise UserError(
-            f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only rank 0 writes "
-            f"checkpoints, every rank reads them to resume): put out_dir on a file system that every node mounts"
-        )
+        raise UserError(f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only "
+                        f"rank 0 writes checkpoints, every rank reads them to resume): put out_dir on a file system "
+                        f"that every node mounts")
