@@ -159,7 +159,8 @@ def _forget_device_mesh_groups() -> None:
 
 # The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
 # PyTorch 2.13 renamed the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
-NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                   else {"broadcast_buffers": False})
 # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
 # gradient's size less memory (tests/cuda/test_cuda_ddp.py measures it).
