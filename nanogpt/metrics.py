@@ -109,7 +109,7 @@ def is_record(record) -> bool:
 
 
 def read_records(path: str) -> list[dict]:
-    """Every record of a metrics.jsonl; the lines that are not JSON or not a record are skipped, named in one warning."""
+    """Every record of a metrics.jsonl; lines that are not JSON or not a record are skipped, named in one warning."""
     records, torn, foreign = [], [], []
     with open(path, encoding="utf-8", errors="replace") as f:  # a byte that is no UTF-8: that line is not JSON
         for n, line in enumerate(f, 1):
