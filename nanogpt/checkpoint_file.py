@@ -65,13 +65,11 @@ def keep_as(path: str, other: str) -> None:
 
 def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: str | None,
                         always_save_checkpoint: bool, keep_last: int = 0) -> str | None:
-    """
-    Save `state` to out_dir/ckpt.pt, where a resume continues; returns the file that now holds the run's best weights
-    (None: not kept), which the state records (`best_file`). With always_save_checkpoint=False ckpt.pt holds the best
+    """Save `state` to out_dir/ckpt.pt, where a resume continues; returns the file that now holds the run's best
+    weights (None: not kept), which the state records. With always_save_checkpoint=False ckpt.pt holds the best
     weights, so a stop between evals first keeps them as ckpt_best.pt (a hard link); an eval that improves again
     writes ckpt_best.pt, links ckpt.pt to it, then removes it: at every moment of a crash the best weights have a
-    name. keep_last > 0 also keeps the last K saves (ckpt_0000300.pt). Only this run's files are replaced or removed.
-    """
+    name. keep_last > 0 also keeps the last K saves (ckpt_0000300.pt). Only this run's files are replaced or removed."""
     path, best_path = os.path.join(out_dir, CKPT), os.path.join(out_dir, BEST)
     run_id = state.get("run_id")
     if improved:

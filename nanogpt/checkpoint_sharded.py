@@ -34,8 +34,7 @@ def is_sharded(path: str) -> bool:
 
 
 def read_train_state(folder: str) -> dict[str, Any]:
-    """A sharded checkpoint's train state: load_checkpoint's dict without the model and optimizer (which DCP loads
-    into the built model); "sharded" names the folder."""
+    """A sharded folder's load_checkpoint dict, without the tensors DCP loads into the model; "sharded" names it."""
     path = os.path.join(folder, STATE_FILE)
     if not os.path.exists(path):
         raise UserError(f"{folder} is not a complete sharded checkpoint (no {STATE_FILE}): resume from another one "
@@ -149,9 +148,8 @@ def _target(out_dir: str, name: str) -> str | None:
 
 
 class ShardedSave:
-    """A sharded save begun by start_sharded_save: DCP writes the shards in a background thread, then `finish` makes
-    rank 0 write train_state.pt and move the links. Until then the links name the previous save: a kill loses this
-    one only."""
+    """A save begun by start_sharded_save: DCP writes the shards in a background thread, then `finish` makes rank 0
+    write train_state.pt and move the links; until then they name the previous save, which a kill leaves whole."""
 
     def __init__(self, future, link: Callable[[], None], started: float, folder: str):
         self._future, self._link, self.started, self.folder = future, link, started, folder
@@ -200,8 +198,7 @@ def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Op
 
 def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
                    improved: bool, keep_best: bool) -> tuple[str, dict[str, Any], Callable[[], None]]:
-    """A new folder's name (agreed by the ranks), the state dicts DCP writes into it, and what rank 0 does once
-    every shard is written (nothing on the other ranks)."""
+    """A new folder's name (agreed by the ranks), the state dicts DCP writes, and rank 0's work once all are written."""
     import torch.distributed as torch_dist
 
     name = [None]

@@ -1,8 +1,7 @@
-"""A run's checkpoints in either format (ckpt.pt, or FSDP's sharded folder): saving in the run's, finding the newest
-of a run folder, and reading one to resume or for inference; every command reads checkpoints through here. A resume
-reads the newest of ckpt.pt and ckpt_sharded by the iteration each records, not by format: any run resumes from
-either, with any number of ranks. What reads weights takes a file or a sharded folder alike, maps a file instead of
-reading it, and never touches the optimizer state."""
+"""A run's checkpoints in either format (ckpt.pt, or FSDP's sharded folder): saving, finding the newest, and reading
+one to resume or for inference. A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records,
+not by format, with any number of ranks. What reads weights takes a file or a sharded folder alike, maps a file
+instead of reading it, and never touches the optimizer state."""
 from __future__ import annotations
 
 import json
@@ -68,8 +67,7 @@ class CheckpointWriter:
                         + (best_note if self.best_file == BEST else "")]
 
     def finish(self, if_done: bool = False) -> str | None:
-        """Link the save written in the background once its shards are on disk (if_done: only if they already
-        are, a check between steps; else wait for them)."""
+        """Link the save written in the background once its shards are written (if_done: only if they already are)."""
         if self.in_flight is None or (if_done and not self.in_flight[0].done()):
             return None
         (pending, where), self.in_flight = self.in_flight, None
@@ -78,8 +76,7 @@ class CheckpointWriter:
 
 
 def _read_state(path: str) -> dict[str, Any]:
-    """A checkpoint file's or sharded folder's contents without reading any tensor: a file is mapped (its tensors
-    are read on first use), a folder gives its train state."""
+    """A checkpoint's contents without reading any tensor: a file mapped, or a sharded folder's train state."""
     return read_train_state(path) if is_sharded(path) else load_checkpoint(path, mmap=True)
 
 
@@ -95,8 +92,7 @@ class FoundCheckpoint:
         return os.path.basename(self.path)
 
     def read(self) -> dict[str, Any]:
-        """What a resume continues from: ckpt.pt's contents (mapped), or a sharded folder's train state (its tensors
-        are loaded by load_training_state once the model is sharded)."""
+        """What a resume continues from: ckpt.pt's contents (mapped), or a sharded folder's train state."""
         return self.state or _read_state(self.path)
 
     def describe(self, verb: str) -> str:
@@ -184,8 +180,7 @@ def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, An
 
 
 def checkpoint_path(path: str) -> str | None:
-    """The checkpoint that `path` names: a checkpoint file, a sharded folder, or a run's folder (its newest
-    checkpoint); None for anything else (a GPT-2 name, a HF folder)."""
+    """The checkpoint `path` names (a file, a sharded folder, a run folder's newest); None for GPT-2 or a HF folder."""
     if os.path.isfile(path) or is_sharded(path):
         return path
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")) and any(
