@@ -52,9 +52,8 @@ _A_RUNS = re.compile(rf"{re.escape(RUN_FILE)}|{_CHECKPOINTS}")
 @contextlib.contextmanager
 def hold(out_dir: str, enabled: bool = True) -> Iterator[None]:
     """Hold out_dir for this process's run, from before its start is decided to its end: a second start there is
-    refused (UserError naming the holder) before it reads or changes anything. The hold is an flock on run.lock,
-    which the OS lets go when the process ends, a SIGKILL too: no stale lock to clear. A file system that cannot
-    lock gets a warning and no hold. Folders it made are removed if still empty at the end."""
+    refused (UserError naming the holder) before it reads or changes anything. An flock on run.lock, let go when the
+    process ends (a SIGKILL too); a file system that cannot lock gets a warning. Folders it made go if left empty."""
     if not enabled:
         yield
         return
@@ -93,8 +92,7 @@ def _signals_deferred() -> Iterator[None]:
 
 
 def make_folders(folder: str) -> list[str]:
-    """Make `folder` and its missing parents; returns those made, the outermost first. A path that exists and is no
-    folder, or one that cannot be made, is a UserError."""
+    """Make `folder` and its missing parents; returns those made, outermost first; a UserError where it cannot."""
     missing, path = [], os.path.abspath(folder)
     while not os.path.isdir(path):
         if os.path.lexists(path):
@@ -214,8 +212,7 @@ def _holder(text: bytes) -> str:
 
 
 def read_run(out_dir: str) -> dict | None:
-    """out_dir's run.json (id, start time, torchrun's job), or None for a folder without one; a damaged one is a
-    UserError."""
+    """out_dir's run.json (id, start time, torchrun's job); None where there is none, a UserError where damaged."""
     path = os.path.join(out_dir, RUN_FILE)
     try:
         with open(path) as f:
@@ -298,8 +295,7 @@ def move_back(out_dir: str, dest: str, names: list[str], made: list[str]) -> Non
 
 
 def disk_usage(folder: str) -> int:
-    """The bytes the files under `folder` take, each file once (keep_last's hard links share ckpt.pt's), links not
-    followed."""
+    """The bytes under `folder`, each file once (keep_last's hard links share ckpt.pt's), links not followed."""
     seen, total = set(), 0
     for root, _, files in os.walk(folder):
         for name in files:
@@ -322,8 +318,7 @@ def begin_run(out_dir: str, job: str | None = None) -> str:
 
 
 def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None) -> str:
-    """The id of the run a resume continues (the checkpoint's); run.json rewritten where it differs, so this torchrun
-    job's restarts recognise the run as theirs."""
+    """The checkpoint's run id; run.json rewritten where it differs, so this torchrun job's restarts know the run."""
     run = read_run(out_dir) or {}
     want = {"run_id": saved_run_id or run.get("run_id") or uuid.uuid4().hex[:12],
             "started": run.get("started", time.time()), "torchrun_job": job}
@@ -333,8 +328,7 @@ def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None)
 
 
 def restore_run(out_dir: str, run: dict | None) -> None:
-    """Undo continue_run: run.json back to `run`, or removed where there was none. Best effort: the write that
-    failed is the error to report."""
+    """Undo continue_run: run.json back to `run` (None: removed); best effort, the failed write is the error to report."""
     path = os.path.join(out_dir, RUN_FILE)
     with contextlib.suppress(OSError, UserError):
         if run is None:

@@ -35,8 +35,7 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, 
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
-    """Before anything changes there: a resume's folder exists, and where the run writes stands nothing of another
-    kind (a link, a folder where a file goes: outdir.check_entries)."""
+    """Before anything changes: a resume's folder exists, and nothing of another kind stands where the run writes."""
     if cfg.init_from == "resume" and not os.path.isdir(cfg.out_dir):
         what = "it is a file, not a folder" if os.path.lexists(cfg.out_dir) else "the folder does not exist"
         raise UserError(f"no checkpoint to resume in out_dir={cfg.out_dir!r}: {what}; give the "
@@ -159,8 +158,7 @@ def load(plan: StartPlan, dist: Dist, log: Logger) -> Loaded:
 
 
 def log_header(log: Logger, plan: StartPlan, dist: Dist) -> float | None:
-    """The lines a run begins with: the settings given, why the start is what it is, the machine, what "auto" chose,
-    MFU's peak (returned) and the tokens of an iteration."""
+    """The lines a run begins with: settings, why this start, machine, what "auto" chose, MFU's peak (returned)."""
     cfg, m = plan.cfg, plan.machine
     log.print(config_summary(cfg))
     for note in plan.notes:
@@ -266,8 +264,7 @@ def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
 
 
 def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
-    """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary (padded to a multiple of
-    vocab_padding_multiple), the checkpoint's, or GPT-2's weights (cropped to block_size)."""
+    """The model for init_from: a fresh GPT for the dataset's vocabulary, the checkpoint's, or pretrained weights."""
     settings = model_settings(cfg, machine)
     if cfg.init_from == "scratch":
         if meta is None:
@@ -292,8 +289,7 @@ def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
 
 
 def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
-    """Pretrained weights for a new run: their shape and GELU must be the configured ones where the config sets them,
-    and their context is cropped to block_size."""
+    """Pretrained weights for a new run: shape and GELU as the config sets them, context cropped to block_size."""
     defaults = TrainConfig()
     wrong = [f"{k}={getattr(cfg, k)} (the weights have {getattr(model.config, k)})" for k in SHAPE_KEYS
              if getattr(cfg, k) not in (getattr(defaults, k), getattr(model.config, k))]
@@ -336,7 +332,7 @@ def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, s
         try:
             log.start(run_id, resumed.iter_num, plan.cfg.init_from, resumed.changes)
         except WriteError:
-            outdir.restore_run(out_dir, run)  # run.json as it was, or none where there was none
+            outdir.restore_run(out_dir, run)
             raise
         return run_id
     moved = outdir.move_previous_run(out_dir)
