@@ -328,7 +328,7 @@ def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None)
 
 
 def restore_run(out_dir: str, run: dict | None) -> None:
-    """Undo continue_run: run.json back to `run` (None: removed); best effort, the failed write is the error to report."""
+    """Undo continue_run: run.json back to `run` (None: removed); best effort, the failed write is what to report."""
     path = os.path.join(out_dir, RUN_FILE)
     with contextlib.suppress(OSError, UserError):
         if run is None:
