@@ -1,9 +1,7 @@
-"""
-The errors a user reads as one line, whichever layer finds them, and exit_on_user_error, which every command's main
-runs under to print them without a traceback: a UserError (a WriteError too) exits 2, a RunError 1, a Stopped 128 +
-its signal, and a Ctrl-C anywhere else prints `interrupted (Ctrl-C)` and exits 130. It imports nothing of the
-project's, so that every module can raise them.
-"""
+"""The errors a user reads as one line, whichever layer finds them, and exit_on_user_error, which every command's
+main runs under to print them without a traceback: a UserError (a WriteError too) exits 2, a RunError 1, a Stopped
+128 + its signal, and a Ctrl-C anywhere else prints `interrupted (Ctrl-C)` and exits 130. It imports nothing of the
+project's, so that every module can raise them."""
 from __future__ import annotations
 
 import signal

@@ -135,10 +135,9 @@ def _lock(out_dir: str) -> int | None:
         except BlockingIOError:
             holder = _holder(os.pread(fd, 4096, 0))
             os.close(fd)
-            raise UserError(
-                f"out_dir={out_dir!r} is in use by a live run ({holder}; it holds {path}): a second start there would "
-                f"move or overwrite its files. Wait for it to end (or stop it), or give another --out_dir"
-            ) from None
+            raise UserError(f"out_dir={out_dir!r} is in use by a live run ({holder}; it holds {path}): a second start "
+                            f"there would move or overwrite its files. Wait for it to end (or stop it), or give "
+                            f"another --out_dir") from None
         except UserError:
             os.close(fd)
             raise
