@@ -191,9 +191,8 @@ def check_train_state(ckpt: dict[str, Any], path: str) -> None:
         # inf before the first eval; nanoGPT's is a 0-dim tensor
         "best_val_loss": lambda v: number(v) or isinstance(v, torch.Tensor) and v.numel() == 1
         and not v.is_complex() and not torch.isnan(v).item(),
-        "model_args": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)
-        and all(type(v.get(k)) is int and v[k] >= 1 for k in ("n_layer", "n_head", "n_embd", "block_size",
-                                                                  "vocab_size")),
+        "model_args": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and all(
+            type(v.get(k)) is int and v[k] >= 1 for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")),
         "model": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                                        for k, t in v.items()),
         "config": lambda v: v is None or isinstance(v, dict) and all(isinstance(k, str) and _plain(x)

@@ -47,9 +47,8 @@ class CheckpointWriter:
         best_note = "" if improved or self.always_save else (
             f" (the best val loss's weights stay in {SHARDED_BEST if self.sharded else BEST})")
         if self.sharded and background and self.group is not None:
-            pending = checkpoint_sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state,
-                                                            self.dist, self.group, improved,
-                                                            keep_best=not self.always_save)
+            pending = checkpoint_sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist,
+                                                            self.group, improved, keep_best=not self.always_save)
             self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED}{best_note}"
             return lines + [f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in "
                             f"{time.time() - t0:.1f} s)"]

@@ -252,8 +252,8 @@ def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
         what, fix = ((f"the model (n_layer={cfg.n_layer}, n_embd={cfg.n_embd})", "give a smaller n_layer or n_embd")
-                     if cfg.init_from == "scratch" else (f"the model of init_from={cfg.init_from!r}",
-                                                          "run it on a machine with more memory"))
+                     if cfg.init_from == "scratch" else
+                     (f"the model of init_from={cfg.init_from!r}", "run it on a machine with more memory"))
         asked = re.search(r"allocate (\d+) bytes", str(e))
         why = (f"a tensor of {size_text(int(asked[1]))} could not be allocated" if asked else
                str(e).strip().split(". ")[0][:200])
