@@ -15,8 +15,8 @@ from nanogpt.errors import Interrupted, stop_behind
 class StopRequest:
     """SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) from a run's first moment to its end. Until arm() a signal
     stops the start at once (Interrupted, nothing saved); after, it asks the run to stop with a checkpoint after the
-    current micro-step, quickly: torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM. A second Ctrl-C exits
-    at once. The ranks agree on a stop before acting (joined()), so no rank waits forever in a collective."""
+    current micro-step, quickly: torchrun SIGKILLs its workers --shutdown-timeout (30 s) after forwarding a SIGTERM.
+    A second Ctrl-C exits at once. The ranks agree on a stop before acting, so none waits forever in a collective."""
 
     def __init__(self):
         self.dist, self.armed = Dist(), False
