@@ -1,20 +1,7 @@
-"""
-One checkpoint file, the format of a one-process or DDP run (ckpt.pt) and of nanoGPT's: writing it atomically,
-reading it without running code from it, and what it holds besides the tensors.
-
-A file holds the model's state dict, the optimizer's, and the train state (train_state: iteration, best val loss,
-model_args, the run's config and id, the dataset's tokenizer, the RNG). nanoGPT's ckpt.pt files are read too
-(model_args, model, optimizer, iter_num, best_val_loss; their compiled and DDP prefixes and pre-2.0 masks dropped).
-
-Its functions:
-  write        save_checkpoint (atomic: files.atomic_write), save_run_checkpoint (a run's ckpt.pt, its best and its
-               last K), keep_as, is_ours (the files a save may replace or remove),
-               train_state
-  read         load_checkpoint, checkpoint_model_config, model_from_checkpoint, load_model_state, clean_state_dict,
-               restore_rng
-The sharded format (FSDP's folders) is checkpoint_sharded.py's; a run's checkpoints in either format (saving in the run's,
-finding the newest, reading to resume or for inference) are checkpoints.py's.
-"""
+"""One checkpoint file (ckpt.pt), the format of a one-process or DDP run and of nanoGPT's: written atomically, read
+without running code from it (weights_only), each recorded field checked before it is used. It holds the model's and
+optimizer's state dicts and the train state (iteration, best val loss, model_args, the run's config and id, the
+tokenizer, the RNG). nanoGPT's files are read too, their compiled and DDP prefixes and pre-2.0 masks dropped."""
 from __future__ import annotations
 
 import contextlib
@@ -37,21 +24,14 @@ from nanogpt.text import first_sentence, plural, shown
 from nanogpt.outdir import BEST, CKPT, KEPT, SHARDED, SHARDED_BEST, kept_name
 from model import GPT, GPTConfig
 
-# the fix of a damaged checkpoint, one that every reader has (sample.py, export.py, hellaswag.py: --ckpt; train.py:
-# --init_from=PATH)
+# the fix of a damaged checkpoint, one that every reader has (--ckpt, --init_from=PATH)
 ANOTHER_CHECKPOINT = ("restore it from a backup, or read another checkpoint of the run (keep_last's ckpt_0000300.pt, "
                       "ckpt_best.pt)")
 
 
-# ----------------------------------------------------------------------------------------------- writing
-
-
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
-    """
-    Write atomically (files.atomic_write: a temporary file in the same folder, flushed and fsynced, then renamed over
-    `path`): a crash at any moment leaves either the old checkpoint or the new one, never a torn file. A failed write
-    (a full disk, no permission, a link in its place) is a WriteError, and the old checkpoint stays as it was.
-    """
+    """Write `state` to `path` atomically (files.atomic_write): a crash leaves the old checkpoint or the new one, never
+    a torn file; a failed write is a WriteError."""
     folder, name = os.path.split(os.path.abspath(path))
     if os.path.isdir(folder):
         for entry in os.listdir(folder):  # left by a process killed mid-write: only the names atomic_write writes
@@ -85,17 +65,11 @@ def keep_as(path: str, other: str) -> None:
 
 def save_run_checkpoint(state: dict, out_dir: str, improved: bool, best_file: str | None,
                         always_save_checkpoint: bool, keep_last: int = 0) -> str | None:
-    """
-    Save `state` to out_dir/ckpt.pt, the latest save, where a resume continues. Returns the file that now holds
-    the run's best weights (None: not kept), which the state records too (`best_file`).
-
-    With always_save_checkpoint=False, ckpt.pt is written at an eval only when the val loss improves, so it holds
-    the best weights. A stop between evals (SIGTERM, Ctrl-C) must save the latest state there too: the best one is
-    first kept as ckpt_best.pt (a hard link). An eval that improves again writes ckpt_best.pt first, then links
-    ckpt.pt to it and removes ckpt_best.pt, so at every moment of a crash the best weights have a name.
-    keep_last > 0 also keeps the newest checkpoints as ckpt_0000300.pt (the iteration in 7 digits). Only this run's
-    files (is_ours) are replaced or removed: a foreign one where the run must write is a WriteError.
-    """
+    """Save `state` to out_dir/ckpt.pt, where a resume continues; returns the file that now holds the run's best
+    weights (None: not kept), which the state records. With always_save_checkpoint=False ckpt.pt holds the best
+    weights, so a stop between evals first keeps them as ckpt_best.pt (a hard link); an eval that improves again
+    writes ckpt_best.pt, links ckpt.pt to it, then removes it: at every moment of a crash the best weights have a
+    name. keep_last > 0 also keeps the last K saves (ckpt_0000300.pt). Only this run's files are replaced or removed."""
     path, best_path = os.path.join(out_dir, CKPT), os.path.join(out_dir, BEST)
     run_id = state.get("run_id")
     if improved:
@@ -138,36 +112,21 @@ def _writable(path: str, run_id: str | None) -> str:
     return path
 
 
-# ----------------------------------------------------------------------------------------------- the train state
-
-
 def train_state(model: GPT, scaler, iter_num: int, best_val_loss: float, config: dict, dist: Dist, elapsed_s: float,
                 meta: dict | None, run_id: str | None = None) -> dict:
-    """A checkpoint's entries other than the model and optimizer tensors. `config` is the run's settings (its
-    TrainConfig as a dict); `meta` the dataset's tokenizer description (dataio), so the checkpoint names the tokenizer
-    it was trained with; `run_id` the run's (outdir.py), so that a checkpoint of another run is never taken for this
-    one's."""
-    return {
-        "run_id": run_id,
-        "scaler": scaler.state_dict(),
-        "iter_num": iter_num,
-        "best_val_loss": best_val_loss,
-        "model_args": asdict(model.config),
-        "config": config,
-        "world_size": dist.world_size,
-        "elapsed_s": elapsed_s,  # the run's wall time so far, so metrics.jsonl's time continues across resumes
-        "meta": dataio.tokenizer_meta(meta) if meta is not None else None,
-        "rng": {  # rank 0's: a one-process resume continues it exactly (DDP ranks reseed, see restore_rng)
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.startswith("cuda") else None,
-        },
-    }
+    """A checkpoint's entries besides the model and optimizer tensors: `config` the run's settings, `meta` the
+    dataset's tokenizer (so the checkpoint names it), `run_id` the run's (outdir.py)."""
+    return {"run_id": run_id, "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val_loss,
+            "model_args": asdict(model.config), "config": config, "world_size": dist.world_size,
+            "elapsed_s": elapsed_s,  # the run's wall time so far, so metrics.jsonl's time continues across resumes
+            "meta": dataio.tokenizer_meta(meta) if meta is not None else None,
+            "rng": {"torch": torch.get_rng_state(),  # rank 0's: a one-process resume continues it (restore_rng)
+                    "cuda": torch.cuda.get_rng_state(dist.device) if dist.device.startswith("cuda") else None}}
 
 
 def restore_rng(ckpt: dict, seed: int, dist: Dist, iter_num: int) -> None:
-    """The dropout RNG of a resumed run. One process resuming a one-process run continues the saved state, so the
-    resumed run is bitwise the uninterrupted one; DDP ranks (whose states differ and are not all saved) reseed
-    from (seed, rank, iteration), which keeps their dropout masks different from each other's."""
+    """The dropout RNG of a resume: a one-process run's saved state, so the resume is bitwise the uninterrupted run;
+    DDP ranks (whose states are not all saved) reseed from (seed, rank, iteration), their masks still distinct."""
     rng = ckpt.get("rng")
     if rng is None or dist.world_size > 1 or ckpt.get("world_size", 1) > 1:
         torch.manual_seed(seed + dist.rank + 1_000_003 * iter_num)
@@ -177,16 +136,12 @@ def restore_rng(ckpt: dict, seed: int, dist: Dist, iter_num: int) -> None:
         torch.cuda.set_rng_state(rng["cuda"].cpu(), dist.device)
 
 
-# ----------------------------------------------------------------------------------------------- reading a file
-
-
 # nanoGPT before PyTorch 2.0 saved each layer's causal mask as a buffer named attn.bias: a constant, not a weight
 _OLD_MASK_KEY = re.compile(r"transformer\.h\.\d+\.attn\.bias")
 
 
 def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
-    """Strip wrapper prefixes that old (nanoGPT) checkpoints of compiled or DDP models carry, and drop the causal
-    mask buffers of pre-2.0 nanoGPT checkpoints."""
+    """`sd` without the prefixes of compiled or DDP models and the mask buffers of pre-2.0 nanoGPT's checkpoints."""
     out = {}
     for k, v in sd.items():
         for prefix in ("_orig_mod.", "module."):
@@ -199,11 +154,9 @@ def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
 
 def load_checkpoint(path: str, map_location: str | torch.device = "cpu", mmap: bool = False,
                     tensors: bool = True) -> dict[str, Any]:
-    """Load a checkpoint file without running code from it (weights_only); a missing or damaged file, or one whose
-    recorded fields are not what a run writes (check_train_state), is a UserError. mmap=True maps the file instead of
-    reading it: tensors are read on first use (the optimizer state of a file read for its weights never is), and
-    processes that map the same file share its pages (DDP ranks on one node). tensors=False: a sharded folder's
-    train_state.pt, which holds no model."""
+    """Load a checkpoint file without running code from it (weights_only); a missing or damaged file is a UserError.
+    mmap=True maps it: tensors are read on first use (a file read for its weights never reads the optimizer's), and
+    the ranks of a node share its pages. tensors=False: a sharded folder's train_state.pt, which holds no model."""
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}: train first, or set --out_dir to the run's folder")
     if os.path.isdir(path):
@@ -229,8 +182,7 @@ BEST_FILES = (None, CKPT, BEST, SHARDED, SHARDED_BEST)
 
 
 def check_train_state(ckpt: dict[str, Any], path: str) -> None:
-    """What a checkpoint records besides its tensors, of the types and ranges a run writes (nanoGPT's too): a field
-    edited by hand or damaged is a UserError naming it, never a traceback where it is used."""
+    """A field a run records, edited by hand or damaged, is a UserError naming it, never a traceback where used."""
     def number(v, low=None) -> bool:
         return type(v) in (int, float) and not math.isnan(v) and (low is None or v >= low)
 
@@ -239,9 +191,8 @@ def check_train_state(ckpt: dict[str, Any], path: str) -> None:
         # inf before the first eval; nanoGPT's is a 0-dim tensor
         "best_val_loss": lambda v: number(v) or isinstance(v, torch.Tensor) and v.numel() == 1
         and not v.is_complex() and not torch.isnan(v).item(),
-        "model_args": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)
-        and all(type(v.get(k)) is int and v[k] >= 1 for k in ("n_layer", "n_head", "n_embd", "block_size",
-                                                                  "vocab_size")),
+        "model_args": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and all(
+            type(v.get(k)) is int and v[k] >= 1 for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")),
         "model": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                                        for k, t in v.items()),
         "config": lambda v: v is None or isinstance(v, dict) and all(isinstance(k, str) and _plain(x)
@@ -286,9 +237,8 @@ def _rng_state(state, like: torch.Tensor) -> bool:
 
 
 def check_model_shape(model_args: dict[str, Any], state: dict[str, torch.Tensor], path: str) -> None:
-    """model_args say the shape of the weights beside them (layers, width, context, vocabulary): a model_args edited
-    by hand that would build another model (one of 10**9 layers: hours of allocation, or out of memory) is a
-    UserError before any model is built. Keys of a compiled or DDP model's state (nanoGPT's) are read unprefixed."""
+    """model_args that do not match the weights beside them (edited to 10**9 layers: hours of allocation) are a
+    UserError before any model is built."""
     keys = clean_state_dict(state)
     wte, wpe = keys.get("transformer.wte.weight"), keys.get("transformer.wpe.weight")
     if wte is None or wpe is None or wte.dim() != 2 or wpe.dim() != 2:
@@ -307,16 +257,14 @@ def check_model_shape(model_args: dict[str, Any], state: dict[str, torch.Tensor]
 
 def _torch_optimizer_state(state) -> bool:
     """A torch optimizer's state_dict: its per-parameter state and its groups."""
-    return isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"),
-                                                                                            list)
+    return isinstance(state, dict) and isinstance(state.get("state"), dict) and \
+        isinstance(state.get("param_groups"), list)
 
 
 def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPTConfig:
-    """The GPTConfig of a checkpoint's model_args. Checkpoints from before the gelu setting have none: this repo's
-    used GPT-2's tanh form, nanoGPT's (which have no vocab_padding_multiple) the exact one, nn.GELU(). nanoGPT's
-    vocab_size is its number of rows, already final (65 for characters, 50304 for its padded GPT-2 runs): no padding
-    is added to it. Older checkpoints' fused_loss (how the training loss was computed, now no GPTConfig key) is
-    dropped."""
+    """The GPTConfig of a checkpoint's model_args. Those from before the gelu setting: this repo's used GPT-2's tanh
+    form, nanoGPT's (no vocab_padding_multiple) the exact one, and their vocab_size is final (no padding added).
+    fused_loss (how older runs computed the loss, no GPTConfig key now) is dropped."""
     args = dict(model_args)
     args.pop("fused_loss", None)
     if "gelu" not in args:
@@ -324,11 +272,9 @@ def checkpoint_model_config(model_args: dict[str, Any], **overrides: Any) -> GPT
     args.setdefault("vocab_padding_multiple", 1)
     try:
         return GPTConfig(**{**args, **overrides})
-    except ValueError as e:  # model.py's own check of its config: a setting given here, or the checkpoint's own
-        if _makes_a_model(args):
+    except (ValueError, TypeError) as e:  # model.py's check of an override or of model_args; an unknown key or type
+        if isinstance(e, ValueError) and _makes_a_model(args):
             raise UserError(str(e)) from None
-        raise UserError(f"a checkpoint's model_args do not make a model ({e}): restore it from a backup") from None
-    except TypeError as e:  # a key GPTConfig does not have, or a value of another type (a checkpoint edited by hand)
         raise UserError(f"a checkpoint's model_args do not make a model ({e}): restore it from a backup") from None
 
 
@@ -341,8 +287,7 @@ def _makes_a_model(model_args: dict[str, Any]) -> bool:
 
 
 def model_from_checkpoint(ckpt: dict[str, Any], **overrides: Any) -> GPT:
-    """Rebuild the model from the checkpoint alone (model_args + state). `overrides` may change settings that do
-    not touch the weights (dropout, attention, sdpa_backend)."""
+    """Rebuild the model from the checkpoint alone; `overrides`: settings that do not touch the weights (attention)."""
     model = GPT.uninitialized(checkpoint_model_config(ckpt["model_args"], **overrides))
     load_model_state(model, ckpt["model"], source="checkpoint")  # every weight, or a UserError
     return model
@@ -354,19 +299,12 @@ def load_model_state(model: nn.Module, state: dict[str, Any], source: str) -> No
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    wrong = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
-        for k in sorted(set(own) & set(state))
-        if tuple(state[k].shape) != tuple(own[k].shape)
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        if wrong:
-            parts.append(f"shapes differ ({source} vs model): {', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
-        if missing:
-            parts.append(f"missing keys: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-        if unexpected:
-            parts.append(f"unexpected keys: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
+             if tuple(state[k].shape) != tuple(own[k].shape)]
+    parts = [f"{what}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}" for what, keys in
+             ((f"shapes differ ({source} vs model)", wrong), ("missing keys", missing), ("unexpected keys", unexpected))
+             if keys]
+    if parts:
         raise UserError(f"{source} does not fit the model: {'; '.join(parts)}")
     model.load_state_dict(state)
 

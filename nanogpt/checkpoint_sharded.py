@@ -1,14 +1,8 @@
-"""
-FSDP's sharded checkpoints: a folder that torch.distributed.checkpoint (DCP) writes, each rank its shards, plus
+"""FSDP's sharded checkpoints: a folder that torch.distributed.checkpoint (DCP) writes, each rank its shards, plus
 train_state.pt (everything but the tensors), written last as the folder's completion mark; the link
 out_dir/ckpt_sharded names the latest complete folder (ckpt_sharded_best the best val loss's). Any number of ranks
 reads any folder, and one process gathers it whole (sample.py) or writes it as one ckpt.pt (convert_sharded.py).
-
-Its functions:
-  write        save_sharded, start_sharded_save (-> ShardedSave: written in the background, linked by finish())
-  read         is_sharded, read_train_state, check_sharded, load_sharded, load_sharded_as_full
-  convert      convert_to_single_file
-"""
+torch.distributed.checkpoint is imported where it is used: its import is slow, and most runs never need it."""
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +26,6 @@ from model import GPT
 
 STATE_FILE = "train_state.pt"  # in a sharded folder: everything but the tensors (iteration, config, RNG), written last
 METADATA_FILE = ".metadata"  # DCP's index of the tensors: which shard file holds each one's bytes, and where
-# torch.distributed.checkpoint is imported where it is used: its import is slow, and runs without sharded
-# checkpoints (and sample.py on a ckpt.pt) need not pay for it.
 
 
 def is_sharded(path: str) -> bool:
@@ -42,8 +34,7 @@ def is_sharded(path: str) -> bool:
 
 
 def read_train_state(folder: str) -> dict[str, Any]:
-    """The non-tensor part of a sharded checkpoint (iteration, config, model_args, RNG), as load_checkpoint's dict
-    without the model and optimizer (which DCP loads into the built model); "sharded" names the folder."""
+    """A sharded folder's load_checkpoint dict, without the tensors DCP loads into the model; "sharded" names it."""
     path = os.path.join(folder, STATE_FILE)
     if not os.path.exists(path):
         raise UserError(f"{folder} is not a complete sharded checkpoint (no {STATE_FILE}): resume from another one "
@@ -68,12 +59,8 @@ def _damaged(folder: str, what: str) -> UserError:
 
 
 def check_sharded(folder: str) -> None:
-    """
-    What DCP reads of a sharded folder, checked before it reads: its .metadata (the index of every tensor's bytes)
-    loads, and each shard file it names is there and holds the bytes indexed in it. A missing or cut-short file
-    (a copy interrupted, a file removed) is a UserError naming it; every rank checks the same folder before any
-    collective, so a torchrun job's ranks all stop, none waits for the others.
-    """
+    """Before DCP reads a folder: its .metadata loads, and each shard file it indexes is there, whole. A missing or
+    cut-short file is a UserError naming it, on every rank before any collective, so no rank waits for the others."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if not os.path.isfile(os.path.join(folder, METADATA_FILE)):
@@ -102,9 +89,8 @@ _READ_ERRORS = (OSError, EOFError, pickle.UnpicklingError)  # a shard's bytes th
 
 
 def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load a DCP folder into a model (sharded with FSDP or whole) and, if given, its optimizer: DCP reads each
-    rank's part of every tensor, whatever the number of ranks that wrote it. A damaged folder is a UserError
-    (check_sharded; a shard whose bytes do not read, which DCP reports on every rank)."""
+    """Load a DCP folder into a model (FSDP-sharded or whole) and, if given, its optimizer, whatever the number of
+    ranks that wrote it; a damaged folder is a UserError on every rank."""
     import torch.distributed as torch_dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -123,10 +109,8 @@ def load_sharded(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
         exc = errors[0]  # torch.load's text for bytes that are not its own (weights_only's advice) would mislead
         why = _first_line(exc) if isinstance(exc, OSError) else type(exc).__name__
         raise _damaged(folder, f"a shard file does not read as DCP wrote it ({why})") from None
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state.get("optimizer", {}))
 
 
 def _errors_of(e: BaseException) -> list[BaseException]:
@@ -142,17 +126,14 @@ def _fault_point(stage: str) -> None:
 
 @contextlib.contextmanager
 def _write_errors(path: str):
-    """A sharded save that fails (a full disk, a read-only folder: DCP raises its own errors from the OSError) is a
-    WriteError naming the folder; the link still names the last complete save."""
+    """A sharded save that fails on an OSError (behind DCP's own errors, gathered from every rank) is a WriteError
+    naming the folder; the link still names the last complete save."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
         yield
     except (Exception, CheckpointException) as e:
-        # DCP gathers each rank's error into a CheckpointException (torch's writer on a full disk: RuntimeError('unexpected
-        # pos ...') raised over the OSError)
-        errors = _errors_of(e)
-        failed = next((exc for exc in errors if files.caused_by_os_error(exc)), None)
+        failed = next((exc for exc in _errors_of(e) if files.caused_by_os_error(exc)), None)
         if failed is None:
             raise
         shutil.rmtree(path, ignore_errors=True)  # this save's part-written folder: no link names it, and it holds space
@@ -167,11 +148,8 @@ def _target(out_dir: str, name: str) -> str | None:
 
 
 class ShardedSave:
-    """
-    A sharded save begun by start_sharded_save: DCP writes the shards in a background thread while training goes
-    on, and `finish` (once they are written) makes rank 0 write train_state.pt and move the links. Until then the
-    links name the previous save, so a kill in between loses this save only; its folder is removed by the next one.
-    """
+    """A save begun by start_sharded_save: DCP writes the shards in a background thread, then `finish` makes rank 0
+    write train_state.pt and move the links; until then they name the previous save, which a kill leaves whole."""
 
     def __init__(self, future, link: Callable[[], None], started: float, folder: str):
         self._future, self._link, self.started, self.folder = future, link, started, folder
@@ -188,15 +166,11 @@ class ShardedSave:
 
 def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
                  improved: bool = False, keep_best: bool = False) -> str:
-    """
-    Every rank writes its shards with DCP into a new folder out_dir/ckpt_sharded_<iter>_<n>; rank 0 then writes
-    train_state.pt (the folder's completion mark) and points the link out_dir/ckpt_sharded at it with one rename,
-    and only then removes the folders no link points at. keep_best (always_save_checkpoint=False): the link
-    ckpt_sharded_best points at the best val loss's folder, moved before ckpt_sharded when this save `improved`,
-    so at every moment of a kill both links name complete folders. Only the names this function writes are ever
-    removed. An optimizer with no state yet (a stop before the first step) is not saved: DCP would fill it with a
-    zero-gradient step (step=1), and a resume would then differ from the uninterrupted run. Returns the new folder.
-    """
+    """Every rank writes its shards with DCP into a new folder ckpt_sharded_<iter>_<n>; rank 0 then writes
+    train_state.pt (the completion mark), points ckpt_sharded at it with one rename, and removes the folders no link
+    names. keep_best: ckpt_sharded_best names the best val loss's folder, moved first when this save `improved`, so at
+    every moment both links name complete folders. An optimizer with no state yet is not saved: DCP would fill it with
+    a zero-gradient step (step=1), and a resume would differ from the uninterrupted run. Returns the new folder."""
     import torch.distributed as torch_dist
     import torch.distributed.checkpoint as dcp
 
@@ -211,12 +185,9 @@ def save_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
                        process_group, improved: bool = False, keep_best: bool = False) -> ShardedSave:
-    """
-    save_sharded without waiting for the writes: DCP copies this rank's shards to CPU memory (the weights of this
-    step: training may change the originals as soon as this returns), then writes them in a background thread,
-    coordinating the ranks over `process_group`, a group of its own (the training's collectives keep their order
-    on the default one). Call finish() before the next save and before the process ends.
-    """
+    """save_sharded without waiting for the writes: DCP copies this rank's shards to CPU memory, then writes them in a
+    background thread over `process_group`, a group of its own (the training's collectives keep their order on the
+    default one). Call finish() before the next save and before the process ends."""
     import torch.distributed.checkpoint as dcp
 
     started = time.time()
@@ -227,8 +198,7 @@ def start_sharded_save(out_dir: str, model: nn.Module, optimizer: torch.optim.Op
 
 def _begin_sharded(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, dist: Dist,
                    improved: bool, keep_best: bool) -> tuple[str, dict[str, Any], Callable[[], None]]:
-    """A new folder's name (agreed by the ranks), the state dicts DCP writes into it, and what rank 0 does once
-    every shard is written (nothing on the other ranks)."""
+    """A new folder's name (agreed by the ranks), the state dicts DCP writes, and rank 0's work once all are written."""
     import torch.distributed as torch_dist
 
     name = [None]
@@ -272,19 +242,8 @@ def _complete_sharded(out_dir: str, name: str, state: dict, improved: bool, keep
     outdir.remove_saves(out_dir, [e for e in os.listdir(out_dir) if SHARDED_FOLDER.fullmatch(e) and e not in kept])
 
 
-def _check_convert_target(path: str, run_id: str | None) -> None:
-    """The file a conversion writes: new, or a checkpoint of the same run (a conversion again); never another run's
-    checkpoint or a file of another kind, which it would replace."""
-    if (why := files.target_problem(path)) is not None:
-        raise UserError(f"cannot write {path}: {why}")
-    if os.path.isfile(path) and not is_ours(path, run_id):
-        raise UserError(f"{path} exists and is not a checkpoint of this run ({run_id}): it is not written over; give "
-                        f"another file name (python convert_sharded.py FOLDER OUT_FILE), or move it away first")
-
-
 def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> tuple[GPT, dict[str, Any]]:
-    """The whole model of a sharded checkpoint in one process (sample.py, conversion), and its train state.
-    `overrides` as in model_from_checkpoint."""
+    """The whole model of a sharded checkpoint in one process, and its train state (`overrides`: the model's)."""
     state = read_train_state(folder)
     model = GPT.uninitialized(checkpoint_model_config(state["model_args"], **overrides))
     load_sharded(folder, model, None)  # every weight, or an error
@@ -292,14 +251,18 @@ def load_sharded_as_full(folder: str, device: str = "cpu", **overrides: Any) -> 
 
 
 def convert_to_single_file(folder: str, path: str | None = None) -> str:
-    """Write a sharded checkpoint as one ckpt.pt (default: beside the folder) in the format train.py writes
-    without FSDP: the model, the optimizer state (torch's format), and the train state. Returns the file."""
+    """Write a sharded checkpoint as one ckpt.pt (default: beside the folder), as a run without FSDP writes it."""
     if not os.path.exists(folder):
         raise UserError(f"{folder} does not exist: give an FSDP run's out_dir/{SHARDED}")
     if not is_sharded(folder):
         raise UserError(f"{folder} is not a sharded checkpoint folder (no {STATE_FILE}): give out_dir/{SHARDED}")
     path = path or os.path.join(os.path.dirname(os.path.abspath(folder)), CKPT)
-    _check_convert_target(path, read_train_state(folder).get("run_id"))
+    run_id = read_train_state(folder).get("run_id")
+    if (why := files.target_problem(path)) is not None:
+        raise UserError(f"cannot write {path}: {why}")
+    if os.path.isfile(path) and not is_ours(path, run_id):  # only a conversion of the same run is replaced
+        raise UserError(f"{path} exists and is not a checkpoint of this run ({run_id}): it is not written over; give "
+                        f"another file name (python convert_sharded.py FOLDER OUT_FILE), or move it away first")
     model, state = load_sharded_as_full(folder)
     cfg = state["config"]
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),

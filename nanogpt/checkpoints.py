@@ -1,26 +1,7 @@
-"""
-A run's checkpoints, in either format: saving in the run's (CheckpointWriter: ckpt.pt, or FSDP's sharded folder, in the
-background too), finding the newest of a run folder, and reading one to resume or for inference. train.py,
-sample.py, export.py and hellaswag.py find and read checkpoints through this module.
-
-A run's folder (out_dir) holds:
-  ckpt.pt              the latest save of a one-process or DDP run: model, optimizer and train state (checkpoint_file.py)
-  ckpt_best.pt         always_save_checkpoint=False: the best val loss's weights, once a stop saved later ones
-  ckpt_0000300.pt      keep_last=K: the last K saves, named by iteration in 7 digits (hard links to ckpt.pt)
-  ckpt_sharded         an FSDP run's latest save: a link to a folder ckpt_sharded_<iter>_<n> (checkpoint_sharded.py)
-  ckpt_sharded_best    always_save_checkpoint=False under FSDP: a link to the best val loss's folder
-A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records (not by its format): any run
-resumes from either, with any number of ranks. Everything that reads weights (sample.py, export.py, hellaswag.py,
-init_from=PATH) takes a file or a sharded folder alike, maps a file instead of reading it, and never touches the
-optimizer state.
-
-Its functions:
-  save         CheckpointWriter
-  find         find_checkpoint (-> FoundCheckpoint: .read() is what a resume continues from), checkpoint_path
-  resume       load_training_state (model, optimizer)
-  weights      load_for_inference (sample.py, hellaswag.py), read_weights, weights_tokenizer
-What a resume takes of the run's settings is start.py's; a checkpoint's tokenizer is dataio.py's.
-"""
+"""A run's checkpoints in either format (ckpt.pt, or FSDP's sharded folder): saving, finding the newest, and reading
+one to resume or for inference. A resume reads the newest of ckpt.pt and ckpt_sharded by the iteration each records,
+not by format, with any number of ranks. What reads weights takes a file or a sharded folder alike, maps a file
+instead of reading it, and never touches the optimizer state."""
 from __future__ import annotations
 
 import json
@@ -47,16 +28,9 @@ from nanogpt.outdir import BEST, CKPT, SHARDED, SHARDED_BEST
 from nanogpt.text import first_sentence
 
 
-# ----------------------------------------------------------------------------------------------- saving
-
-
 class CheckpointWriter:
-    """
-    A training run's saves in its format, the one place that chooses between them: ckpt.pt (rank 0 writes model,
-    optimizer and train state; save_run_checkpoint) or, under FSDP, ckpt_sharded (every rank its shards;
-    save_sharded), written in the background when `background` (start_sharded_save; one save in flight at a time).
-    save() and finish() return the line to print.
-    """
+    """A run's saves, the one place that chooses their format: ckpt.pt (rank 0 writes it) or, under FSDP, ckpt_sharded
+    (every rank its shards), in the background when asked (one save in flight at a time)."""
 
     def __init__(self, out_dir: str, dist: Dist, fsdp: bool, always_save_checkpoint: bool, keep_last: int,
                  best_file: str | None, background_group=None):
@@ -66,34 +40,33 @@ class CheckpointWriter:
         self.in_flight: tuple[checkpoint_sharded.ShardedSave, str] | None = None
 
     def save(self, model: nn.Module, optimizer, state: dict, improved: bool, background: bool = False) -> list[str]:
-        """Save the model, the optimizer (optim.Optimizers) and the train state `state`, once a save still written
-        in the background is linked (one in flight at a time). Returns the lines to print."""
+        """Save the model, the optimizer (optim.Optimizers) and the train state `state`, once a save still in flight
+        is linked. Returns the lines to print."""
         lines = [line] if (line := self.finish()) is not None else []
         t0 = time.time()
         best_note = "" if improved or self.always_save else (
             f" (the best val loss's weights stay in {SHARDED_BEST if self.sharded else BEST})")
         if self.sharded and background and self.group is not None:
-            pending = checkpoint_sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist, self.group,
-                                         improved, keep_best=not self.always_save)
+            pending = checkpoint_sharded.start_sharded_save(self.out_dir, model, optimizer.as_torch(), state, self.dist,
+                                                            self.group, improved, keep_best=not self.always_save)
             self.in_flight = pending, f"iter {state['iter_num']} to {self.out_dir}/{SHARDED}{best_note}"
             return lines + [f"saving sharded checkpoint at iter {state['iter_num']} in the background (staged in "
                             f"{time.time() - t0:.1f} s)"]
         if self.sharded:
             checkpoint_sharded.save_sharded(self.out_dir, model, optimizer.as_torch(), state, self.dist, improved,
-                         keep_best=not self.always_save)
+                                            keep_best=not self.always_save)
             return lines + [f"saved sharded checkpoint at iter {state['iter_num']} to {self.out_dir}/{SHARDED} "
                             f"in {time.time() - t0:.1f} s{best_note}"]
         if not self.dist.master:
             return lines
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}
-        self.best_file = checkpoint_file.save_run_checkpoint(state, self.out_dir, improved, self.best_file, self.always_save,
-                                             self.keep_last)
+        self.best_file = checkpoint_file.save_run_checkpoint(state, self.out_dir, improved, self.best_file,
+                                                             self.always_save, self.keep_last)
         return lines + [f"saved checkpoint at iter {state['iter_num']} to {self.out_dir} in {time.time() - t0:.1f} s"
                         + (best_note if self.best_file == BEST else "")]
 
     def finish(self, if_done: bool = False) -> str | None:
-        """Link the save written in the background once its shards are on disk (if_done: only if they already
-        are, a check between steps; else wait for them)."""
+        """Link the save written in the background once its shards are written (if_done: only if they already are)."""
         if self.in_flight is None or (if_done and not self.in_flight[0].done()):
             return None
         (pending, where), self.in_flight = self.in_flight, None
@@ -101,12 +74,8 @@ class CheckpointWriter:
         return f"saved sharded checkpoint at {where}, written in {time.time() - pending.started:.1f} s beside training"
 
 
-# ----------------------------------------------------------------------------------------------- finding
-
-
 def _read_state(path: str) -> dict[str, Any]:
-    """A checkpoint file's or sharded folder's contents without reading any tensor: a file is mapped (its tensors
-    are read on first use), a folder gives its train state."""
+    """A checkpoint's contents without reading any tensor: a file mapped, or a sharded folder's train state."""
     return read_train_state(path) if is_sharded(path) else load_checkpoint(path, mmap=True)
 
 
@@ -122,9 +91,7 @@ class FoundCheckpoint:
         return os.path.basename(self.path)
 
     def read(self) -> dict[str, Any]:
-        """What a resume continues from: ckpt.pt's contents (mapped: the ranks of a node share one copy of its
-        pages), or a sharded folder's train state (its tensors are loaded by load_training_state once the model is
-        built and sharded)."""
+        """What a resume continues from: ckpt.pt's contents (mapped), or a sharded folder's train state."""
         return self.state or _read_state(self.path)
 
     def describe(self, verb: str) -> str:
@@ -142,12 +109,9 @@ def _listing(out_dir: str) -> str:
 
 
 def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool = False) -> FoundCheckpoint:
-    """
-    The checkpoint of a run: out_dir/name if given, else the newest of the latest saves (ckpt.pt, ckpt_sharded) by
-    the iteration each records. At the same iteration (a sharded folder converted to ckpt.pt, say) both hold the
-    same weights: the sharded folder for an FSDP run (prefer_sharded), else the file, and the note says so. No
-    checkpoint is a UserError naming what out_dir holds.
-    """
+    """The checkpoint of a run: out_dir/name if given, else the newest of ckpt.pt and ckpt_sharded by the iteration
+    each records; at the same iteration the sharded folder for an FSDP run (prefer_sharded), else the file. Another
+    run's checkpoint is never chosen; none is a UserError naming what out_dir holds."""
     if name is not None:
         path = os.path.join(out_dir, name)
         if not os.path.exists(path):
@@ -173,9 +137,10 @@ def find_checkpoint(out_dir: str, name: str | None = None, prefer_sharded: bool 
     if not found and foreign:
         raise UserError(
             f"{' and '.join(f.path for f in foreign)} {'is a checkpoint' if len(foreign) == 1 else 'are checkpoints'} "
-            f"of another run (id {foreign[0].state.get('run_id')}) than the one {os.path.join(out_dir, outdir.RUN_FILE)} "
-            f"names ({run_id}), and a resume continues only its own run: move it out of {out_dir} (to resume it, into "
-            f"a folder of its own), or start a new run from its weights with --init_from=PATH")
+            f"of another run (id {foreign[0].state.get('run_id')}) than the one "
+            f"{os.path.join(out_dir, outdir.RUN_FILE)} names ({run_id}), and a resume continues only its own run: move "
+            f"it out of {out_dir} (to resume it, into a folder of its own), or start a new run from its weights with "
+            f"--init_from=PATH")
     if not found:
         raise UserError(f"no checkpoint in {out_dir} (neither {CKPT} nor {SHARDED}; {_listing(out_dir)}): "
                         f"train first, or set --out_dir to the run's folder")
@@ -199,16 +164,10 @@ def _found(path: str) -> FoundCheckpoint:
     return FoundCheckpoint(path, int(state.get("iter_num", 0)), "", state)
 
 
-# ----------------------------------------------------------------------------------------------- reading weights
-
-
 def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """
-    The weights of a checkpoint file or sharded folder, for inference and export: {"model": state dict,
-    "model_args", "config", "iter_num", "meta"}. A file is mapped, not read, and its optimizer state is never
-    touched (a 45M model's ckpt.pt: 615 instead of 1,031 MB max RSS); a sharded folder is gathered into this one
-    process on the CPU. `state`: _read_state(path), when the caller has it already.
-    """
+    """The weights of a checkpoint file or sharded folder: {"model", "model_args", "config", "iter_num", "meta"}. A file
+    is mapped and its optimizer state never read (a 45M model: 615 instead of 1,031 MB max RSS); a folder is gathered
+    into this process on the CPU. `state`: _read_state(path), where the caller has it."""
     if is_sharded(path):
         model, state = load_sharded_as_full(path)
         weights = model.state_dict()
@@ -220,8 +179,7 @@ def read_weights(path: str, state: dict[str, Any] | None = None) -> dict[str, An
 
 
 def checkpoint_path(path: str) -> str | None:
-    """The checkpoint that `path` names: a checkpoint file, a sharded folder, or a run's folder (its newest
-    checkpoint); None for anything else (a GPT-2 name, a HF folder)."""
+    """The checkpoint `path` names (a file, a sharded folder, a run folder's newest); None for GPT-2 or a HF folder."""
     if os.path.isfile(path) or is_sharded(path):
         return path
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")) and any(
@@ -248,24 +206,20 @@ def weights_tokenizer(init_from: str, ckpt: dict | None = None) -> tuple[int, di
         return vocab, GPT2_META if bpe else None
     if os.path.isdir(init_from):
         files = sorted(n for n in os.listdir(init_from) if n.startswith("ckpt") and n.endswith(".pt"))
-        hint = f": give one of its checkpoint files, e.g. --init_from={os.path.join(init_from, files[0])}" if files else ""
+        hint = (f": give one of its checkpoint files, e.g. --init_from={os.path.join(init_from, files[0])}"
+                if files else "")
         raise UserError(f"init_from={init_from!r} is a folder without a run's checkpoint (ckpt.pt, ckpt_sharded) or a "
                         f"HF GPT-2 model (config.json){hint}")
     return GPT2_META["vocab_size"], GPT2_META  # gpt2, gpt2-medium, ... (the settings' check refused anything else)
 
 
 def load_for_inference(init_from: str, out_dir: str, name: str | None, device: str, dtype: str,
-                       overrides: dict[str, Any], compile: bool = False,
-                       log: Callable[[str], None] = print,
+                       overrides: dict[str, Any], compile: bool = False, log: Callable[[str], None] = print,
                        attention_for: Callable[[GPTConfig], str] | None = None) -> tuple[GPT, tokenizers.Tokenizer]:
-    """
-    The model to sample or score with (sample.py, hellaswag.py), in eval mode on `device`, and the tokenizer it was
-    trained with. init_from: "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded
-    folder or run folder, GPT-2's name or a HF folder (its tokenizer: weights_tokenizer's). `overrides`: attention,
-    sdpa_backend. `attention_for`: the attention for the model's config, where it depends on the model's shape
-    (sample.py's attention=auto). The attention kernel is checked for `dtype` here, so a refusal is one line before
-    any generation.
-    """
+    """The model to sample or score with, in eval mode on `device`, and the tokenizer it was trained with. init_from:
+    "resume" (out_dir's checkpoint `name`, None: the newest), a checkpoint file, sharded or run folder, GPT-2's name
+    or a HF folder. `attention_for`: the attention for the model's config (sample.py's attention=auto). The attention
+    kernel is checked for `dtype` here, so a refusal is one line before any generation."""
     found = find_checkpoint(out_dir, name) if init_from == "resume" else None
     path = found.path if found is not None else checkpoint_path(init_from)
     if path is not None:
@@ -290,12 +244,10 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
     # sampling never draws the ids past the tokenizer's
     padded_bpe = isinstance(tokenizer, tokenizers.GPT2Tokenizer) and model.config.vocab_size > tokenizer.vocab_size
     if tokenizer.vocab_size != model.config.vocab_size and not padded_bpe:
-        raise UserError(
-            f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "
-            f"{model.config.vocab_size}: " + ("the model was trained on other data: put that data's meta.json in the "
-                                              "folder its run config names" if path else "export its run again, or "
-                                              "give the run's checkpoint: --init_from=OUT_DIR")
-        )
+        fix = ("the model was trained on other data: put that data's meta.json in the folder its run config names"
+               if path else "export its run again, or give the run's checkpoint: --init_from=OUT_DIR")
+        raise UserError(f"{source} ({tokenizer.vocab_size} tokens, logged above) does not fit the model's vocab_size "
+                        f"{model.config.vocab_size}: {fix}")
     if attention_for is not None:
         model.set_attention(attention_for(model.config))
     model.eval().to(device)
@@ -304,17 +256,10 @@ def load_for_inference(init_from: str, out_dir: str, name: str | None, device: s
     return model, tokenizer
 
 
-# ----------------------------------------------------------------------------------------------- resuming
-
-
 def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
-    """
-    The optimizer state of a resume, whichever the checkpoint's format and the model's sharding; for a sharded
-    checkpoint the weights too (ckpt.pt's are loaded before sharding). `optimizer` is optim.Optimizers, built
-    from this run's config: its settings (weight decay, betas, Muon's momentum and weight decay...) are applied
-    over the checkpoint's, whose state (moments, step counts) is restored. An optimizer state saved before the
-    first step is empty, and the fresh optimizer is already exactly it.
-    """
+    """The optimizer state of a resume, whatever the checkpoint's format and the model's sharding (a sharded
+    checkpoint's weights too). This run's optimizer settings (weight decay, betas, ...) apply over the checkpoint's;
+    its moments and step counts are restored. A state saved before the first step is empty: a fresh optimizer is it."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     torch_optimizer = optimizer.as_torch()
     if "sharded" in ckpt:
@@ -329,15 +274,15 @@ def load_training_state(model: nn.Module, optimizer, ckpt: dict) -> None:
             _check_state_shapes(optimizer)
         except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:  # its groups or tensors differ
             raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer ({type(e).__name__}: "
-                            f"{first_sentence(e)}): restore the checkpoint from a backup, or start from its weights with "
-                            f"--init_from=PATH") from None
+                            f"{first_sentence(e)}): restore the checkpoint from a backup, or start from its weights "
+                            f"with --init_from=PATH") from None
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
 
 
 def _check_state_shapes(optimizer) -> None:
-    """A ValueError where a loaded moment (exp_avg, exp_avg_sq, Muon's momentum_buffer) is not its parameter's shape:
-    torch's load_state_dict takes any tensor, and the fused AdamW kernel would read past a short one."""
+    """A ValueError where a loaded moment is not its parameter's shape: torch's load_state_dict takes any tensor, and
+    the fused AdamW kernel would read past a short one."""
     for opt in optimizer.optimizers.values():
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
@@ -348,8 +293,7 @@ def _check_state_shapes(optimizer) -> None:
 
 
 def _optimizer_stepped(optim_sd: dict) -> bool:
-    """Whether a saved optimizer state (torch's format, or Optimizers' {name: state} for Muon + AdamW) holds any
-    step's state."""
+    """Whether a saved optimizer state (torch's, or Optimizers' {name: state}) holds any step's state."""
     if "state" in optim_sd:
         return bool(optim_sd["state"])
     return any(_optimizer_stepped(sd) for sd in optim_sd.values())
@@ -362,8 +306,6 @@ def _load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    by_name = {
-        "state": {order[i]: s for i, s in optim_sd["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]],
-    }
+    by_name = {"state": {order[i]: s for i, s in optim_sd["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -1,8 +1,5 @@
-"""
-Running on several processes, in one place: joining and leaving the process group (torchrun's DDP and FSDP ranks,
-or one process), DDP's wrapper settings, and
-the check that every rank sees out_dir.
-"""
+"""Running on several processes: joining and leaving the process group (torchrun's DDP and FSDP ranks, or one
+process), DDP's wrapper settings, and the checks that every rank has rank 0's settings and sees its out_dir."""
 from __future__ import annotations
 
 import contextlib
@@ -45,11 +42,8 @@ class Dist:
 
 
 def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = False) -> Dist:
-    """
-    Under torchrun (RANK in the environment) join the process group: nccl on CUDA (one GPU per local rank),
-    gloo on the CPU. Otherwise a single process on `device`, which with group_of_one is a process group of one
-    rank (FSDP needs a group even on one process).
-    """
+    """Under torchrun (RANK in the environment) join the process group: nccl on CUDA (one GPU per local rank), gloo on
+    the CPU. Otherwise one process, in a group of one with group_of_one (FSDP needs a group)."""
     device = resolve_device(device)
     if "RANK" not in os.environ and not group_of_one:
         return Dist(device=device)
@@ -58,10 +52,7 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
     # freed, and gloo's threads would outlive it (see cleanup_distributed). Imported now, they bind None.
     from torch.distributed import fsdp, nn as distributed_nn  # noqa: F401
 
-    if "RANK" not in os.environ:
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    else:
-        env = os.environ
+    env = os.environ if "RANK" in os.environ else {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     rank, local_rank, world_size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device_type = device.split(":")[0]
     if backend == "auto":
@@ -72,10 +63,8 @@ def setup_distributed(device: str, backend: str = "auto", group_of_one: bool = F
         raise UserError(f"backend='nccl' needs CUDA but device={device!r}: use --backend=gloo (or auto)")
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                f"use torchrun --nproc_per_node={torch.cuda.device_count()} or fewer"
-            )
+            raise UserError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                            f"use torchrun --nproc_per_node={torch.cuda.device_count()} or fewer")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -98,13 +87,9 @@ JOB_KEY = "nanogpt/job"  # in torchrun's store: torchrun_job's id
 
 
 def torchrun_job() -> str | None:
-    """
-    An id of this torchrun job: the same in every worker of every attempt (restart) of the job, and in no other job.
-    The first worker to ask writes a new one into the store of torchrun's agent, which the job's attempts share and
-    which lives as long as the job. (torchrun's own TORCHELASTIC_RUN_ID is no such id: --rdzv-id defaults to "none"
-    for every job with a static rendezvous.) None outside torchrun, or where the workers do not share the agent's
-    store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a restart then follows init_from.
-    """
+    """An id of this torchrun job, the same in every worker of every restart and in no other job: the first worker
+    writes it into the agent's store, which lives as long as the job (TORCHELASTIC_RUN_ID is "none" for every static
+    rendezvous). None outside torchrun, or where workers do not share the agent's store: restarts follow init_from."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
@@ -112,34 +97,24 @@ def torchrun_job() -> str | None:
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: importing it and FSDP
-    made every sample.py start noticeably slower, for nothing on a ckpt.pt. train.py and bench.py
-    import them anyway (a torch.optim optimizer imports torch._dynamo, which imports FSDP). No DTensor exists until
-    FSDP (or the DCP reader) has imported that module."""
+    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor, which made every sample.py
+    start slower: no DTensor exists before something imported it."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
 
 def checkpoint_group(d: Dist) -> torch_dist.ProcessGroup | None:
-    """A gloo group of every rank for saves written in the background (DCP's async_save): their collectives run in
-    another thread, and on the training's group they would interleave with its own in an order that differs
-    between ranks (a hang). gloo, since DCP's coordination exchanges Python objects. None without a group."""
+    """A gloo group for saves written in the background: their collectives, in another thread, would interleave with
+    the training's in an order that differs between ranks (a hang). None without a group."""
     return torch_dist.new_group(backend="gloo") if d.enabled else None
 
 
 def cleanup_distributed(d: Dist, barrier: bool = False) -> None:
-    """
-    The end of a process group, in one order on every path: the last save is done (the caller's), then with
-    `barrier` every rank waits for the others, so none exits while another still writes; then the group is
-    destroyed, once. `barrier` only where every rank is known to get here (a finished run, or a stop that all ranks
-    agreed on): after an error the others may never come, and torchrun stops them when this rank exits.
-
-    Destroying must free the group, since only its destructor stops gloo's worker threads. A worker left running
-    into interpreter exit frees the work of the last collective there, which takes the GIL: Python then ends that
-    thread inside a C++ destructor and the process aborts ("terminate called without an active exception"). So
-    whatever holds the group (a DDP wrapper, an FSDP model, another group's owner) is released before this call;
-    the collection here frees those that only reference cycles kept (FSDP's).
-    """
+    """The end of a process group: with `barrier` (only where every rank is known to get here) every rank waits for
+    the others, so none exits while another still writes; then the group is destroyed and freed, since only its
+    destructor stops gloo's worker threads, and one left running into interpreter exit aborts the process ("terminate
+    called without an active exception"). Whatever holds the group (a DDP wrapper, an FSDP model) is released before
+    this call; the collection here frees what only reference cycles kept."""
     if not d.enabled or not torch_dist.is_initialized():
         return
     if barrier:
@@ -150,10 +125,9 @@ def cleanup_distributed(d: Dist, barrier: bool = False) -> None:
 
 
 def run_in_group(dist: Dist, work: Callable[[], T]) -> T:
-    """work(), then the end of the process group in the order cleanup_distributed says: after the work's end, or a
-    stop that every rank agreed on (Stopped), every rank waits for the others (barrier); after any other error, none
-    waits (the others may never get there). What holds the group (a DDP wrapper, a sharded model) must be work()'s
-    locals, gone when it returns; a stop's exception is raised anew, since the one caught holds work()'s frames."""
+    """work(), then the end of the process group: after its end or a stop all ranks agreed on (Stopped) with a
+    barrier, after any other error without. What holds the group must be work()'s locals, gone when it returns; a
+    stop's exception is raised anew, since the one caught holds work()'s frames."""
     stopped = None
     try:
         result = work()
@@ -172,9 +146,8 @@ def run_in_group(dist: Dist, work: Callable[[], T]) -> T:
 
 
 def _forget_device_mesh_groups() -> None:
-    """FSDP's DeviceMesh holds its process groups (DeviceMesh._pg_registry), and torch's DTensor caches keep the
-    mesh alive past the run (torch 2.13, with no public way to release it): the meshes let go of their groups here,
-    at the end, after which no mesh can be used anyway."""
+    """FSDP's DeviceMesh holds its process groups, and torch's DTensor caches keep the mesh alive past the run (torch
+    2.13, no public way to release it): at the end, when no mesh is used any more, the meshes let go of them."""
     device_mesh = sys.modules.get("torch.distributed.device_mesh")
     if device_mesh is None:
         return
@@ -186,26 +159,23 @@ def _forget_device_mesh_groups() -> None:
 
 # The model has no buffers (causal masks are built per forward): DDP need not sync them before every forward.
 # PyTorch 2.13 renamed the switch (broadcast_buffers is deprecated there); older releases only have broadcast_buffers.
-NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else {"broadcast_buffers": False}
-)
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                  else {"broadcast_buffers": False})
 # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second copy, one
 # gradient's size less memory (tests/cuda/test_cuda_ddp.py measures it).
 DDP_SETTINGS = {**NO_BUFFER_SYNC, "gradient_as_bucket_view": True}
 
 
 def check_same_settings(settings: dict, dist: Dist) -> None:
-    """Every rank's resolved settings are rank 0's (a config file that reads RANK, an environment that differs by
-    node): a rank with other settings would wait forever in a collective the others never make, or fail in DDP's
-    own check. One UserError on every rank, naming each key that differs and its values."""
+    """Every rank's resolved settings are rank 0's, else a UserError on every rank naming each key that differs: a rank
+    with other settings would wait forever in a collective the others never make."""
     if not dist.enabled:
         return
     everyone: list = [None] * dist.world_size
     torch_dist.all_gather_object(everyone, settings)
-    differ = {k: sorted({repr(s.get(k)) for s in everyone}) for k in settings if any(s.get(k) != settings[k]
-                                                                                       for s in everyone)}
+    differ = {k: sorted({repr(s.get(k)) for s in everyone}) for k in settings
+              if any(s.get(k) != settings[k] for s in everyone)}
     if differ:
         keys = "; ".join(f"{k}: {' vs '.join(values)}" for k, values in differ.items())
         raise UserError(f"the ranks' settings differ ({keys}): give every rank the same config files and --key=value "
@@ -213,12 +183,8 @@ def check_same_settings(settings: dict, dist: Dist) -> None:
 
 
 def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
-    """
-    Under DDP every rank must see rank 0's out_dir: only rank 0 writes checkpoints, and a resume reads
-    out_dir/ckpt.pt on every rank. On several nodes without a shared file system the other nodes would find no
-    checkpoint (or an old one); say so at the start, naming the nodes. Rank 0 writes a marker file, every rank
-    looks for it.
-    """
+    """Every rank sees rank 0's out_dir (it alone writes checkpoints, every rank reads them to resume), else a
+    UserError at the start naming the nodes that do not: rank 0 writes a marker file, every rank looks for it."""
     if not dist.enabled:
         return
     token = [os.urandom(8).hex() if dist.master else None]
@@ -242,9 +208,6 @@ def check_shared_out_dir(out_dir: str, dist: Dist) -> None:
             blind.setdefault(node_name, []).append(rank)
     if blind:
         where = "; ".join(f"{n}: ranks {', '.join(map(str, r))}" for n, r in blind.items())
-        raise UserError(
-            f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only rank 0 writes "
-            f"checkpoints, every rank reads them to resume): put out_dir on a file system that every node mounts"
-        )
-
-
+        raise UserError(f"out_dir={out_dir!r} is not shared: {where} cannot see the files rank 0 writes there (only "
+                        f"rank 0 writes checkpoints, every rank reads them to resume): put out_dir on a file system "
+                        f"that every node mounts")

@@ -1,10 +1,7 @@
-"""
-Writes that are whole or not at all, and a failed write as one line. Every file the project writes goes through here:
-a file is written to a temporary name beside it, flushed, fsynced and renamed over its place (atomic_write,
-write_files for a set), a line is appended whole (append_line), a link is replaced in one rename. A symbolic link or
-anything but a regular file where a file goes is refused, and an OSError (or a library's error caused by one: torch's
-writer on a full disk, safetensors' Rust error) becomes a WriteError naming the path, the cause and what was kept.
-"""
+"""Every file the project writes goes through here, whole or not at all: written beside its place, fsynced and renamed
+over it; a line appended whole; a link replaced in one rename. A symbolic link or anything but a regular file where a
+file goes is refused, and an OSError (or a library's error caused by one: torch's writer on a full disk, safetensors'
+Rust error) becomes a WriteError naming the path, the cause and what was kept."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +18,7 @@ from nanogpt.errors import WriteError
 
 
 def kind_of(path: str) -> str:
-    """What is at `path`, in words: 'a symbolic link to X', 'a folder', 'a file', 'a FIFO', ..."""
+    """What is at `path`, in words ('a folder', 'a symbolic link (to X)', ...)."""
     try:
         st = os.lstat(path)
     except OSError:
@@ -35,11 +32,13 @@ def kind_of(path: str) -> str:
     return "a special file (a FIFO, socket or device)"
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends its text
+_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos \d+ vs \d+")  # torch's writer's own check
+
 
 def _os_error(e: BaseException | None) -> OSError | None:
-    """The OSError that raised `e` or that `e` was raised from; for an error of a library written in Rust
-    (safetensors' SafetensorError on a full disk: '... No space left on device (os error 28)'), the OSError its text
-    names, which Python never saw."""
+    """The OSError that raised `e` or that `e` was raised from; for a Rust library's error (safetensors' on a full
+    disk: '... (os error 28)'), the OSError its text names, which Python never saw."""
     while e is not None:
         if isinstance(e, OSError):
             return e
@@ -52,18 +51,8 @@ def _os_error(e: BaseException | None) -> OSError | None:
     return None
 
 
-
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends its text
-
-
-
-_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos \d+ vs \d+")  # torch's writer's own check
-
-
-
 def cause(e: BaseException) -> str:
-    """An OSError's cause in words ("No space left on device"), or a library's error caused by one (torch's writer
-    raises RuntimeError('unexpected pos ...') from the OSError of a full disk; safetensors names it in its text)."""
+    """The cause of `e` in words ("No space left on device"): its OSError's (_os_error), else its text's first line."""
     first, e = e, _os_error(e)
     if e is None:  # a library's error that names its cause only in its text (DCP's CheckpointException)
         return (str(first).strip().splitlines() or [type(first).__name__])[0][:200]
@@ -72,16 +61,12 @@ def cause(e: BaseException) -> str:
     return e.strerror or str(e) or type(e).__name__
 
 
-
 def caused_by_os_error(e: BaseException) -> bool:
-    """Whether an OSError is what raised `e`, or what it was raised from (torch's writer, matplotlib's savefig), or
-    what a Rust library's error names (safetensors')."""
+    """Whether an OSError is behind `e` (_os_error): a failed write rather than a bug."""
     return _os_error(e) is not None
 
 
-
 OUT_DIR_FIX = "free disk space, make the folder writable, or choose another out_dir"
-
 
 
 def write_failed(path: str, e: BaseException, kept: str = "", what: str = "", fix: str = OUT_DIR_FIX) -> WriteError:
@@ -91,20 +76,16 @@ def write_failed(path: str, e: BaseException, kept: str = "", what: str = "", fi
     return WriteError(f"could not write {what}{path} ({cause(e)}){kept}: {fix}")
 
 
-
 def check_target(path: str) -> None:
-    """A file is written at `path` (replaced whole, or appended to): refused where a symbolic link or anything but a
-    regular file stands there, since writing would go through the link into a file the run did not make, or
-    replace what is not the run's."""
+    """Refuse to write at `path` where a symbolic link or anything but a regular file stands: the write would go
+    through the link into a file the run did not make, or replace what is not the run's."""
     if os.path.lexists(path) and (os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode)):
         raise WriteError(f"could not write {path}: it is {kind_of(path)}, not a file of the run's: move it away (a run "
                          f"never writes through a link or over a foreign file)")
 
 
-
 def target_problem(path: str) -> str | None:
-    """Why a file cannot be written at `path`, asked before slow work (a benchmark's minutes) rather than found after
-    it: a folder or link stands there, or the nearest existing folder above it is a file or not writable."""
+    """Why a file cannot be written at `path` (None: it can), asked before slow work rather than found after it."""
     if os.path.isdir(path) or os.path.islink(path):
         return f"{path} is {kind_of(path)}, not a file"
     parent = os.path.dirname(os.path.abspath(path))
@@ -117,11 +98,9 @@ def target_problem(path: str) -> str | None:
     return None
 
 
-
 def replaced_problem(path: str, is_ours: Callable[[bytes], bool], what: str) -> str | None:
-    """Why a command must not write over the file at `path`: one there that is not `what` (what the command itself
-    writes, as `is_ours` tells from its first MiB), e.g. a run's checkpoint given as a picture's name. None where
-    nothing stands there, or a file of its own kind (a rerun's)."""
+    """Why a command must not write over `path`: a file there that is not `what` (as `is_ours` tells from its first
+    MiB), e.g. a run's checkpoint given as a picture's name. None where nothing is there, or a file of its kind."""
     if not os.path.isfile(path) or os.path.islink(path):
         return None  # nothing there; a link or folder: target_problem's
     try:
@@ -134,14 +113,9 @@ def replaced_problem(path: str, is_ours: Callable[[bytes], bool], what: str) -> 
     return f"{path} exists and is not {what}: it is not written over; give another file name, or move it away first"
 
 
-
 def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX) -> None:
-    """
-    Write `path` whole or not at all: `write(tmp)` makes a temporary file beside it (flushed and fsynced by the
-    writer), which is renamed over `path`, and the rename made durable. A crash at any moment leaves either the old
-    file or the new one, never a torn one. Any failure (a full disk, no permission, a library's error raised from
-    one) is a WriteError naming `what` and `path` and saying what to do (`fix`), and the old file stays as it was.
-    """
+    """Write `path` whole or not at all: `write(tmp)` writes and fsyncs a temporary file beside it, renamed over
+    `path`. A failure caused by an OSError is a WriteError naming `what` and the `fix`; the old file stays as it was."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
     check_target(path)
@@ -164,20 +138,12 @@ def atomic_write(path: str, write: Callable[[str], None], what: str, fix: str = 
     fsync_folder(folder)
 
 
-
 def write_files(folder: str, write: Callable[[str], None], what: str, fix: str = OUT_DIR_FIX,
                 stale: re.Pattern | None = None) -> list[str]:
-    """
-    atomic_write for several files: `write(tmp)` writes them into a new temporary folder inside `folder` (made where
-    missing, so on the same file system), and only once every one is written and fsynced is each renamed over the
-    file of its name in `folder`. The files there of `stale`'s names (what an earlier write of this kind writes) that
-    this one does not write go aside with the replaced ones and are removed with them at the end (returned): nothing
-    of an earlier write outlives it, and other files are untouched. Any failure (a full disk, no permission, a
-    library's error raised from or naming one) is a WriteError naming `what`, `folder` and the cause, and leaves
-    `folder` as it was: the temporary folder removed, the files already renamed over put back (one that cannot be is
-    left in the temporary folder, and the error names it), a `folder` this made removed again. A kill leaves a set
-    half renamed only in the moment of the renames, and the temporary folder (its old/: the files renamed over).
-    """
+    """atomic_write for a set: `write(tmp)` writes the files into a temporary folder inside `folder`, and only once all
+    are fsynced is each renamed over its name in `folder`. Files of `stale`'s names (an earlier write's) that this one
+    does not write are removed with the replaced ones (returned). A failure is a WriteError and leaves `folder` as it
+    was; a kill mid-renames leaves the temporary folder, its old/ holding the files renamed over (_warn_cut_short)."""
     _warn_cut_short(folder)
     made, parent = [], os.path.abspath(folder)
     while not os.path.lexists(parent):  # the folders makedirs makes, innermost first
@@ -194,7 +160,8 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
         names = sorted(os.listdir(new))
         for name in names:  # a link or folder of another's where a file goes is refused before anything moves
             check_target(os.path.join(folder, name))
-            _fsync_file(os.path.join(new, name))
+            with open(os.path.join(new, name), "rb") as f:
+                os.fsync(f.fileno())
         gone = sorted(n for n in os.listdir(folder) if stale and stale.fullmatch(n) and n not in names
                       and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n)))
         for name in gone:  # aside like a replaced file: put back on a failure
@@ -232,7 +199,6 @@ def write_files(folder: str, write: Callable[[str], None], what: str, fix: str =
     return gone
 
 
-
 def _warn_cut_short(folder: str) -> None:
     """Name, never remove, the temporary folders of a write_files that a kill cut short (its new/ and old/)."""
     with contextlib.suppress(OSError):
@@ -245,13 +211,6 @@ def _warn_cut_short(folder: str) -> None:
                       f"what you need, then remove it", file=sys.stderr, flush=True)
 
 
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-
 def _write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -259,18 +218,14 @@ def _write_text(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-
 def write_text(path: str, text: str, what: str, fix: str = OUT_DIR_FIX) -> None:
     """A text file written whole (atomic_write)."""
     atomic_write(path, lambda tmp: _write_text(tmp, text), what, fix)
 
 
-
 def append_line(path: str, line: str) -> None:
-    """Append one line to `path` (made where missing), never through a symbolic link: whole or not at all. A disk
-    that fills mid-line takes part of it (a short write); the rest is written until it is whole, or the part cut off
-    again, so that no later line is ever glued to a fragment (and a file this made removed again). A failure is a
-    WriteError."""
+    """Append one line to `path`, never through a link, whole or not at all: a disk that fills mid-line takes part of
+    it, which is cut off again so no later line is glued to a fragment. A failure is a WriteError."""
     check_target(path)
     data = line.encode("utf-8")
     made = not os.path.lexists(path)
@@ -294,10 +249,9 @@ def append_line(path: str, line: str) -> None:
         os.close(fd)
 
 
-
 def replace_link(path: str, target: str) -> None:
-    """Point the symbolic link `path` at `target` (relative to its folder, so the run folder can move) with one rename:
-    a reader sees the old target or the new one. A failure is a WriteError; the old link stays."""
+    """Point the symbolic link `path` at `target` (relative, so the run folder can move) with one rename. A failure
+    is a WriteError; the old link stays."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with contextlib.suppress(FileNotFoundError):
@@ -310,16 +264,14 @@ def replace_link(path: str, target: str) -> None:
         raise write_failed(path, e, "the previous link is intact", "the link") from None
 
 
-
 def remove_file(path: str, what: str) -> None:
-    """Remove a file the run wrote (a checkpoint keep_last no longer keeps); a failure is a WriteError."""
+    """Remove a file the run wrote and no longer keeps; a failure is a WriteError."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
     except OSError as e:
         raise WriteError(f"could not remove {what} {path} ({cause(e)}): make the folder writable") from None
-
 
 
 def fsync_folder(folder: str) -> None:

@@ -1,10 +1,7 @@
-"""
-A run's metrics, in one place: out_dir/metrics.jsonl (a JSON line per logged step and per eval, with the run's wall
-time, which continues across resumes, and a line per start of the run), written by train.py through Logger (which
-also prints on rank 0 and logs to wandb when asked) and read by plot.py and report.py. A line cut short (a kill or a
-full disk during the append) or one that is no record (edited by hand) is skipped by the readers with one warning,
-and the next append starts a new line.
-"""
+"""A run's metrics: out_dir/metrics.jsonl, a JSON line per logged step, per eval and per start of the run, with the
+run's wall time (which continues across resumes); written by train.py through Logger, read by plot.py and report.py.
+A line cut short (a kill, a full disk) or edited by hand is skipped by the readers with one warning, and the next
+append starts a new line."""
 from __future__ import annotations
 
 import json
@@ -19,19 +16,14 @@ from nanogpt.distributed import Dist
 from nanogpt.outdir import METRICS
 
 
-
 class Logger:
-    """Prints on rank 0; once the start is accepted (start()), appends JSON lines to out_dir/metrics.jsonl (a start
-    that saves; a resumed run appends to its run's file, a new run finds none: outdir.py moved the previous run's
-    aside) and logs to wandb when asked (`wandb`: wandb.init's project, name and config). Before start() nothing is
-    written: a refused start changes nothing."""
+    """Prints on rank 0; once the start is accepted (start()), appends to out_dir/metrics.jsonl and logs to wandb when
+    asked (`wandb`: wandb.init's arguments). Before start() nothing is written: a refused start changes nothing."""
 
     def __init__(self, dist: Dist, out_dir: str, wandb: dict | None = None):
-        self.master = dist.master
-        self.out_dir, self.wandb_init = out_dir, wandb
+        self.master, self.out_dir, self.wandb_init = dist.master, out_dir, wandb
         self.path: str | None = None  # metrics.jsonl, once the start is accepted and saves
-        self.t_start = time.time()
-        self.wandb = None
+        self.t_start, self.wandb = time.time(), None
 
     def continue_from(self, elapsed_s: float) -> None:
         """A resumed run's wall time continues from its checkpoint's, so elapsed_s never runs backwards."""
@@ -55,9 +47,8 @@ class Logger:
 
     def start(self, run_id: str | None, iter_num: int, init_from: str, changes: list[str] | None = None,
               saves: bool = True) -> None:
-        """The start is accepted: from here on records are logged. A start that saves writes a line for this start
-        of the run (its id, the iteration it starts at, how, the settings a resume changed, and the command) and
-        the records after it in metrics.jsonl; one that saves nothing (eval_only) writes nothing in out_dir."""
+        """The start is accepted: from here on records are logged, and a start that saves writes a line for itself
+        (run id, iteration, how, the settings a resume changed, the command). eval_only writes nothing in out_dir."""
         if not self.master:
             return
         if saves:
@@ -118,8 +109,7 @@ def is_record(record) -> bool:
 
 
 def read_records(path: str) -> list[dict]:
-    """Every record of a metrics.jsonl; a line that is not JSON (cut short by a kill) or not a record (edited by
-    hand) is skipped, all of them in one warning that names them."""
+    """Every record of a metrics.jsonl; lines that are not JSON or not a record are skipped, named in one warning."""
     records, torn, foreign = [], [], []
     with open(path, encoding="utf-8", errors="replace") as f:  # a byte that is no UTF-8: that line is not JSON
         for n, line in enumerate(f, 1):
@@ -143,12 +133,12 @@ def read_records(path: str) -> list[dict]:
 
 
 def _line_numbers(numbers: list[int]) -> str:
-    return f"line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}{' ...' if len(numbers) > 5 else ''}"
+    more = " ..." if len(numbers) > 5 else ""
+    return f"line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}{more}"
 
 
 class MetricsLog(NamedTuple):
-    """A run's metrics.jsonl, read once: its logged training steps (iter, loss, elapsed_s, ...), its evals (iter,
-    val_loss, elapsed_s, ...) and its starts (iter, init_from, command, changes)."""
+    """A run's metrics.jsonl, read once: its logged training steps, its evals and its starts."""
     steps: list[dict]
     evals: list[dict]
     starts: list[dict]

@@ -1,7 +1,4 @@
-"""
-The packages only some features use (matplotlib, wandb, transformers, torchao): imported when the feature is asked for,
-and missing, one line that names the pip command to install it.
-"""
+"""The packages only some features use (matplotlib, wandb, transformers, torchao), imported when a feature asks."""
 from __future__ import annotations
 
 import importlib
@@ -22,8 +19,8 @@ def optional_import(package: str, needed_by: str) -> ModuleType:
 
 
 def pyplot(needed_by: str) -> ModuleType:
-    """matplotlib.pyplot drawing into files only (no window); a UserError naming `pip install matplotlib` when
-    matplotlib is not installed. Scripts call it before their slow work, so a missing package fails first."""
+    """matplotlib.pyplot drawing into files only (no window). Scripts call it before their slow work, so a missing
+    package fails first."""
     matplotlib = optional_import("matplotlib", needed_by)
     matplotlib.use("Agg")
     return importlib.import_module("matplotlib.pyplot")

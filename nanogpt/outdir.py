@@ -1,17 +1,8 @@
-"""
-The run folder: an out_dir holds one run, and this module names every file a run writes there (the one place they
-are named), holds the folder for its live run, and decides how a start treats what it finds.
-
-- A live run holds its out_dir (hold(): an OS lock on out_dir/run.lock, which ends with its process, a SIGKILL too):
-  a second start there is refused in one line naming the holder before it reads or changes anything. Only rank 0 of
-  a torchrun job holds it, for all its ranks; an evaluation-only start changes nothing there and holds nothing.
-- Every run gets an id, written in run.json at its first start and recorded in each checkpoint and in metrics.jsonl,
-  so that a checkpoint of another run is never resumed, sampled or exported as this one's.
-- init_from="auto" resumes when out_dir holds a checkpoint, else starts from scratch; a torchrun restart of the job
-  that started the run (run.json records the job) resumes whatever init_from says.
-- A new run never destroys an earlier one: its files are moved aside (renamed) into out_dir/previous/<time>/, from
-  where it still resumes. A nanoGPT user reruns the same command and expects a fresh run; nothing is lost either way.
-"""
+"""The run folder: an out_dir holds one run, and this module names every file a run writes there, holds the folder
+for its live run (rank 0's lock, for all ranks) and decides how a start treats what it finds. Every run gets an id, in
+run.json and in each checkpoint and metrics.jsonl, so another run's checkpoint is never resumed as this one's. A new
+run never destroys an earlier one: a nanoGPT user reruns the same command and expects a fresh run, so the old run's
+files are moved aside into out_dir/previous/<time>/, from where it still resumes."""
 from __future__ import annotations
 
 import contextlib
@@ -58,26 +49,15 @@ _TEMPORARY = re.compile(r"\.tmp\.\d+$")
 _A_RUNS = re.compile(rf"{re.escape(RUN_FILE)}|{_CHECKPOINTS}")
 
 
-# ----------------------------------------------------------------------------------------------- the live run's hold
-
-
 @contextlib.contextmanager
 def hold(out_dir: str, enabled: bool = True) -> Iterator[None]:
-    """
-    Hold out_dir for this process's run, from before its start is decided to its end: a second start there is
-    refused (UserError naming the holder's pid and host) before it reads or changes anything in the folder. The hold
-    is an OS lock (flock) on out_dir/run.lock, which the OS lets go when the process ends, however it ends: a
-    SIGKILLed run leaves the folder free, with no stale lock to clear. It works wherever the file system locks files
-    (node-local ones; NFS through its lock manager); one that does not gets a warning and no hold. Makes out_dir
-    where missing, and removes what it made (out_dir and the parents it made) if still empty at the end: a refused
-    start leaves no folder behind. A folder it cannot write in, or a run.lock it did not create (a link, a folder,
-    another file), is a UserError, and nothing in out_dir changed.
-    """
+    """Hold out_dir for this process's run, from before its start is decided to its end: a second start there is
+    refused (UserError naming the holder) before it reads or changes anything. An flock on run.lock, let go when the
+    process ends (a SIGKILL too); a file system that cannot lock gets a warning. Folders it made go if left empty."""
     if not enabled:
         yield
         return
-    made = []
-    fd = None
+    made, fd = [], None
     try:
         with _signals_deferred():  # a SIGTERM here lands once the lock is whole: its cleanup then finds it
             for _ in range(5):  # another start may remove the folder it made between our making it and our opening
@@ -112,8 +92,7 @@ def _signals_deferred() -> Iterator[None]:
 
 
 def make_folders(folder: str) -> list[str]:
-    """Make `folder` and its missing parents; returns those made, the outermost first. A path that exists and is no
-    folder, or one that cannot be made, is a UserError."""
+    """Make `folder` and its missing parents; returns those made, outermost first; a UserError where it cannot."""
     missing, path = [], os.path.abspath(folder)
     while not os.path.isdir(path):
         if os.path.lexists(path):
@@ -137,9 +116,8 @@ _GONE = -1  # _lock's answer when out_dir vanished under it: make it again
 
 
 def _lock(out_dir: str) -> int | None:
-    """The descriptor of out_dir/run.lock, locked, with this process written in it; a UserError if another holds it,
-    or run.lock is not a lock file of ours; None (with a warning) where the file system cannot lock; _GONE where
-    out_dir itself was removed meanwhile."""
+    """out_dir/run.lock's descriptor, locked, this process recorded in it; a UserError if another holds it or it is
+    not our lock file; None (with a warning) where the file system cannot lock; _GONE where out_dir was removed."""
     path = os.path.join(out_dir, LOCK_FILE)
     while True:
         made = not os.path.lexists(path)  # so that a record it cannot write leaves no empty run.lock behind
@@ -157,10 +135,9 @@ def _lock(out_dir: str) -> int | None:
         except BlockingIOError:
             holder = _holder(os.pread(fd, 4096, 0))
             os.close(fd)
-            raise UserError(
-                f"out_dir={out_dir!r} is in use by a live run ({holder}; it holds {path}): a second start there would "
-                f"move or overwrite its files. Wait for it to end (or stop it), or give another --out_dir"
-            ) from None
+            raise UserError(f"out_dir={out_dir!r} is in use by a live run ({holder}; it holds {path}): a second start "
+                            f"there would move or overwrite its files. Wait for it to end (or stop it), or give "
+                            f"another --out_dir") from None
         except UserError:
             os.close(fd)
             raise
@@ -193,12 +170,8 @@ def _lock(out_dir: str) -> int | None:
 
 
 def _lock_refused(path: str, e: OSError) -> UserError:
-    if e.errno == errno.ELOOP:
-        why = "a symbolic link: a lock never writes through one"
-    elif e.errno == errno.EISDIR:
-        why = "a folder"
-    else:
-        why = cause(e)
+    why = {errno.ELOOP: "a symbolic link: a lock never writes through one", errno.EISDIR: "a folder"}.get(e.errno)
+    why = why or cause(e)
     return UserError(f"cannot hold the run folder: {path} ({why}); a run writes in its out_dir: make it writable, "
                      f"remove what is in the lock's place, or give another --out_dir")
 
@@ -237,12 +210,8 @@ def _holder(text: bytes) -> str:
         return "a process that is starting"
 
 
-# ----------------------------------------------------------------------------------------------- the run in out_dir
-
-
 def read_run(out_dir: str) -> dict | None:
-    """out_dir's run.json (id, start time, torchrun's job), or None for a folder without one. A damaged one (cut
-    short, edited by hand) is a UserError that names it and what to do."""
+    """out_dir's run.json (id, start time, torchrun's job); None where there is none, a UserError where damaged."""
     path = os.path.join(out_dir, RUN_FILE)
     try:
         with open(path) as f:
@@ -273,12 +242,8 @@ def has_checkpoint(out_dir: str) -> bool:
 
 
 def resolve_init_from(init_from: str, out_dir: str, restart: int = 0, job: str | None = None) -> tuple[str, str]:
-    """
-    (the init_from this start uses, one line saying why, or "" when it is the one given). "auto": "resume" when
-    out_dir holds a checkpoint, else "scratch". Restart `restart` (> 0) of torchrun's job `job`
-    (distributed.torchrun_job) where out_dir holds a run of that job: "resume" (or the given init_from when the run
-    saved nothing yet).
-    """
+    """(the init_from this start uses, a line saying why or ""). "auto": "resume" when out_dir holds a checkpoint,
+    else "scratch". A torchrun restart (`restart` > 0) of the `job` that started the run in out_dir resumes it."""
     if init_from != "resume" and restart > 0 and job is not None and has_checkpoint(out_dir):
         if (read_run(out_dir) or {}).get("torchrun_job") == job:
             return "resume", (f"torchrun restart {restart} of the run in {out_dir}: resuming its newest checkpoint "
@@ -290,25 +255,16 @@ def resolve_init_from(init_from: str, out_dir: str, restart: int = 0, job: str |
     return init_from, ""
 
 
-def _stamp(out_dir: str, names: list[str]) -> str:
-    run = read_run(out_dir)
-    started = run.get("started") if run else None
-    if started is None:  # a folder from before run.json: its newest file's time
-        started = max(os.lstat(os.path.join(out_dir, n)).st_mtime for n in names)
-    return time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
-
-
 def move_previous_run(out_dir: str) -> tuple[str, list[str], list[str]] | None:
-    """Move the files of the run in out_dir (RUN_FILES, nothing else) into out_dir/previous/<its start time>/;
-    returns that folder, the names moved and the folders made (for move_back), or None when there was nothing to
-    move. A failure (a read-only folder, a full disk) moves back what it moved and is a WriteError: the run stays where
-    it was."""
-    if not os.path.isdir(out_dir):
-        return None
-    names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n))
+    """Move the run's files (RUN_FILES, nothing else) into out_dir/previous/<its start time>/; returns that folder, the
+    names moved and the folders made (for move_back), or None. A failure moves back what it moved: a WriteError."""
+    names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n)) if os.path.isdir(out_dir) else []
     if not names:
         return None
-    stamp = _stamp(out_dir, names)
+    started = (read_run(out_dir) or {}).get("started")
+    if started is None:  # a folder from before run.json: its newest file's time
+        started = max(os.lstat(os.path.join(out_dir, n)).st_mtime for n in names)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
     dest = os.path.join(out_dir, PREVIOUS, stamp)
     n = 1
     while os.path.lexists(dest):
@@ -328,8 +284,7 @@ def move_previous_run(out_dir: str) -> tuple[str, list[str], list[str]] | None:
 
 
 def move_back(out_dir: str, dest: str, names: list[str], made: list[str]) -> None:
-    """Undo move_previous_run: the names back into out_dir, and the folders it `made` (previous/ too, if it made it)
-    removed again."""
+    """Undo move_previous_run: the names back into out_dir, the folders it `made` removed again."""
     for name in names:
         with contextlib.suppress(OSError):
             os.replace(os.path.join(dest, name), os.path.join(out_dir, name))
@@ -339,8 +294,7 @@ def move_back(out_dir: str, dest: str, names: list[str], made: list[str]) -> Non
 
 
 def disk_usage(folder: str) -> int:
-    """The bytes the files under `folder` take, each file once (keep_last's hard links share ckpt.pt's), links not
-    followed (ckpt_sharded names a folder counted itself)."""
+    """The bytes under `folder`, each file once (keep_last's hard links share ckpt.pt's), links not followed."""
     seen, total = set(), 0
     for root, _, files in os.walk(folder):
         for name in files:
@@ -356,16 +310,14 @@ def _write_run(out_dir: str, run: dict) -> None:
 
 
 def begin_run(out_dir: str, job: str | None = None) -> str:
-    """Write out_dir/run.json for a new run, started by torchrun's job `job` (None: not under torchrun); returns its
-    id."""
+    """Write run.json for a new run started by torchrun's `job` (None: not under torchrun); returns its id."""
     run_id = uuid.uuid4().hex[:12]
     _write_run(out_dir, {"run_id": run_id, "started": time.time(), "torchrun_job": job})
     return run_id
 
 
 def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None) -> str:
-    """The id of the run a resume continues: the checkpoint's, run.json written for it where missing (a folder
-    from before run ids) or left by another torchrun job (this job's restarts must recognise the run as theirs)."""
+    """The checkpoint's run id; run.json rewritten where it differs, so this torchrun job's restarts know the run."""
     run = read_run(out_dir) or {}
     want = {"run_id": saved_run_id or run.get("run_id") or uuid.uuid4().hex[:12],
             "started": run.get("started", time.time()), "torchrun_job": job}
@@ -375,8 +327,7 @@ def continue_run(out_dir: str, saved_run_id: str | None, job: str | None = None)
 
 
 def restore_run(out_dir: str, run: dict | None) -> None:
-    """Undo continue_run: run.json back to `run` (what read_run read before), or removed where there was none. Best
-    effort, on the way out of a failed start: the write that failed is the error to report."""
+    """Undo continue_run: run.json back to `run` (None: removed); best effort, the failed write is what to report."""
     path = os.path.join(out_dir, RUN_FILE)
     with contextlib.suppress(OSError, UserError):
         if run is None:
@@ -385,20 +336,15 @@ def restore_run(out_dir: str, run: dict | None) -> None:
             _write_run(out_dir, run)
 
 
-# ----------------------------------------------------------------------------------------------- writing in out_dir
-
-# What a run writes in out_dir and reads back, and what each must be where it exists: a regular file, a folder, or one
-# of the run's own links (ckpt_sharded names a folder of its own saves).
+# What each name a run writes in out_dir must be where it exists: a file, a folder, or a link to a save of its own
 ENTRIES = {LOCK_FILE: "file", RUN_FILE: "file", METRICS: "file", CKPT: "file", BEST: "file", REPORT: "file",
            LOSS_PNG: "file", PREVIOUS: "folder", SHARDED: "link", SHARDED_BEST: "link"}
 KEPT_SAVES = {KEPT: "file", SHARDED_FOLDER: "folder"}  # one per kept iteration: ckpt_0000600.pt, ckpt_sharded_0000600_1
 
 
 def check_entries(out_dir: str) -> None:
-    """Before a start changes anything: every name the run writes in out_dir is absent or of its kind (ENTRIES,
-    KEPT_SAVES). A symbolic link where a file goes (a write would replace it, or write through it into a file the run
-    did not make), a folder where a file goes, or a file where previous/ goes is a UserError naming each; so are a
-    run's names (report.md, metrics.jsonl) in a folder that holds no run: they are not a run's to move aside."""
+    """Before a start changes anything: every name the run writes in out_dir is absent or of its kind, and
+    report.md or metrics.jsonl stand only beside a run (else they are not a run's to move aside); else a UserError."""
     kept = {name: kind for name in os.listdir(out_dir) for pattern, kind in KEPT_SAVES.items()
             if pattern.fullmatch(name)}
     wrong = [f"{name} is {kind_of(os.path.join(out_dir, name))}, where the run writes a {kind}"
@@ -409,9 +355,9 @@ def check_entries(out_dir: str) -> None:
                         f"another --out_dir")
     names = sorted(n for n in os.listdir(out_dir) if RUN_FILES.fullmatch(n) and not _TEMPORARY.search(n))
     if names and not any(_A_RUNS.fullmatch(n) for n in names):  # a run writes run.json first; nanoGPT's, ckpt.pt
+        it = "them" if len(names) > 1 else "it"
         raise UserError(f"out_dir={out_dir!r} holds {', '.join(names)} but no run (no {RUN_FILE}, no checkpoint): a "
-                        f"new run would move {'them' if len(names) > 1 else 'it'} aside as a run's, or write over "
-                        f"{'them' if len(names) > 1 else 'it'}; move {'them' if len(names) > 1 else 'it'} out of "
+                        f"new run would move {it} aside as a run's, or write over {it}; move {it} out of "
                         f"{out_dir} (nothing there was changed), or give another --out_dir")
 
 
@@ -426,8 +372,7 @@ def _is_kind(path: str, kind: str) -> bool:
 
 
 def remove_saves(out_dir: str, names: list[str]) -> None:
-    """Remove save folders the run wrote and no longer keeps (an older sharded save, one a kill left half written).
-    Best effort: what cannot be removed now is removed by the next save."""
+    """Remove save folders the run no longer keeps. Best effort: what cannot be removed now, the next save removes."""
     for name in names:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 

@@ -1,9 +1,6 @@
-"""
-The loss picture of runs: train and val loss against steps and against wall time, one colour per run, drawn into a
-PNG. plot.py (the command) and the run report (report.py) draw through it.
-"""
+"""The loss picture of runs (plot.py's, the run report's): train and val loss against steps and wall time, one colour
+per run, in a PNG."""
 from __future__ import annotations
-
 
 from nanogpt import files
 from nanogpt.metrics import MetricsLog

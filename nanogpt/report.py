@@ -1,15 +1,9 @@
-"""
-The run report: at the end of a train.py run, out_dir/report.md says in one page what ran and what came of it: the
-command line, the machine, the settings that differ from the defaults, tokens/s and MFU, the loss picture (plot.py's
-PNG), the best val loss, HellaSwag when it was scored, and a short sample from the final weights.
-
-Reads the run's metrics.jsonl (what train.py logged, across resumes) through metrics.py; draws the picture with
-plot.py (when matplotlib is installed); the sample comes from engine.py's decoding.
-"""
+"""The run report: at the end of a train.py run, out_dir/report.md says in one page what ran and what came of it: the
+command line, the machine, the settings that differ from the defaults, tokens/s and MFU, the loss picture (when
+matplotlib is installed), the best val loss, HellaSwag when it was scored, and a short sample from the final weights."""
 from __future__ import annotations
 
 import contextlib
-
 import os
 import statistics
 import sys
@@ -19,14 +13,12 @@ from typing import Any, Callable
 
 import torch
 
-from nanogpt import engine, files, tokenizers
+from nanogpt import engine, files, plot, tokenizers
 from nanogpt.config import TrainConfig
-from nanogpt import plot
 from nanogpt.mfu import mfu_text
 from nanogpt.errors import UserError
-from nanogpt.metrics import MetricsLog, read_metrics
+from nanogpt.metrics import read_metrics
 from nanogpt.outdir import LOSS_PNG, REPORT
-
 
 
 def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
@@ -37,9 +29,8 @@ def config_differences(cfg, defaults) -> list[tuple[str, Any, Any]]:
 
 def sample_text(model, tokenizer: tokenizers.Tokenizer, device: str, ctx=contextlib.nullcontext(), n_tokens: int = 200,
                 seed: int = 1337) -> str:
-    """A short sample from the final weights (temperature 0.8, top-k 200, as sample.py's defaults), from a newline
-    for a char-level model or from <|endoftext|> for BPE, under the run's autocast context `ctx` (the attention
-    kernel the run chose may not run outside it, e.g. flash in float32 on a GPU)."""
+    """A short sample from the final weights (temperature 0.8, top-k 200, as sample.py's defaults), under the run's
+    autocast context `ctx`: the attention kernel the run chose may not run outside it (flash in float32 on a GPU)."""
     start = [tokenizer.eot] if tokenizer.eot is not None else tokenizer.encode("\n")
     was_training = model.training
     model.eval()
@@ -74,10 +65,9 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
         mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
         lines.append(f"- {last['iter']} iterations in {last['elapsed_s']:.0f} s of wall time (evals included), in "
                      f"{len(starts) or 1} start{'s' if len(starts) > 1 else ''}")
+        mfu = f", MFU {mfu_text(statistics.median(mfus))}" if mfus else "; MFU n/a"
         lines.append(f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
-                     f"first), MFU {mfu_text(statistics.median(mfus))}" if mfus else
-                     f"- speed: {statistics.median(tok_s):,.0f} tokens/s (median of the logged steps after the "
-                     f"first); MFU n/a")
+                     f"first){mfu}")
     if evals:
         best = min(evals, key=lambda r: r["val_loss"])
         final = evals[-1]
@@ -93,7 +83,11 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
         lines += [f"| {st['iter']} | {st['init_from']} | {'; '.join(st.get('changes') or []) or '-'} | "
                   f"`{st['command']}` |" for st in starts]
     lines += ["", "## Loss", ""]
-    lines.append(_loss_picture(out_dir, run))
+    try:
+        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, LOSS_PNG))
+        lines.append(f"![train and val loss against steps and wall time]({LOSS_PNG})")
+    except UserError as e:  # matplotlib is optional: the report goes without the picture
+        lines.append(f"(no picture: {e}; then `python plot.py {out_dir}`)")
     if sample is not None:
         lines += ["", "## A sample from the final weights", "", "```text", sample.strip("\n"), "```"]
     path = os.path.join(out_dir, REPORT)
@@ -101,20 +95,11 @@ def write_report(out_dir: str, cfg, defaults, info: dict[str, str], sample: str 
     return path
 
 
-def _loss_picture(out_dir: str, run: MetricsLog) -> str:
-    try:
-        plot.draw([(os.path.basename(os.path.normpath(out_dir)), run)], os.path.join(out_dir, LOSS_PNG))
-    except UserError as e:  # matplotlib is optional: the report goes without the picture
-        return f"(no picture: {e}; then `python plot.py {out_dir}`)"
-    return f"![train and val loss against steps and wall time]({LOSS_PNG})"
-
-
 def write_run_report(cfg: TrainConfig, model, meta: dict | None, info: dict[str, str], log: Callable[[str], None],
                      ctx=contextlib.nullcontext()) -> str | None:
-    """out_dir/report.md at the end of a run (write_report), with a short sample from the final weights, with the
-    dataset's tokenizer (`meta`; None: GPT-2 BPE), under the run's autocast context `ctx`; under FSDP no sample (a rank
-    alone cannot run the sharded model: use sample.py). `log` prints its path or a note. A report that cannot be
-    written is a warning, never the run's failure: the run is done and saved. Returns the report's path, or None."""
+    """out_dir/report.md at the end of a run, with a sample in the dataset's tokenizer (`meta`; None: GPT-2 BPE), none
+    under FSDP (a rank alone cannot run the sharded model). A report that cannot be written is a warning, never the
+    run's failure: the run is done and saved. Returns the report's path, or None."""
     sample = None
     if cfg.parallelism != "fsdp":
         try:

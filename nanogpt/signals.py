@@ -1,7 +1,4 @@
-"""
-SIGTERM (schedulers, preemption) and Ctrl-C during a run: before its start is accepted a signal stops it at once, with
-nothing saved; after, it asks the run to stop with a checkpoint at the next micro-step, on every rank at the same one.
-"""
+"""SIGTERM and Ctrl-C during a run: during the start a signal stops it at once, after it with a checkpoint."""
 from __future__ import annotations
 
 import contextlib
@@ -16,23 +13,15 @@ from nanogpt.errors import Interrupted, stop_behind
 
 
 class StopRequest:
-    """
-    SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C), from the first moment of a run to its end. Before the start
-    is accepted (until arm()), a signal stops the start at once: Interrupted, nothing saved, out_dir as it was (the
-    hold's and the start's cleanup run as the exception unwinds). After it, a signal asks the run to stop after the
-    current micro-step (an unfinished optimizer step is dropped) or eval, with a checkpoint: torchrun SIGKILLs its
-    workers --shutdown-timeout seconds (30 by default) after forwarding a SIGTERM, so the stop must be quick. A second
-    Ctrl-C exits at once. Under DDP every rank stops at the same micro-step: the ranks agree (all-reduce of the flag,
-    over the group join() makes) before acting, so no rank waits forever in a collective.
-    """
+    """SIGTERM (schedulers, preemption) and SIGINT (Ctrl-C) from a run's first moment to its end. Until arm() a signal
+    stops the start at once (Interrupted, nothing saved); after, it asks the run to stop with a checkpoint after the
+    current micro-step, quickly: torchrun SIGKILLs its workers --shutdown-timeout (30 s) after forwarding a SIGTERM.
+    A second Ctrl-C exits at once. The ranks agree on a stop before acting, so none waits forever in a collective."""
 
     def __init__(self):
-        self.dist = Dist()
+        self.dist, self.armed = Dist(), False
         self.signal: int | None = None
-        self.armed = False
-        self._group = None
-        self._first = 0.0
-        self._previous = {}
+        self._group, self._first, self._previous = None, 0.0, {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -41,9 +30,8 @@ class StopRequest:
 
     @contextlib.contextmanager
     def joined(self, dist: Dist):
-        """The ranks of `dist` agree on a stop inside the block, over a gloo group of their own on CPU tensors: asking
-        between micro-steps never waits for the GPU (an NCCL all-reduce and .item() would sync with the queued
-        kernels). The group is let go at the block's end, before the process group's end destroys it."""
+        """The ranks of `dist` agree on a stop inside the block, over a gloo group on CPU tensors: asking between
+        micro-steps never waits for the GPU, as an NCCL all-reduce and .item() would."""
         self.dist = dist
         if dist.enabled:
             self._group = torch_dist.new_group(backend="gloo") if torch_dist.get_backend() != "gloo" else None
@@ -53,9 +41,8 @@ class StopRequest:
             self._group, self.dist = None, Dist()
 
     def arm(self) -> None:
-        """The start is accepted: from here on a signal stops the run with a checkpoint, at the next micro-step. A
-        signal that came before, whose exception something swallowed (a finalizer, a callback that ignores errors),
-        still stops the start here: nothing saved, out_dir as it was."""
+        """The start is accepted: from here on a signal stops the run with a checkpoint. A signal that came before,
+        whose exception something swallowed, still stops the start here."""
         if self.signal is not None:
             raise self.interrupted()
         self.armed = True
@@ -85,7 +72,7 @@ class StopRequest:
         return self.agree(self.signal is not None)
 
     def agree(self, flag: bool) -> bool:
-        """Whether any rank's flag is set (every rank must ask): the ranks act on a decision together."""
+        """Whether any rank's flag is set (every rank must ask)."""
         if self.dist.enabled:
             t = torch.tensor([1.0 if flag else 0.0])
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self._group)
@@ -112,7 +99,6 @@ class StopRequest:
             raise self.interrupted() from exc
 
 
-
 class SecondCtrlC(KeyboardInterrupt):
-    """A second Ctrl-C during a run: it exits at once, without a checkpoint (train.main: exit status 1, not a clean
-    stop's 130), unlike a Ctrl-C before the run's handlers are in place (errors.exit_on_user_error's 130)."""
+    """A second Ctrl-C during a run: it exits at once without a checkpoint, with exit status 1 (train.main), not a
+    clean stop's 130."""

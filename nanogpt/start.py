@@ -1,17 +1,8 @@
-"""
-How a run starts, in three calls from train.py that keep out_dir as it is until the start is accepted:
-
-  begin()   the settings checked (every problem in one line) and out_dir looked over, then out_dir held for the run
-            (its live run's lock) and the start decided from what it holds: resume or not, from which checkpoint,
-            with which settings (init_from="auto", a torchrun restart, the run's own settings for the keys not given),
-            and what "auto" means on this machine
-  load()    the data checked, the run's log begun, a resume's checkpoint read, the weights init_from names built
-  accept()  once every rank passed every check: a resume's optimizer state restored, then a new run moves the run in
-            out_dir aside and writes run.json, a resume keeps its run's
-
-A resume's rules live here too: which settings it takes from its run (settings_of_the_run), and which it cannot
-change (resume_changes: the model's shape, its GELU, the optimizer).
-"""
+"""How a run starts, in three calls from train.py that leave out_dir as it is until the start is accepted: begin()
+checks the settings and out_dir, holds out_dir and decides the start (resume or not, from which checkpoint, with which
+settings); load() checks the data, begins the log and builds the model; accept(), once every rank passed every check,
+restores a resume's state, or moves the previous run aside for a new one. A resume's rules live here too: which
+settings it takes from its run, and which it cannot change (the model's shape, its GELU, the optimizer)."""
 from __future__ import annotations
 
 import contextlib
@@ -43,12 +34,8 @@ from nanogpt.text import plural, shown, size_text
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd")  # what pretrained weights decide, whatever the settings say
 
 
-# ----------------------------------------------------------------------------------------------- deciding
-
-
 def check_out_dir(cfg: TrainConfig) -> None:
-    """Before anything changes there: a resume's folder exists, and where the run writes stands nothing of another
-    kind (a link, a folder where a file goes: outdir.check_entries)."""
+    """Before anything changes: a resume's folder exists, and nothing of another kind stands where the run writes."""
     if cfg.init_from == "resume" and not os.path.isdir(cfg.out_dir):
         what = "it is a file, not a folder" if os.path.lexists(cfg.out_dir) else "the folder does not exist"
         raise UserError(f"no checkpoint to resume in out_dir={cfg.out_dir!r}: {what}; give the "
@@ -69,9 +56,8 @@ class StartPlan:
 
 @contextlib.contextmanager
 def begin(cfg: TrainConfig, given: set[str] | None = None) -> Iterator[StartPlan]:
-    """The start decided (decide), with out_dir held for this run until the block ends (rank 0 holds it for every
-    rank; an evaluation that saves nothing holds nothing). Every setting is checked before out_dir is touched.
-    `given`: the keys the user set (a resume takes its run's setting for every other key; None: every key given)."""
+    """The start decided (decide), out_dir held for this run until the block ends (by rank 0, for every rank; not by
+    an evaluation that saves nothing). `given`: the keys the user set (None: every key)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check(world_size)
     check_out_dir(cfg)
@@ -101,31 +87,25 @@ def decide(cfg: TrainConfig, given: set[str] | None = None, world_size: int = 1)
     return StartPlan(cfg, cfg.machine(), notes, found, job)
 
 
-# What a resume never takes from the checkpoint's run, and never lists as a change: where it runs, what says to resume,
-# and whether it only evaluates.
+# What a resume never takes from its run nor lists as a change: where it runs, whether it resumes or only evaluates
 NOT_RESUMED = ("init_from", "out_dir", "device", "backend", "eval_only")
 
 
 def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
                         world_size: int = 1) -> tuple[TrainConfig, list[str]]:
-    """
-    nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file. Every setting
-    not given (on the command line or in a config file) is the checkpoint's run's (model shape, optimizer and its
-    settings, data, schedule), so the resume continues that run. `saved`: the config the checkpoint records.
-    Returns the config and the settings taken.
-    """
+    """nanoGPT's habit: `--init_from=resume --out_dir=DIR` continues the run without its config file, so every setting
+    not given is the checkpoint's run's (`saved`, its recorded config). Returns the config and the settings taken."""
+    def refuse(problems: list[str]) -> None:  # a checkpoint edited by hand, or of another program
+        if problems:
+            raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(problems)}: give these "
+                            f"settings on the command line, or restore the checkpoint from a backup")
+
     hints = typing.get_type_hints(type(cfg))
     taken = {k: v for k, v in saved.items()
              if k in hints and k not in given and k not in NOT_RESUMED and v != getattr(cfg, k)}
-    wrong = [f"{k}={shown(v)} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]]
-    if wrong:  # a checkpoint edited by hand, or of another program
-        raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(wrong)}: give these settings "
-                        f"on the command line, or restore the checkpoint from a backup")
+    refuse([f"{k}={shown(v)} (not {type_name(hints[k])})" for k, v in taken.items() if not coerce(v, hints[k])[0]])
     taken = {k: coerce(v, hints[k])[1] for k, v in taken.items()}
-    out_of_range = [p for p in declared_problems(replace(cfg, **taken)) if p.split("=")[0] in taken]
-    if out_of_range:
-        raise UserError(f"the checkpoint's recorded settings are not a run's: {'; '.join(out_of_range)}: give these "
-                        f"settings on the command line, or restore the checkpoint from a backup")
+    refuse([p for p in declared_problems(replace(cfg, **taken)) if p.split("=")[0] in taken])
     notes = []
     if "dtype" in taken:  # a dtype this machine cannot run (nanoGPT's default float16, from a CPU run): auto instead
         try:
@@ -134,15 +114,11 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
             notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
                          f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
     resumed = replace(cfg, **taken)
-    cannot = [p for p in resumed.problems(world_size)
-              if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
+    cannot = [p for p in resumed.problems(world_size) if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
     if cannot:  # a run of another machine (flash_impl='fa4', compile_mode='reduce-overhead' on a CPU)
         raise UserError(f"the run's own settings (from its checkpoint: not given here) cannot run here: "
                         f"{'; '.join(cannot)}: give these settings on the command line")
     return resumed, [f"{k}={v!r}" for k, v in taken.items()] + notes
-
-
-# ----------------------------------------------------------------------------------------------- the data and weights
 
 
 @dataclass
@@ -182,8 +158,7 @@ def load(plan: StartPlan, dist: Dist, log: Logger) -> Loaded:
 
 
 def log_header(log: Logger, plan: StartPlan, dist: Dist) -> float | None:
-    """The lines a run begins with: the settings given, why the start is what it is, the machine, what "auto" chose,
-    MFU's peak (returned) and the tokens of an iteration."""
+    """The lines a run begins with: settings, why this start, machine, what "auto" chose, MFU's peak (returned)."""
     cfg, m = plan.cfg, plan.machine
     log.print(config_summary(cfg))
     for note in plan.notes:
@@ -200,19 +175,14 @@ def log_header(log: Logger, plan: StartPlan, dist: Dist) -> float | None:
 
 
 def check_data(cfg: TrainConfig) -> tuple[str, dict | None, int | None]:
-    """The dataset's folder, its meta.json and the vocabulary its ids are checked against now: checked once up front,
-    so a missing file or an id beyond the vocabulary fails before any training, and before out_dir or its metrics
-    are touched. The ids are checked here against the dataset's own vocabulary (scratch); against other weights'
-    (GPT-2's, a checkpoint's) once those are read (None here)."""
+    """The dataset's folder, its meta.json, and the vocabulary its ids were checked against (None: other weights',
+    checked once read): a missing file or a bad id fails before the model is built and before out_dir is touched."""
     data_dir = dataio.dataset_dir(cfg.dataset, cfg.data_dir)
     meta = dataio.load_meta(data_dir) if cfg.init_from == "scratch" else dataio.find_meta(data_dir)
     data_vocab = meta["vocab_size"] if cfg.init_from == "scratch" else None
     for split in ("train", "val"):  # before the model is built (or downloaded, or compiled): seconds, not minutes
         dataio.open_split(data_dir, split, data_vocab, meta).check_window(cfg.block_size)
     return data_dir, meta, data_vocab
-
-
-# ----------------------------------------------------------------------------------------------- a resume
 
 
 @dataclass
@@ -234,7 +204,8 @@ def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
     if plan.found is None:
         return Resumed()
     ckpt, path = plan.found.read(), plan.found.path
-    for field in ("iter_num", "best_val_loss", *(() if "sharded" in ckpt else ("optimizer",))):  # stripped to save space
+    # what a resume needs, which a checkpoint stripped to save space may lack
+    for field in ("iter_num", "best_val_loss", *(() if "sharded" in ckpt else ("optimizer",))):
         if field not in ckpt:
             raise UserError(f"checkpoint {path} has no {field}, so a resume cannot continue it: start a new run from "
                             f"its weights with --init_from={path}")
@@ -248,43 +219,29 @@ def read_resumed(plan: StartPlan, dist: Dist, log: Logger) -> Resumed:
     return Resumed(ckpt, int(ckpt["iter_num"]), float(ckpt["best_val_loss"]), changes)
 
 
-def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: int,
-                   saved_world_size: int) -> list[str]:
-    """Settings of `cfg` that differ from the checkpoint's run (its config `saved`, and the GELU its model was
-    trained with). A different model shape (step.MODEL_KEYS) or GELU cannot resume (UserError); anything else is
-    allowed and returned, to be printed: it applies from the resume on (the optimizer's settings too:
-    load_training_state)."""
-    changed = [  # where it runs is no setting of the run, and "auto" is resolved anew on this machine
-        f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}"
-        for k in (f.name for f in fields(cfg))
-        if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
-        and getattr(cfg, k) != "auto" and saved[k] != "auto"
-    ]
+def resume_changes(saved: dict, saved_gelu: str, cfg: TrainConfig, world_size: int, saved_world_size: int) -> list[str]:
+    """Settings of `cfg` that differ from the checkpoint's run (`saved`, and its model's GELU), to be printed: they
+    apply from the resume on. Another model shape (step.MODEL_KEYS), GELU or optimizer cannot resume (UserError)."""
+    changed = [f"{k}: {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (f.name for f in fields(cfg))
+               if k in saved and saved[k] != getattr(cfg, k) and k not in (*NOT_RESUMED, "gelu", "optimizer")
+               and getattr(cfg, k) != "auto" and saved[k] != "auto"]  # "auto" is resolved anew on this machine
     model = [c for c in changed if c.split(":")[0] in MODEL_KEYS]
     if cfg.gelu is not None and cfg.gelu != saved_gelu:
         model.append(f"gelu: {saved_gelu!r} -> {cfg.gelu!r}")
     if model:
-        raise UserError(
-            f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, or a new "
-            f"out_dir to start a new run"
-        )
+        raise UserError(f"cannot resume: the checkpoint's model differs ({'; '.join(model)}): use the run's settings, "
+                        f"or a new out_dir to start a new run")
     saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before the key (and nanoGPT's): AdamW
     if saved_optimizer != cfg.optimizer:
-        raise UserError(
-            f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not {cfg.optimizer!r}: "
-            f"use --optimizer={saved_optimizer}, or a new out_dir to start a new run"
-        )
+        raise UserError(f"cannot resume: the checkpoint was written by optimizer={saved_optimizer!r}, not "
+                        f"{cfg.optimizer!r}: use --optimizer={saved_optimizer}, or a new out_dir to start a new run")
     if world_size != saved_world_size:
         changed.append(f"world_size: {saved_world_size} -> {world_size}")
     return changed
 
 
-# ----------------------------------------------------------------------------------------------- the model
-
-
 def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
-    """The model init_from names (init_model), on the CPU, once its tokenizer is the dataset's and its context holds
-    block_size."""
+    """The model init_from names, on the CPU, once its tokenizer is the dataset's and its context holds block_size."""
     if meta is not None and cfg.init_from != "scratch":  # weights train only on data of their own tokenizer
         source = "the checkpoint" if ckpt is not None else f"init_from={cfg.init_from!r}"
         tokenizers.check_tokenizer(*checkpoints.weights_tokenizer(cfg.init_from, ckpt), meta, source, cfg.dataset)
@@ -295,8 +252,8 @@ def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
         what, fix = ((f"the model (n_layer={cfg.n_layer}, n_embd={cfg.n_embd})", "give a smaller n_layer or n_embd")
-                     if cfg.init_from == "scratch" else (f"the model of init_from={cfg.init_from!r}",
-                                                          "run it on a machine with more memory"))
+                     if cfg.init_from == "scratch" else
+                     (f"the model of init_from={cfg.init_from!r}", "run it on a machine with more memory"))
         asked = re.search(r"allocate (\d+) bytes", str(e))
         why = (f"a tensor of {size_text(int(asked[1]))} could not be allocated" if asked else
                str(e).strip().split(". ")[0][:200])
@@ -307,8 +264,7 @@ def load_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
 
 
 def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict | None) -> GPT:
-    """The model for init_from: a fresh GPT sized by the config and the dataset's vocabulary (padded to a multiple of
-    vocab_padding_multiple), the checkpoint's, or GPT-2's weights (cropped to block_size)."""
+    """The model for init_from: a fresh GPT for the dataset's vocabulary, the checkpoint's, or pretrained weights."""
     settings = model_settings(cfg, machine)
     if cfg.init_from == "scratch":
         if meta is None:
@@ -328,15 +284,12 @@ def init_model(cfg: TrainConfig, machine: Machine, meta: dict | None, ckpt: dict
     if cfg.init_from in GPT2_MODELS or os.path.isdir(cfg.init_from):
         model = pretrained_gpt2(cfg.init_from, settings, vocab_padding_multiple=cfg.vocab_padding_multiple)
         return fit_pretrained(model, cfg)
-    raise UserError(
-        f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
-        f"a folder with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir"
-    )
+    raise UserError(f"init_from={cfg.init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, "
+                    f"gpt2-xl, a folder with a HF GPT-2 model, a checkpoint file or sharded folder, or a run's out_dir")
 
 
 def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
-    """Pretrained weights for a new run: their shape and GELU must be the configured ones where the config sets them,
-    and their context is cropped to block_size."""
+    """Pretrained weights for a new run: shape and GELU as the config sets them, context cropped to block_size."""
     defaults = TrainConfig()
     wrong = [f"{k}={getattr(cfg, k)} (the weights have {getattr(model.config, k)})" for k in SHAPE_KEYS
              if getattr(cfg, k) not in (getattr(defaults, k), getattr(model.config, k))]
@@ -344,29 +297,20 @@ def fit_pretrained(model: GPT, cfg: TrainConfig) -> GPT:
         raise UserError(f"init_from={cfg.init_from!r}: {', '.join(wrong)}: the model's shape is its weights'; remove "
                         f"{'these settings' if len(wrong) > 1 else 'this setting'}")
     if cfg.gelu is not None and cfg.gelu != model.config.gelu:
-        raise UserError(
-            f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
-            f"gelu={model.config.gelu!r}: remove the gelu setting"
-        )
+        raise UserError(f"gelu={cfg.gelu!r} does not match the weights of {cfg.init_from!r}, which were trained with "
+                        f"gelu={model.config.gelu!r}: remove the gelu setting")
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model
 
 
-# ----------------------------------------------------------------------------------------------- accepting
-
-
 def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, scaler: torch.amp.GradScaler,
            dist: Dist, log: Logger, stop: StopRequest) -> str | None:
-    """
-    The start accepted. A resume's training state is restored first (the optimizer's, a sharded checkpoint's weights
-    too, into the placed model; the grad scaler's; the dropout RNG). Then, once every rank got here (none refuses the
-    start once rank 0 accepted it), a signal stops the run with a checkpoint (stop.arm), a new run moves the one in
-    out_dir aside whole and writes its run.json, a resume keeps its run's, and the start's line opens metrics.jsonl.
-    Rank 0 alone writes, and only for a start that saves (one that evaluates only changes nothing there); returns the
-    run's id (None on the other ranks). A write that fails undoes what the start changed (the previous run moved back,
-    run.json as it was) and is a WriteError: the folder is as it was.
-    """
+    """The start accepted. A resume's training state is restored first (optimizer, a sharded checkpoint's weights,
+    grad scaler, dropout RNG). Then, once every rank got here (none refuses the start once rank 0 accepted it), a
+    signal stops the run with a checkpoint, a new run moves the previous one aside and writes its run.json, a resume
+    keeps its run's, and the start's line opens metrics.jsonl. Rank 0 alone writes, only for a start that saves; a
+    failed write undoes what the start changed (a WriteError). Returns the run's id (None on the other ranks)."""
     resumed = loaded.resumed
     if resumed.ckpt is not None:
         checkpoints.load_training_state(model, optimizer, resumed.ckpt)
@@ -388,7 +332,7 @@ def accept(plan: StartPlan, loaded: Loaded, model: GPT, optimizer: Optimizers, s
         try:
             log.start(run_id, resumed.iter_num, plan.cfg.init_from, resumed.changes)
         except WriteError:
-            outdir.restore_run(out_dir, run)  # run.json as it was, or none where there was none
+            outdir.restore_run(out_dir, run)
             raise
         return run_id
     moved = outdir.move_previous_run(out_dir)

@@ -1,11 +1,9 @@
-"""How figures read in the messages and logs: counts with their noun, sizes in bytes, values of any size.
-"""
+"""How figures read in messages and logs: counts with their noun, sizes in bytes, values of any size."""
 from __future__ import annotations
 
 
 def plural(n: int, word: str) -> str:
-    """A count and its noun, for printed messages: '1 sample', '2 samples', '0 samples', '12,000 examples'.
-    `word` is the singular; the plural adds an s."""
+    """A count and its noun (`word`, the singular): '1 sample', '0 samples', '12,000 examples'."""
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
@@ -25,8 +23,8 @@ def size_text(n: int) -> str:
 
 
 def shown(value, width: int = 60) -> str:
-    """A value as a message quotes it, cut to `width` characters: a value of any size or content (a checkpoint or
-    config file edited by hand), an int past Python's 4300-digit repr too."""
+    """A value of any size or content as a message quotes it, cut to `width` characters (an int past Python's
+    4300-digit repr too)."""
     try:
         text = repr(value)
     except ValueError:  # int's repr refuses more than sys.get_int_max_str_digits() digits
