@@ -1,12 +1,7 @@
-"""Typed config loading: nanoGPT-style config files and `--key=value` overrides, checked against a dataclass.
-
-nanoGPT's configurator exec'd files into the script's globals and asserted on overrides, so a typo silently
-created a new global. Here every file runs in its own namespace, every key is checked against the typed
-defaults, and all problems are reported together in one ConfigError before anything is applied.
-
-`--help` (or `-h`) anywhere prints the script's usage and every key with its type, default, the comment on its line
-in the dataclass's source and the values its type declares, then exits 0 (help_text).
-"""
+"""nanoGPT-style config files and `--key=value` overrides, checked against a typed dataclass. Unlike nanoGPT's exec
+into the script's globals (where a typo made a new global), each file runs in its own namespace, every key is checked,
+and all problems come in one ConfigError before anything is applied. `--help` lists every key with its type, default,
+the comment on its line and its declared values."""
 from __future__ import annotations
 
 import ast
@@ -46,12 +41,10 @@ def configure(config: T, argv: list[str], usage: str | None = None) -> T:
 
 
 def configure_keys(config: T, argv: list[str], usage: str | None = None) -> tuple[T, set[str]]:
-    """configure, and the keys that the config files and overrides set (even to their default value): what the
-    user gave, as opposed to what was left to the defaults."""
+    """configure, and the keys the config files and overrides set (even to their default): what the user gave."""
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"configure() needs a dataclass instance, got {type(config).__name__}")
     exit_on_help(argv, script_doc(config) if usage is None else usage, config)
-    # get_type_hints resolves string annotations (`from __future__ import annotations` in the scripts).
     hints = typing.get_type_hints(type(config))
     keys = {f.name: hints[f.name] for f in dataclasses.fields(config) if f.init}
     problems: list[str] = []

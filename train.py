@@ -17,10 +17,9 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
 
 Config: the TrainConfig defaults (nanogpt/config.py), then config files and --key=value overrides in the order given.
 
-Top to bottom: train() checks the settings, holds out_dir and decides the start (start.begin: resume or not);
-setup() makes the run: the device and its precision, the data and the weights (start.load), the model placed, the
-optimizer, compile and the DDP / FSDP wrap, and accepts the start once every check has passed (start.accept); Loop
-runs the iterations (evaluate and save, the accumulated step, log) and the end. The step itself (nanogpt/step.py: the micro-batches, train_step) is bench.py's too.
+Top to bottom: train() checks the settings and decides the start (start.begin); setup() makes the run (the device and
+its precision, the data and the weights: start.load, the model, the optimizer, compile and the wrap) and accepts the
+start once every check has passed (start.accept); Loop runs the iterations and the end.
 """
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ from nanogpt.start import StartPlan
 from nanogpt.step import (NonFiniteError, NonFiniteGuard, OneStepLate, StepInterrupted, batch_generator, get_batch,
                           setup_process, to_device, train_batches, train_step)
 
-# ----------------------------------------------------------------------------------------------- schedule, evaluation
+# ----------------------------------------------------------------------------------------------- the schedule, evals
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -243,13 +242,14 @@ class StepReports:
         self.last_loss = f.loss
         if (it + 1) % cfg.log_interval:
             return
-        mfu = self.model.estimate_mfu(cfg.batch_size * self.accum_steps, dt, self.peak_flops, cfg.block_size)  # per rank
+        # per rank: this rank's micro-batches against one device's peak
+        mfu = self.model.estimate_mfu(cfg.batch_size * self.accum_steps, dt, self.peak_flops, cfg.block_size)
         if mfu is not None:
             self.running_mfu = mfu if self.running_mfu < 0 else 0.9 * self.running_mfu + 0.1 * mfu
         self.log.print(
             f"iter {it + 1}: loss {f.loss:.4f}, lr {lr:.2e}, time {ms:.2f}ms, "
-            f"{self.tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text(self.running_mfu if self.running_mfu >= 0 else None)}, "
-            f"grad norm {f.grad_norm:.3f}"
+            f"{self.tokens_per_iter / dt:,.0f} tok/s, "
+            f"mfu {mfu_text(self.running_mfu if self.running_mfu >= 0 else None)}, grad norm {f.grad_norm:.3f}"
         )
         self.log.metrics({"iter": it + 1, "loss": f.loss, "lr": lr, "ms": ms, "tok_s": self.tokens_per_iter / dt,
                           "mfu": mfu, "grad_norm": f.grad_norm})
@@ -265,8 +265,8 @@ class SaveSchedule:
 
     def __init__(self, training: Training, stop: StopRequest):
         cfg, self.training, self.stop = training.cfg, training, stop
-        self.writer = CheckpointWriter(cfg.out_dir, training.dist, cfg.parallelism == "fsdp", cfg.always_save_checkpoint,
-                                       cfg.keep_last, training.loaded.resumed.best_file,
+        self.writer = CheckpointWriter(cfg.out_dir, training.dist, cfg.parallelism == "fsdp",
+                                       cfg.always_save_checkpoint, cfg.keep_last, training.loaded.resumed.best_file,
                                        checkpoint_group(training.dist) if cfg.async_save else None)
         self.last_iter, self.last_time = training.loaded.resumed.iter_num, time.time()
 
@@ -275,7 +275,7 @@ class SaveSchedule:
         stop's), which is written before the run ends."""
         t, cfg = self.training, self.training.cfg
         state = checkpoint_file.train_state(t.raw_model, t.scaler, iter_num, best_val_loss, asdict(cfg), t.dist,
-                                       t.log.elapsed(), t.loaded.meta, t.run_id)
+                                            t.log.elapsed(), t.loaded.meta, t.run_id)
         background = cfg.async_save and iter_num < cfg.max_iters and not stopping
         for line in self.writer.save(t.raw_model, t.optimizer, state, improved, background):
             t.log.print(line)

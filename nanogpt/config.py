@@ -1,10 +1,7 @@
 """
-The settings, in one place: a training step's (StepConfig: data, model, optimizer, device and precision, which bench.py
-extends) and a run's (TrainConfig), each key with its type, default, meaning and, beside its type, the values it may
-hold (Range, OneOf, NotEmpty); and every check of them, the keys together and on this machine, collected into one
-message before anything slow runs and before out_dir is touched (TrainConfig.check). The commands' own configs
-declare their values the same way and check them with declared_problems; configurator.py reads the types, --help
-shows the values.
+The settings: a training step's (StepConfig, which bench.py extends) and a run's (TrainConfig), each key with its type,
+default, meaning and the values it may hold beside its type (Range, OneOf, NotEmpty); and every check of them, in one
+message before anything slow runs or out_dir is touched. The commands' own configs declare their values the same way.
 """
 from __future__ import annotations
 
@@ -27,9 +24,6 @@ from nanogpt.hf_gpt2 import GPT2_MODELS
 from nanogpt.optional import optional_import
 
 T = TypeVar("T")
-
-
-# ----------------------------------------------------------------------------------------------- declared values
 
 
 class Range:
@@ -280,11 +274,9 @@ class StepConfig:
         return Machine(device, dtype, dtype_reason(self.dtype, device), attention, attention_why,
                        resolve_fused_loss(self.fused_loss, device))
 
-    def check(self, world_size: int = 1) -> "Machine":
-        """One UserError naming every problem of these settings for a run of world_size ranks; else what "auto" means
-        here."""
+    def check(self, world_size: int = 1) -> None:
+        """One UserError naming every problem of these settings for a run of world_size ranks."""
         check(self.problems(world_size))
-        return self.machine()
 
     def machine_problems(self) -> list[str]:
         """What this machine cannot run: the device, the dtype on it, CUDA graphs elsewhere than CUDA, float8."""
