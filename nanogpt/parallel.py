@@ -61,8 +61,8 @@ def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool, compile_mode:
     mesh = init_device_mesh(device_type, (dist.world_size,))
     if dtype == "float16":  # resolved from dtype="auto" on a GPU without bf16
         raise UserError("parallelism='fsdp' needs bfloat16 or float32 (no sharded grad scaler here): set --dtype")
-    bf16 = dtype == "bfloat16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(**(bf16 if dtype == "bfloat16" else {}))
     for block in model.transformer.h:
         if compile:  # in place: the parameter names stay those of the plain model
             block.compile(mode=None if compile_mode == "default" else compile_mode)
