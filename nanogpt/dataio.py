@@ -142,9 +142,11 @@ def write_meta(data_dir: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
     return _write_json(Path(data_dir) / "meta.json", meta)
 
 
+ROOT = str(REPO)  # where dataset_dir finds data/<dataset>
+
+
 def dataset_dir(dataset: str, data_dir: str | None = None) -> str:
-    """data_dir, else the repo's data/<dataset>."""
-    return data_dir or os.path.join(REPO, "data", dataset)
+    return data_dir or os.path.join(ROOT, "data", dataset)
 
 
 def find_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
