@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +35,19 @@ def markdown_table(header: list[str], rows: list[list[str]], align: str) -> str:
 
     rule = "|" + "|".join("-" * (w + 1) + ":" if a == "r" else ":" + "-" * (w + 1) for w, a in zip(widths, align)) + "|"
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def median_ms(step, repeats: int, device: str) -> float:
+    """The median ms of `repeats` calls of step(), on the device's own timeline."""
+    from nanogpt.device import DeviceClock, synchronize
+
+    clock, marks = DeviceClock(device), []
+    for _ in range(repeats):
+        a = clock.mark()
+        step()
+        marks.append((a, clock.mark()))
+    synchronize(device)
+    return statistics.median(clock.ms(a, b) for a, b in marks)
 
 
 def override_args(overrides: dict) -> list[str]:

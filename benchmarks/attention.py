@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -28,8 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from benchmarks import markdown_table  # noqa: E402
-from nanogpt.device import DTYPES, DeviceClock, resolve_device  # noqa: E402
+from benchmarks import markdown_table, median_ms  # noqa: E402
+from nanogpt.device import DTYPES, resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.hardware import flash_impl, flash_impl_problem  # noqa: E402
 from nanogpt.measure import write_json  # noqa: E402
@@ -104,22 +103,6 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
-def flops(B: int, H: int, T: int, D: int) -> float:
-    """Causal attention's forward FLOPs: q k^T and p v, 2*B*H*T*T*D each, half of them masked away."""
-    return 4 * B * H * T * T * D / 2
-
-
-def timed(fn, q, k, v, backward: bool, repeats: int, device: str) -> float:
-    clock, marks = DeviceClock(device), []
-    for _ in range(repeats):
-        a = clock.mark()
-        run_once(fn, q, k, v, backward)
-        marks.append((a, clock.mark()))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    return statistics.median(clock.ms(a, b) for a, b in marks)
-
-
 def auto_choice(q, k, v) -> str:
     """The kernel SDPA's `auto` picks for these inputs, by name."""
     choose = getattr(torch, "_fused_sdp_choice", None)
@@ -144,12 +127,12 @@ def measure(kernel: str, shape: tuple[int, int, int, int], dtype: torch.dtype, d
             return {**row, "status": "n/a", "reason": str(e)}
         except RuntimeError as e:  # the forced kernel refuses this case: PyTorch's reasons
             return {**row, "status": "n/a", "reason": str(e).strip().splitlines()[0][:200]}
-        forward_ms = timed(fn, q, k, v, False, repeats, device)
-        total_ms = timed(fn, q, k, v, True, repeats, device)
+        forward_ms = median_ms(lambda: run_once(fn, q, k, v, False), repeats, device)
+        total_ms = median_ms(lambda: run_once(fn, q, k, v, True), repeats, device)
     y_ref, grads_ref = reference(q, k, v)
     errors = {"out": relative_error(y, y_ref), **{f"d{n}": relative_error(g, r) for n, g, r in
                                                   zip("qkv", grads, grads_ref)}}
-    fwd = flops(B, H, T, D)
+    fwd = 4 * B * H * T * T * D / 2  # the forward: q k^T and p v, 2*B*H*T*T*D FLOPs each, half masked away
     row.update(status="ok", forward_ms=forward_ms, total_ms=total_ms, errors=errors,
                forward_tflops=fwd / forward_ms / 1e9,
                backward_tflops=2.5 * fwd / max(total_ms - forward_ms, 1e-9) / 1e9,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -23,8 +22,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks import markdown_table  # noqa: E402
-from nanogpt.device import DeviceClock, resolve_device  # noqa: E402
+from benchmarks import markdown_table, median_ms  # noqa: E402
+from nanogpt.device import resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.measure import write_json  # noqa: E402
 
@@ -77,14 +76,7 @@ def measure(name: str, width: int, tokens: int, device: str, repeats: int, peak:
         y.backward(dy)
 
     step()  # compile
-    clock, marks = DeviceClock(device), []
-    for _ in range(repeats):
-        a = clock.mark()
-        step()
-        marks.append((a, clock.mark()))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    ms = statistics.median(clock.ms(a, b) for a, b in marks)
+    ms = median_ms(step, repeats, device)
     bandwidth = least_bytes / (ms / 1000)
     return {"kernel": name, "tokens": tokens, "width": width, "ms": ms, "least_bytes": least_bytes,
             "bandwidth": bandwidth, "peak_share": bandwidth / peak if peak else None}
