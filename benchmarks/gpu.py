@@ -6,19 +6,15 @@ JSON are the interface); on one H100 about 11 minutes with torch.compile's cache
     python benchmarks/gpu.py                    # everything; results in gpu_results/ (gpu.json, gpu.md)
     python benchmarks/gpu.py --parts=headline,largest --results_dir=/tmp/r --peak_flops=989e12
 
-Parts (in this order; --parts picks some):
-  recipe     GPT-2 124M at the FineWeb recipe's shape per GPU (64 x 1024, bf16, compile, flash, padded vocabulary,
-             bias): tokens/s, MFU, the step's multiple of its matmul floor, peak memory and a profile; then a row per
-             speed key (max-autotune without and with CUDA graphs, fp8 tensorwise auto and all, rowwise all).
+Parts (in this order; --parts picks some), beside nanoGPT's published A100 figures where there are some:
+  recipe     GPT-2 124M at the FineWeb recipe's shape per GPU (64 x 1024, bias): tokens/s, MFU, the multiple of the
+             matmul floor, peak memory, a profile; then a row per speed key (max-autotune, CUDA graphs, fp8)
   headline   GPT-2 124M at nanoGPT's bench settings (12 x 1024, bf16, compile, SDPA, padded vocabulary): ms/iter,
-             tokens/s and MFU against the GPU's dense bf16 peak (mfu.PEAK_FLOPS by name, else --peak_flops).
-  attention  math attention -> SDPA (auto) -> each SDPA kernel -> flash with the padded vocabulary, beside nanoGPT's
-             published A100 ms/iter.
-  cumulative float32 -> + TF32 -> + bf16 -> + compile -> + flash -> + padded vocabulary (the headline's settings),
-             beside the published A100 tokens/s.
-  largest    the largest micro-batch at block 1024, math attention vs SDPA (benchmarks/memory.py --find_max_batch).
-  baby       the baby GPT (config/train_shakespeare_char.py): wall time until its val loss reaches 1.47 (nanoGPT:
-             ~3 minutes on an A100).
+             tokens/s and MFU against the GPU's dense bf16 peak (mfu.PEAK_FLOPS by name, else --peak_flops)
+  attention  math attention -> SDPA (auto) -> each SDPA kernel -> flash with the padded vocabulary
+  cumulative float32 -> + TF32 -> + bf16 -> + compile -> + flash -> + padded vocabulary
+  largest    the largest micro-batch at block 1024, math attention vs SDPA (benchmarks/memory.py --find_max_batch)
+  baby       the baby GPT (config/train_shakespeare_char.py): wall time until its val loss reaches 1.47
 
 nanoGPT side by side (--nanogpt=PATH, a checkout of karpathy/nanoGPT; then only this part runs, unless --parts names
 others): its `bench.py --real_data=False` and ours at the same settings in alternating fresh processes, at 12 x 1024
