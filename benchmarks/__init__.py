@@ -50,6 +50,10 @@ def median_ms(step, repeats: int, device: str) -> float:
     return statistics.median(clock.ms(a, b) for a, b in marks)
 
 
+def sdpa(backend: str, vocab_padding_multiple: int = 1) -> dict:
+    return {"attention": "sdpa", "sdpa_backend": backend, "vocab_padding_multiple": vocab_padding_multiple}
+
+
 def override_args(overrides: dict) -> list[str]:
     """--key=value arguments that set `overrides` (strings quoted, so '--dtype=float32' stays a string)."""
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]

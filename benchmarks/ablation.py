@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
-from benchmarks import load_note, markdown_table, run_child, study_config  # noqa: E402
+from benchmarks import load_note, markdown_table, run_child, sdpa, study_config  # noqa: E402
 from nanogpt.device import resolve_device, resolve_dtype  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.measure import allocator_line, detect_allocator, machine_info, machine_line, write_json  # noqa: E402
@@ -46,19 +46,15 @@ class Row:
     cuda_only: str | None = None  # why the row means nothing on another device
 
 
-def _sdpa(backend: str, vocab_padding_multiple: int = 1) -> dict:
-    return {"attention": "sdpa", "sdpa_backend": backend, "vocab_padding_multiple": vocab_padding_multiple}
-
-
 HALF = "half"  # stands for the device's best half type: bfloat16, or float16 on a GPU without bf16 (V100, T4)
 STUDIES: dict[str, list[Row]] = {
     # each row against the user's config, from nanoGPT's attention (explicit math, no vocabulary padding)
     "attention": [
         Row("attention", "math", "math attention (nanoGPT)", {"attention": "math", "vocab_padding_multiple": 1}),
-        Row("attention", "sdpa-math", "SDPA math kernel", _sdpa("math")),
-        Row("attention", "efficient", "SDPA memory-efficient kernel", _sdpa("efficient")),
-        Row("attention", "flash", "SDPA flash kernel", _sdpa("flash")),
-        Row("attention", "flash+pad", "flash + padded vocab (64)", _sdpa("flash", vocab_padding_multiple=64)),
+        Row("attention", "sdpa-math", "SDPA math kernel", sdpa("math")),
+        Row("attention", "efficient", "SDPA memory-efficient kernel", sdpa("efficient")),
+        Row("attention", "flash", "SDPA flash kernel", sdpa("flash")),
+        Row("attention", "flash+pad", "flash + padded vocab (64)", sdpa("flash", vocab_padding_multiple=64)),
     ],
     # each row adds its change to the rows above it, so the last one has every technique
     "cumulative": [

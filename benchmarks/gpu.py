@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import override_args  # noqa: E402
+from benchmarks import override_args, sdpa  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.mfu import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
 from nanogpt.metrics import read_records  # noqa: E402
@@ -66,20 +66,15 @@ RECIPE = [
 BENCH = ["--device=cuda", "--batch_size=12", "--block_size=1024", "--gradient_accumulation_steps=1",
          "--dtype='bfloat16'", "--compile=True"]
 
-
-def _sdpa(backend: str, vocab_padding_multiple: int = 1) -> dict:
-    return {"attention": "sdpa", "sdpa_backend": backend, "vocab_padding_multiple": vocab_padding_multiple}
-
-
 # (name, label, bench.py overrides, nanoGPT's published A100 figure or None)
 ATTENTION = [
     ("math", "math attention (nanoGPT's)", {"attention": "math", "vocab_padding_multiple": 1}, 143.0),
-    ("sdpa", "SDPA (auto kernel)", _sdpa("auto"), None),
-    ("sdpa-math", "SDPA math kernel", _sdpa("math"), None),
-    ("efficient", "SDPA memory-efficient kernel", _sdpa("efficient"), None),
-    ("cudnn", "SDPA cuDNN kernel", _sdpa("cudnn"), None),
-    ("flash", "SDPA flash kernel", _sdpa("flash"), 113.0),
-    ("flash+pad", "flash + padded vocab (64)", _sdpa("flash", 64), 87.0),
+    ("sdpa", "SDPA (auto kernel)", sdpa("auto"), None),
+    ("sdpa-math", "SDPA math kernel", sdpa("math"), None),
+    ("efficient", "SDPA memory-efficient kernel", sdpa("efficient"), None),
+    ("cudnn", "SDPA cuDNN kernel", sdpa("cudnn"), None),
+    ("flash", "SDPA flash kernel", sdpa("flash"), 113.0),
+    ("flash+pad", "flash + padded vocab (64)", sdpa("flash", 64), 87.0),
 ]
 ATTENTION_NOTE = ("nanoGPT's published A100 sequence is 143 -> 134 -> 119 -> 113 -> 87 ms/iter; the rows of 143 "
                   "(math), 113 (flash) and 87 (flash + padding) are named there, the intermediate 134 and 119 are not")

@@ -160,19 +160,15 @@ def tokenizer_meta(meta: dict[str, Any]) -> dict[str, Any]:
 
 def meta_path(data_dir: str | os.PathLike[str]) -> Path | None:
     """data_dir/meta.json, else nanoGPT's meta.pkl; None if neither."""
-    for name in ("meta.json", "meta.pkl"):
-        if (Path(data_dir) / name).is_file():
-            return Path(data_dir) / name
-    return None
+    return next((p for name in ("meta.json", "meta.pkl") if (p := Path(data_dir) / name).is_file()), None)
 
 
 def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """meta.json, else nanoGPT's meta.pkl; a missing or malformed file is a UserError that says how to make it."""
     path = meta_path(data_dir)
     if path is None:
-        gpt2 = ""
-        if (Path(data_dir) / "train.bin").is_file():  # nanoGPT writes no meta file for GPT-2 BPE tokens
-            gpt2 = f"; for GPT-2 BPE tokens (nanoGPT's openwebtext) write meta.json as {json.dumps(GPT2_META)}"
+        gpt2 = (f"; for GPT-2 BPE tokens (nanoGPT's openwebtext) write meta.json as {json.dumps(GPT2_META)}"
+                if (Path(data_dir) / "train.bin").is_file() else "")  # nanoGPT writes no meta file for GPT-2 BPE
         raise UserError(f"no meta.json in {data_dir}: {_prepare_hint(data_dir)}{gpt2}")
     if path.suffix == ".pkl":
         return load_nanogpt_meta(path)
@@ -183,8 +179,7 @@ def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({e}): {again}") from e
     if not isinstance(meta, dict):
         raise UserError(f"{path} holds a {type(meta).__name__}, not a JSON object: {again}")
-    missing = [k for k in ("vocab_size", "tokenizer") if k not in meta]
-    if missing:
+    if missing := [k for k in ("vocab_size", "tokenizer") if k not in meta]:
         raise UserError(f"{path} lacks key(s) {', '.join(missing)}: {again}")
     if (why := meta_problem(meta)) is not None:  # a file written by hand (README: your own data)
         raise UserError(f"{path}: {why}: {again}")
