@@ -1,6 +1,5 @@
-"""Studies and side-by-side benchmarks beside bench.py, built on it and nanogpt/, never the reverse. What they share:
-their own keys beside bench.py's (study_config), bench.py runs in fresh processes read back through their result JSON
-(run_child: their one interface to bench.py), Markdown tables, and a note when other processes loaded the machine."""
+"""Studies and side-by-side benchmarks beside bench.py, built on it and nanogpt/, never the reverse; they run bench.py
+in fresh processes and read back its result JSON (run_child), their one interface to it."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
-"""The device and its precision for training, sampling and benchmarks: which device, dtype, attention and loss path
-"auto" picks (the one measured fastest there), autocast, TF32, determinism, malloc's freed memory, and time on the
-device's own timeline (DeviceClock)."""
+"""The device and its precision, one place for training, sampling and benchmarks; each "auto" picks what was measured
+fastest there (docs/performance.md, docs/gpu.md)."""
 from __future__ import annotations
 
 import contextlib

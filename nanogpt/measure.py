@@ -1,5 +1,5 @@
-"""What bench.py and benchmarks/ measure with: the machine (versions, allocator, load from other processes), peak
-memory, the optimizer's time, the profiler and a step's matmul floor. The training path never imports it."""
+"""What bench.py and benchmarks/ measure with (the machine, peak memory, optimizer time, the profile, a step's matmul
+floor); the training path never imports it."""
 from __future__ import annotations
 
 import json
