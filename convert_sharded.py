@@ -1,8 +1,7 @@
 """
-Write a sharded checkpoint (the folder an FSDP run saves, out_dir/ckpt_sharded) as one ckpt.pt: model, optimizer and
-train state, as a one-process or DDP run writes it, e.g. to resume on a machine without torch.distributed.checkpoint
-or to hand the weights to a tool that reads one file. sample.py, export.py, hellaswag.py and init_from read the
-folder as it is; this is for everything else.
+Write a sharded checkpoint (the folder an FSDP run saves, out_dir/ckpt_sharded) as one ckpt.pt with model, optimizer
+and train state, e.g. to resume without torch.distributed.checkpoint or for a tool that reads one file. sample.py,
+export.py, hellaswag.py and init_from read the folder as it is.
 
 $ python convert_sharded.py out/ckpt_sharded                 # writes out/ckpt.pt
 $ python convert_sharded.py out/ckpt_sharded_best best.pt    # the best val loss's weights, to a file of your choice
@@ -17,7 +16,7 @@ from nanogpt.checkpoint_sharded import convert_to_single_file
 
 
 def main(argv: list[str]) -> None:
-    exit_on_help(argv, __doc__)  # --help, -h: the usage, exit 0
+    exit_on_help(argv, __doc__)
     if len(argv) not in (1, 2) or argv[0].startswith("-"):
         raise UserError("usage: python convert_sharded.py OUT_DIR/ckpt_sharded [OUT_FILE] (default OUT_DIR/ckpt.pt)")
     print(f"wrote {convert_to_single_file(*argv)}")

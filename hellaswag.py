@@ -1,21 +1,15 @@
 """
-HellaSwag accuracy of a checkpoint or of GPT-2's weights, scored as build-nanogpt does ("completion style"): each
-example's context is followed by each of its 4 endings, and the ending whose tokens the model finds most likely
-wins. acc: the lowest total loss over the ending's tokens; acc_norm: the lowest mean loss per token (it does not
-favour short endings). train.py runs the same evaluation during training with hellaswag=True.
+HellaSwag accuracy of a checkpoint or of GPT-2's weights, scored as build-nanogpt does (nanogpt/hellaswag.py, which
+train.py's evals use too with hellaswag=True): acc by the ending's total loss, acc_norm by its mean loss per token.
 
 $ python hellaswag.py --init_from=gpt2       # build-nanogpt's figures for it: acc 0.2859, acc_norm 0.2955
 $ python hellaswag.py --init_from=gpt2-xl    # acc 0.3842, acc_norm 0.4893
-$ python hellaswag.py --out_dir=out-gpt2-fineweb  # a training run's newest checkpoint (ckpt.pt or an FSDP sharded folder)
+$ python hellaswag.py --out_dir=out-gpt2-fineweb  # a run's newest checkpoint (ckpt.pt or an FSDP sharded folder)
 $ torchrun --standalone --nproc_per_node=8 hellaswag.py --init_from=gpt2-xl   # the examples split over 8 GPUs
 
 The validation set (10,042 examples, 11 MB) is downloaded once to data/hellaswag/; `path=FILE` reads a local copy
 or any file in its format: JSON lines with "ctx" (text), "endings" (4 texts) and "label" (0-3).
-
 Config: the HellaSwagConfig defaults below, then config files and --key=value overrides in the order given.
-
-The examples and their scoring are nanogpt/hellaswag.py's (train.py scores through it too); checkpoints are read
-through nanogpt/checkpoints.py.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """
-Loss curves of training runs: train and val loss against steps and against wall time, one colour per run, from
-each run's metrics.jsonl (train.py writes it into out_dir).
+Loss curves of train.py runs from their metrics.jsonl: train and val loss against steps and against wall time.
 
 $ python plot.py out-shakespeare-char-cpu                    # -> loss.png
 $ python plot.py out-a out-b --out=compare.png               # two runs, one picture
 
-The thin line is the training loss logged every log_interval steps (the step's mean over its micro-batches and
-ranks: one batch's worth, so noisy); the thick line with dots is the val loss of each eval. Wall time is
-metrics.jsonl's elapsed_s: seconds since the run started, evals included, so runs of different speed compare on the
-right panel.
-
-Reads metrics.jsonl through nanogpt/metrics.py and draws through nanogpt/plot.py.
+The thin line is the training loss every log_interval steps (one batch's worth, so noisy); the thick one with dots
+the val loss of each eval. Wall time is elapsed_s since the run started, evals included, so runs of different speed
+compare on the right panel.
 """
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ from nanogpt.plot import draw
 
 
 def plot_runs(out_dirs: list[str], out: str = "loss.png") -> str:
-    """Draw the runs of `out_dirs` into the PNG `out` (left: against steps, right: against wall time)."""
     pyplot("plot.py")  # a missing matplotlib is named first, before any run is read
-    if not out.lower().endswith(".png"):  # the picture is a PNG, whatever the name says
+    if not out.lower().endswith(".png"):
         raise UserError(f"--out={out!r}: the picture is a PNG: give a name ending in .png")
     if (why := files.replaced_problem(out, lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"), "a PNG picture")):
         raise UserError(f"--out={out}: {why}")

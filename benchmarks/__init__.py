@@ -1,13 +1,10 @@
-"""
-Studies and side-by-side benchmarks beside bench.py: they build on bench.py, train.py and the package nanogpt/, never
-the reverse. What they share is here: their own keys beside bench.py's (study_config), bench.py runs in fresh processes
-read back through their result JSON (run_child: the studies' one interface to bench.py), Markdown tables, and a note
-when other processes loaded the machine.
-"""
+"""Studies and side-by-side benchmarks beside bench.py, built on it and nanogpt/, never the reverse; they run bench.py
+in fresh processes and read back its result JSON (run_child), their one interface to it."""
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -22,7 +19,7 @@ T = TypeVar("T")
 
 
 def load_note(fraction: float | None) -> str:
-    """A warning when other processes took a noticeable share of the CPUs during a measurement."""
+    """A warning when other processes took a noticeable share of the CPUs."""
     if fraction is None or fraction < 0.1:
         return ""
     return f"busy machine: other processes took {fraction:.0%} of the CPUs"
@@ -39,17 +36,31 @@ def markdown_table(header: list[str], rows: list[list[str]], align: str) -> str:
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+def median_ms(step, repeats: int, device: str) -> float:
+    """The median ms of `repeats` calls of step(), on the device's own timeline."""
+    from nanogpt.device import DeviceClock, synchronize
+
+    clock, marks = DeviceClock(device), []
+    for _ in range(repeats):
+        a = clock.mark()
+        step()
+        marks.append((a, clock.mark()))
+    synchronize(device)
+    return statistics.median(clock.ms(a, b) for a, b in marks)
+
+
+def sdpa(backend: str, vocab_padding_multiple: int = 1) -> dict:
+    return {"attention": "sdpa", "sdpa_backend": backend, "vocab_padding_multiple": vocab_padding_multiple}
+
+
 def override_args(overrides: dict) -> list[str]:
     """--key=value arguments that set `overrides` (strings quoted, so '--dtype=float32' stays a string)."""
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
 
 
 def run_child(argv: list[str], overrides: dict, result_path: str, script: str = "bench.py") -> dict:
-    """
-    One bench run in a fresh process, with the same interpreter and environment (so the same allocator and
-    threads): the user's argv, then `overrides`. Its result JSON, or status "n/a" with the reason when the run
-    stops with a user error (a kernel the device lacks: the model's UserError), or "failed" for a crash.
-    """
+    """One bench run in a fresh process (same interpreter and environment, so the same allocator and threads): its
+    result JSON, or status "n/a" and the reason for a user error (e.g. a kernel the device lacks), "failed" else."""
     cmd = [sys.executable, os.path.join(ROOT, script), *argv, *override_args(overrides), f"--result_json={result_path}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -69,9 +80,8 @@ def run_child(argv: list[str], overrides: dict, result_path: str, script: str = 
 
 
 def study_config(defaults: T, argv: list[str], bench_defaults) -> tuple[T, list[str]]:
-    """A study's own keys (the fields of `defaults`) from argv, and the rest: bench.py's config and overrides,
-    which the study hands to bench.load_config and to its child runs. --help: the study's usage, its keys and
-    bench.py's (`bench_defaults`: the study's bench.BenchConfig(); bench.py imports this module, never the reverse)."""
+    """A study's own keys (the fields of `defaults`) from argv, and the rest, for bench.load_config and the child
+    runs. --help lists both (`bench_defaults`: the bench.BenchConfig() the study passes in)."""
     exit_on_help(argv, script_doc(defaults), defaults, bench_defaults)
     own = {f.name for f in fields(defaults)}
     mine = [a for a in argv if a.startswith("--") and a[2:].split("=")[0] in own]

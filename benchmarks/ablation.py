@@ -22,11 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
-from nanogpt.measure import allocator_line, detect_allocator, machine_info, machine_line, write_json  # noqa: E402
-from benchmarks import load_note, markdown_table, run_child, study_config
-from nanogpt.optional import pyplot
+from benchmarks import load_note, markdown_table, run_child, sdpa, study_config  # noqa: E402
 from nanogpt.device import resolve_device, resolve_dtype  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
+from nanogpt.measure import allocator_line, detect_allocator, machine_info, machine_line, write_json  # noqa: E402
+from nanogpt.optional import pyplot  # noqa: E402
 
 CHART = "benchmarks/ablation.py (for ablation.png)"  # what needs matplotlib, for its error
 
@@ -46,19 +46,15 @@ class Row:
     cuda_only: str | None = None  # why the row means nothing on another device
 
 
-def _sdpa(backend: str, vocab_padding_multiple: int = 1) -> dict:
-    return {"attention": "sdpa", "sdpa_backend": backend, "vocab_padding_multiple": vocab_padding_multiple}
-
-
 HALF = "half"  # stands for the device's best half type: bfloat16, or float16 on a GPU without bf16 (V100, T4)
 STUDIES: dict[str, list[Row]] = {
     # each row against the user's config, from nanoGPT's attention (explicit math, no vocabulary padding)
     "attention": [
         Row("attention", "math", "math attention (nanoGPT)", {"attention": "math", "vocab_padding_multiple": 1}),
-        Row("attention", "sdpa-math", "SDPA math kernel", _sdpa("math")),
-        Row("attention", "efficient", "SDPA memory-efficient kernel", _sdpa("efficient")),
-        Row("attention", "flash", "SDPA flash kernel", _sdpa("flash")),
-        Row("attention", "flash+pad", "flash + padded vocab (64)", _sdpa("flash", vocab_padding_multiple=64)),
+        Row("attention", "sdpa-math", "SDPA math kernel", sdpa("math")),
+        Row("attention", "efficient", "SDPA memory-efficient kernel", sdpa("efficient")),
+        Row("attention", "flash", "SDPA flash kernel", sdpa("flash")),
+        Row("attention", "flash+pad", "flash + padded vocab (64)", sdpa("flash", vocab_padding_multiple=64)),
     ],
     # each row adds its change to the rows above it, so the last one has every technique
     "cumulative": [
@@ -79,14 +75,12 @@ CUMULATIVE = {"cumulative"}
 
 
 def half_dtype(device: str) -> str:
-    """bfloat16, except on a GPU without native bf16 (V100, T4: float16, with a grad scaler)."""
     return resolve_dtype("auto", device) if device.startswith("cuda") else "bfloat16"
 
 
 def selected_rows(cfg: AblationConfig, device: str) -> list[Row]:
-    """The rows of cfg.studies without cfg.skip_rows, with their full overrides. A skipped cumulative row's change
-    is left out of the rows below it too (skip_rows=compile: the cumulative study without compile). The half
-    type is the device's best: a GPU without bf16 gets float16 in the "bf16" row and every row below it."""
+    """The rows of cfg.studies without cfg.skip_rows, with their full overrides: a skipped cumulative row's change is
+    left out of the rows below it too; a GPU without bf16 gets float16 in the "bf16" row and below."""
     studies = [s.strip() for s in cfg.studies.split(",") if s.strip()]
     skips = {s.strip() for s in cfg.skip_rows.split(",") if s.strip()}
     known = {n for rows in STUDIES.values() for r in rows for n in (r.name, f"{r.study}.{r.name}")}
@@ -136,7 +130,7 @@ def run_ablation(rows: list[Row], argv: list[str], device: str) -> list[dict]:
 
 
 def add_speedups(results: list[dict]) -> None:
-    """Speed-up against the first row of each study (None when either did not run)."""
+    """Speed-up against the first row of each study (None unless both ran)."""
     first: dict[str, dict] = {}
     for r in results:
         base = first.setdefault(r["study"], r)
@@ -160,7 +154,7 @@ def ablation_table(results: list[dict]) -> str:
 
 
 def plot_ablation(results: list[dict], path: str) -> str:
-    """A bar chart of tokens/s per row, one panel per study; rows that did not run show their reason."""
+    """Tokens/s bars, a panel per study; rows that did not run show their reason."""
     plt = pyplot(CHART)
     studies = list(dict.fromkeys(r["study"] for r in results))
     fig, axes = plt.subplots(len(studies), 1, figsize=(8, 1 + 0.45 * len(results)), squeeze=False)

@@ -5,24 +5,17 @@ Attention alone, every kernel at hand, forward and backward: causal self-attenti
     python benchmarks/attention.py                                  # on the GPU: both shapes, every kernel
     python benchmarks/attention.py --shapes=2x64 --heads=2 --head_size=16 --dtype=float32 --device=cpu
 
-Kernels: SDPA's flash, cuDNN, memory-efficient and math backends (sdpa_kernel forces each), SDPA as `auto` leaves it
-(and which kernel that is: torch._fused_sdp_choice), flex_attention compiled with a causal block mask, and
-FlashAttention-4 through PyTorch's hook for newer flash kernels (torch.nn.attention.activate_flash_attention_impl
-("FA4") for its own row alone, PyTorch's kernel again after it; fed by the flash-attn-4 package: Hopper and
-Blackwell). A kernel that cannot run here (a missing package, a GPU it does not support, the CPU) is a row with its
-one-line reason.
-
-Per kernel and shape: ms of the forward and of forward + backward (median of --repeats after warm-up; CUDA events on a
-GPU), TFLOP/s of each (causal attention's 2 matmuls of 2*B*H*T*T*D FLOPs, halved by the mask; the backward counted as
-2.5 forwards, FlashAttention's convention) and the share of the GPU's dense bf16 peak (mfu.py's table, or
---peak_flops), and the relative error of the output and of dq, dk, dv against float64 math. --result_json writes the
-rows; docs/gpu.md has the table measured on an H100.
+Kernels: SDPA's flash, cuDNN, memory-efficient and math backends (each forced), SDPA's `auto` (and which kernel it
+picks), flex_attention compiled with a causal block mask, and FlashAttention-4 through PyTorch's flash hook for its
+row alone (the flash-attn-4 package: Hopper and Blackwell). A kernel that cannot run here is a row with its reason.
+Per kernel and shape: ms of the forward and of forward + backward (median of --repeats), TFLOP/s (the backward counted
+as 2.5 forwards, FlashAttention's convention) and the share of the GPU's dense bf16 peak, and the relative error of
+the output and of dq, dk, dv against float64 math. --result_json writes the rows; docs/gpu.md has them for an H100.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -34,8 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from benchmarks import markdown_table  # noqa: E402
-from nanogpt.device import DTYPES, DeviceClock, resolve_device  # noqa: E402
+from benchmarks import markdown_table, median_ms  # noqa: E402
+from nanogpt.device import DTYPES, resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.hardware import flash_impl, flash_impl_problem  # noqa: E402
 from nanogpt.measure import write_json  # noqa: E402
@@ -68,7 +61,7 @@ def attention_fn(kernel: str, device: str):
                 masks[T] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=q.device)
             return compiled(q, k, v, block_mask=masks[T])
         return flex
-    if kernel == "fa4":  # SDPA's flash kernel, FlashAttention-4's while measure's row puts it there (flash_impl)
+    if kernel == "fa4":  # SDPA's flash kernel, FlashAttention-4's while measure's row puts it there
         if (why := flash_impl_problem("fa4", device)) is not None:
             raise UserError(why)
         if not hasattr(torch.nn.attention, "restore_flash_attention_impl"):
@@ -84,7 +77,7 @@ def inputs(B: int, H: int, T: int, D: int, dtype: torch.dtype, device: str, seed
 
 
 def reference(q, k, v):
-    """float64 math attention and its gradients (of the output times a fixed upstream gradient)."""
+    """float64 math attention and its gradients under the fixed upstream gradient."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     T = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5  # (B, H, T, T)
@@ -110,24 +103,8 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
-def flops(B: int, H: int, T: int, D: int) -> float:
-    """Causal attention's forward FLOPs: q k^T and p v, 2*B*H*T*T*D each, half of them masked away."""
-    return 4 * B * H * T * T * D / 2
-
-
-def timed(fn, q, k, v, backward: bool, repeats: int, device: str) -> float:
-    clock, marks = DeviceClock(device), []
-    for _ in range(repeats):
-        a = clock.mark()
-        run_once(fn, q, k, v, backward)
-        marks.append((a, clock.mark()))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    return statistics.median(clock.ms(a, b) for a, b in marks)
-
-
 def auto_choice(q, k, v) -> str:
-    """The kernel SDPA's `auto` picks for these inputs (torch's own chooser), by name."""
+    """The kernel SDPA's `auto` picks for these inputs, by name."""
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None:
         return "?"
@@ -143,21 +120,22 @@ def measure(kernel: str, shape: tuple[int, int, int, int], dtype: torch.dtype, d
     with ExitStack() as row_scope:  # what the row changes in the process, undone when it ends, failed or not
         try:
             fn = attention_fn(kernel, device)
-            if kernel == "fa4":  # FlashAttention-4 holds for the whole process: taken back after this row, so that
-                row_scope.enter_context(flash_impl("fa4"))  # the flash and auto rows after it measure PyTorch's own
+            if kernel == "fa4":  # it holds for the whole process: taken back after this row, for the rows after it
+                row_scope.enter_context(flash_impl("fa4"))
             y, grads = run_once(fn, q, k, v, backward=True)  # also the warm-up: compile, kernels' autotuning
         except UserError as e:
             return {**row, "status": "n/a", "reason": str(e)}
         except RuntimeError as e:  # the forced kernel refuses this case: PyTorch's reasons
             return {**row, "status": "n/a", "reason": str(e).strip().splitlines()[0][:200]}
-        forward_ms = timed(fn, q, k, v, False, repeats, device)
-        total_ms = timed(fn, q, k, v, True, repeats, device)
+        forward_ms = median_ms(lambda: run_once(fn, q, k, v, False), repeats, device)
+        total_ms = median_ms(lambda: run_once(fn, q, k, v, True), repeats, device)
     y_ref, grads_ref = reference(q, k, v)
     errors = {"out": relative_error(y, y_ref), **{f"d{n}": relative_error(g, r) for n, g, r in
                                                   zip("qkv", grads, grads_ref)}}
-    fwd = flops(B, H, T, D)
+    fwd = 4 * B * H * T * T * D / 2  # the forward: q k^T and p v, 2*B*H*T*T*D FLOPs each, half masked away
     row.update(status="ok", forward_ms=forward_ms, total_ms=total_ms, errors=errors,
-               forward_tflops=fwd / forward_ms / 1e9, backward_tflops=2.5 * fwd / max(total_ms - forward_ms, 1e-9) / 1e9,
+               forward_tflops=fwd / forward_ms / 1e9,
+               backward_tflops=2.5 * fwd / max(total_ms - forward_ms, 1e-9) / 1e9,
                total_tflops=3.5 * fwd / total_ms / 1e9)
     row["peak_share"] = row["total_tflops"] * 1e12 / peak if peak else None
     if kernel == "auto":
@@ -180,7 +158,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.shapes = [tuple(int(n) for n in s.lower().split("x")) for s in args.shapes.split(",") if s.strip()]
     except ValueError:
-        raise UserError(f"--shapes={args.shapes!r}: give batch x tokens, comma-separated, e.g. 64x1024,12x1024") from None
+        raise UserError(f"--shapes={args.shapes!r}: give batch x tokens, comma-separated, e.g. "
+                        "64x1024,12x1024") from None
     args.kernels = [s.strip() for s in args.kernels.split(",") if s.strip()]
     problems = [f"unknown kernel {k!r}" for k in args.kernels if k not in KERNELS]
     if not args.shapes or any(len(s) != 2 or min(s) < 1 for s in args.shapes):

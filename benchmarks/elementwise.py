@@ -1,11 +1,8 @@
 """
-The step's memory-bound kernels alone, forward + backward as torch.compile fuses them in training: LayerNorm (the
-float32 residual stream in, bf16 out for the next matmul, as under autocast) and GELU (the MLP's bf16 hidden layer),
-at GPT-2 124M's widths for a 64 x 1024 micro-batch (the FineWeb recipe's). A kernel that only reads and writes is as
-fast as its bytes allow: each row says the bytes it must move at the least (every input read once, every output
-written once), the time, the bandwidth that makes, and its share of the GPU's (a datasheet table below, or
---peak_bandwidth): near 100% there is nothing left to win but fusing the kernel into its neighbour (the residual add
-into the LayerNorm, the GELU into the matmul's epilogue); well below, the kernel itself is slow.
+The step's memory-bound kernels alone, forward + backward, compiled as in training: LayerNorm (the float32 residual in,
+bf16 out for the next matmul) and GELU (the MLP's bf16 hidden layer), at GPT-2 124M's widths for a 64 x 1024
+micro-batch. Each row: the least bytes the kernel must move, the time, the bandwidth that makes and its share of the
+GPU's (the datasheet table below, or --peak_bandwidth): near 100% only fusing it into a neighbour can win more.
 
     python benchmarks/elementwise.py                                 # on the GPU
     python benchmarks/elementwise.py --tokens=2048 --device=cpu --repeats=3
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -26,8 +22,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks import markdown_table  # noqa: E402
-from nanogpt.device import DeviceClock, resolve_device  # noqa: E402
+from benchmarks import markdown_table, median_ms  # noqa: E402
+from nanogpt.device import resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.measure import write_json  # noqa: E402
 
@@ -43,7 +39,7 @@ def peak_bandwidth(device_name: str) -> float | None:
 
 
 def layer_norm(width: int, tokens: int, device: str):
-    """LayerNorm as the blocks run it: (the function, its inputs, the least bytes forward + backward move)."""
+    """LayerNorm as the blocks run it: (function, inputs, the least bytes forward + backward move)."""
     x = torch.randn(tokens, width, device=device)  # the residual stream: float32
     w, b = torch.ones(width, device=device), torch.zeros(width, device=device)
 
@@ -71,8 +67,7 @@ KERNELS = {"layernorm": layer_norm, "gelu": gelu}
 def measure(name: str, width: int, tokens: int, device: str, repeats: int, peak: float | None) -> dict:
     fn, args, least_bytes = KERNELS[name](width, tokens, device)
     compiled = torch.compile(fn)
-    # the upstream gradient, made once out here: filled in each step, it would be a write that least_bytes does not
-    # count, and the bandwidth would come out low
+    # made once out here: filled in each step, it would be a write least_bytes does not count
     dy = torch.ones_like(fn(*args))
 
     def step():
@@ -81,14 +76,7 @@ def measure(name: str, width: int, tokens: int, device: str, repeats: int, peak:
         y.backward(dy)
 
     step()  # compile
-    clock, marks = DeviceClock(device), []
-    for _ in range(repeats):
-        a = clock.mark()
-        step()
-        marks.append((a, clock.mark()))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    ms = statistics.median(clock.ms(a, b) for a, b in marks)
+    ms = median_ms(step, repeats, device)
     bandwidth = least_bytes / (ms / 1000)
     return {"kernel": name, "tokens": tokens, "width": width, "ms": ms, "least_bytes": least_bytes,
             "bandwidth": bandwidth, "peak_share": bandwidth / peak if peak else None}

@@ -1,15 +1,13 @@
 """
-Where float8 pays, layer by layer: each linear layer of a GPT block (attention's qkv and output projection, the
-MLP's fc and projection), at GPT-2's widths, timed forward + backward in bf16 autocast and as torchao's
-Float8Linear with tensorwise and rowwise scaling, each compiled as train.py compiles the model. float8.py's
-`fp8_layers="auto"` rule converts only the shapes this study found faster in float8.
+Where float8 pays, layer by layer: each linear layer of a GPT block at GPT-2's widths, timed forward + backward in bf16
+autocast and as torchao's Float8Linear with tensorwise and rowwise scaling, each compiled as train.py compiles the
+model. float8.py's fp8_layers="auto" converts only the shapes this study found faster in float8.
 
     python benchmarks/float8_layers.py                              # GPT-2's four widths, 64 x 1024 tokens
     python benchmarks/float8_layers.py --widths=768,1280 --tokens=16384
 
-Needs a CUDA GPU of compute capability 8.9 or later and torchao (a one-line error otherwise). Each layer is an
-nn.Linear with float32 master weights and a bias, fed a bf16 input that needs its gradient (as inside the model);
-the time is the median of --repeats forward + backward passes after a warm-up, with CUDA events.
+Needs a CUDA GPU of compute capability 8.9+ and torchao. Each layer is an nn.Linear with float32 master weights and a
+bias, fed a bf16 input that needs its gradient; the time is the median of --repeats passes after a warm-up.
 """
 from __future__ import annotations
 
@@ -28,11 +26,8 @@ from nanogpt import float8  # noqa: E402
 from nanogpt.config import fp8_problems  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 
-WIDTHS = {768: "GPT-2 124M", 1024: "GPT-2 medium", 1280: "GPT-2 large", 1600: "GPT-2 XL"}
-
 
 def block_layers(width: int) -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of a block's linear layers at n_embd = width."""
     return [("attn.c_attn", width, 3 * width), ("attn.c_proj", width, width), ("mlp.c_fc", width, 4 * width),
             ("mlp.c_proj", 4 * width, width)]
 

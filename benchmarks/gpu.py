@@ -1,44 +1,30 @@
 """
-The GPU benchmarks in one run, each measurement a fresh process (on one H100: about 11 minutes, the parts took
-0.7 + 4.8 + 2.6 + 0.6 + 2.5 minutes with torch.compile's cache cold; --budget_minutes caps it at 25):
+The GPU benchmarks in one run, each row a fresh `python bench.py ... --result_json=FILE` (bench.py's command line and
+JSON are the interface); on one H100 about 11 minutes with torch.compile's cache cold. docs/gpu.md has the results.
 
     python data/shakespeare_char/prepare.py     # once, for the baby GPT's time to loss
     python benchmarks/gpu.py                    # everything; results in gpu_results/ (gpu.json, gpu.md)
     python benchmarks/gpu.py --parts=headline,largest --results_dir=/tmp/r --peak_flops=989e12
 
-Parts (in this order; --parts picks some):
-  recipe     GPT-2 124M at the FineWeb recipe's shape per GPU (config/train_gpt2_fineweb.py: 64 x 1024, bf16, compile,
-             flash, padded vocabulary, bias): the headline row of tokens/s, MFU, the step's multiple of its matmul
-             floor and peak memory, with a profile (the top CUDA kernels, in results_dir/profile), then a row per
-             speed key: compile_mode=max-autotune-no-cudagraphs, compile_mode=max-autotune (CUDA graphs), and
-             fp8=True: tensorwise with fp8_layers=auto, then every layer tensorwise and rowwise (float8.py; the
-             loss after the timed steps beside bf16's).
-  headline   GPT-2 124M at nanoGPT's bench settings (batch 12 x 1024, bf16 autocast, torch.compile, SDPA, padded
-             vocabulary): ms/iter, tokens/s, and MFU against the GPU's dense bf16 peak (mfu.PEAK_FLOPS, by the
-             name CUDA reports; an unknown GPU says so and takes --peak_flops).
-  attention  the seeds' attention ablation at those settings: math attention -> SDPA (auto) -> each SDPA kernel
-             -> flash with the padded vocabulary, beside nanoGPT's published A100 ms/iter.
-  cumulative float32 -> + TF32 -> + bf16 -> + compile -> + flash -> + padded vocabulary (the last row is the headline
-             run's settings), tokens/s beside the published A100 figures.
-  largest    the largest micro-batch at block 1024 for math attention vs SDPA (benchmarks/memory.py --find_max_batch: batch
-             sizes double until the first out-of-memory, then a binary search; eager).
-  baby       the baby GPT (config/train_shakespeare_char.py): wall time until its val loss reaches 1.47 (nanoGPT:
-             ~3 minutes on an A100); the run is stopped (SIGTERM) at that eval.
+Parts (in this order; --parts picks some), beside nanoGPT's published A100 figures where there are some:
+  recipe     GPT-2 124M at the FineWeb recipe's shape per GPU (64 x 1024, bias): tokens/s, MFU, the multiple of the
+             matmul floor, peak memory, a profile; then a row per speed key (max-autotune, CUDA graphs, fp8)
+  headline   GPT-2 124M at nanoGPT's bench settings (12 x 1024, bf16, compile, SDPA, padded vocabulary): ms/iter,
+             tokens/s and MFU against the GPU's dense bf16 peak (mfu.PEAK_FLOPS by name, else --peak_flops)
+  attention  math attention -> SDPA (auto) -> each SDPA kernel -> flash with the padded vocabulary
+  cumulative float32 -> + TF32 -> + bf16 -> + compile -> + flash -> + padded vocabulary
+  largest    the largest micro-batch at block 1024, math attention vs SDPA (benchmarks/memory.py --find_max_batch)
+  baby       the baby GPT (config/train_shakespeare_char.py): wall time until its val loss reaches 1.47
 
-nanoGPT side by side (--nanogpt=PATH, a checkout of karpathy/nanoGPT that you have; nothing of it is in this project):
-  nanoGPT's `bench.py --real_data=False` (run in PATH) and this project's bench.py at the same settings (GPT-2 124M,
-  bf16 autocast, torch.compile, fused AdamW, 10 warm-up and 20 timed steps), alternating fresh processes, at nanoGPT's
-  bench shape (12 x 1024) and the FineWeb recipe's (64 x 1024, biases on: nanoGPT's --bias=True), --rounds times:
-  ms/iter (the mean over the timed steps, as nanoGPT's bench.py reports it), tokens/s and the ratio of the times.
-  With --nanogpt only this part runs, unless --parts names others.
+nanoGPT side by side (--nanogpt=PATH, a checkout of karpathy/nanoGPT; then only this part runs, unless --parts names
+others): its `bench.py --real_data=False` and ours at the same settings in alternating fresh processes, at 12 x 1024
+and 64 x 1024 with biases, --rounds times: ms/iter, tokens/s and the ratio of the medians.
 
     python benchmarks/gpu.py --nanogpt=../nanoGPT --rounds=2
     python benchmarks/gpu.py --nanogpt=../nanoGPT --ours="--compile_mode='max-autotune'"   # a setting of ours
 
-Every bench row is `python bench.py ... --result_json=FILE` (bench.py's command line and JSON are the interface);
-a row whose settings the GPU cannot run (a kernel it lacks) shows bench.py's one-line reason. The results are
-rewritten after each row, so an interrupted run keeps what it measured. --budget_minutes stops starting new rows
-once the budget is spent (the rest are marked "skipped"). Exit status: 0; 2 for a usage error (e.g. no GPU).
+A row the GPU cannot run shows bench.py's one-line reason. The results are rewritten after each row; --budget_minutes
+(default 25) stops starting new rows (the rest are "skipped"). Exit status: 0; 2 for a usage error (e.g. no GPU).
 """
 from __future__ import annotations
 
@@ -58,6 +44,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import override_args, sdpa  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.mfu import PEAK_FLOPS, gpu_peak_flops  # noqa: E402
 from nanogpt.metrics import read_records  # noqa: E402
@@ -78,17 +65,16 @@ RECIPE = [
 # nanoGPT's bench settings: GPT-2 124M (bench.py's defaults), batch 12 x 1024, bf16 autocast, compiled
 BENCH = ["--device=cuda", "--batch_size=12", "--block_size=1024", "--gradient_accumulation_steps=1",
          "--dtype='bfloat16'", "--compile=True"]
+
 # (name, label, bench.py overrides, nanoGPT's published A100 figure or None)
 ATTENTION = [
     ("math", "math attention (nanoGPT's)", {"attention": "math", "vocab_padding_multiple": 1}, 143.0),
-    ("sdpa", "SDPA (auto kernel)", {"attention": "sdpa", "sdpa_backend": "auto", "vocab_padding_multiple": 1}, None),
-    ("sdpa-math", "SDPA math kernel", {"attention": "sdpa", "sdpa_backend": "math", "vocab_padding_multiple": 1}, None),
-    ("efficient", "SDPA memory-efficient kernel",
-     {"attention": "sdpa", "sdpa_backend": "efficient", "vocab_padding_multiple": 1}, None),
-    ("cudnn", "SDPA cuDNN kernel", {"attention": "sdpa", "sdpa_backend": "cudnn", "vocab_padding_multiple": 1}, None),
-    ("flash", "SDPA flash kernel", {"attention": "sdpa", "sdpa_backend": "flash", "vocab_padding_multiple": 1}, 113.0),
-    ("flash+pad", "flash + padded vocab (64)",
-     {"attention": "sdpa", "sdpa_backend": "flash", "vocab_padding_multiple": 64}, 87.0),
+    ("sdpa", "SDPA (auto kernel)", sdpa("auto"), None),
+    ("sdpa-math", "SDPA math kernel", sdpa("math"), None),
+    ("efficient", "SDPA memory-efficient kernel", sdpa("efficient"), None),
+    ("cudnn", "SDPA cuDNN kernel", sdpa("cudnn"), None),
+    ("flash", "SDPA flash kernel", sdpa("flash"), 113.0),
+    ("flash+pad", "flash + padded vocab (64)", sdpa("flash", 64), 87.0),
 ]
 ATTENTION_NOTE = ("nanoGPT's published A100 sequence is 143 -> 134 -> 119 -> 113 -> 87 ms/iter; the rows of 143 "
                   "(math), 113 (flash) and 87 (flash + padding) are named there, the intermediate 134 and 119 are not")
@@ -107,6 +93,7 @@ SIDE_BY_SIDE = [("12 x 1024", 12, False), ("64 x 1024, bias", 64, True)]
 SIDE_BY_SIDE_STEPS = ["--warmup_steps=10", "--timed_steps=20"]
 LARGEST = [("math", {"attention": "math"}, 24), ("sdpa", {"attention": "sdpa", "sdpa_backend": "auto"}, 39)]
 BABY_TARGET, BABY_REFERENCE_S = 1.47, 180.0
+SKIPPED = {"status": "skipped", "reason": "time budget spent (--budget_minutes)"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak_flops", type=float, default=None,
                    help="the GPU's dense bf16 peak FLOP/s for MFU (default: mfu.PEAK_FLOPS by device name)")
     p.add_argument("--budget_minutes", type=float, default=25.0, help="start no new row after this")
-    p.add_argument("--warmup_steps", type=int, default=5, help="bench.py's untimed steps per row (compile happens here)")
+    p.add_argument("--warmup_steps", type=int, default=5,
+                   help="bench.py's untimed steps per row (compile happens here)")
     p.add_argument("--timed_steps", type=int, default=15, help="bench.py's timed steps per row")
     p.add_argument("--baby_max_minutes", type=float, default=8.0, help="stop the baby GPT after this, reached or not")
     args = p.parse_args(argv)
@@ -150,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def device_peak(device_name: str, peak_flops: float | None) -> tuple[float | None, str]:
-    """The peak FLOP/s for MFU and where it comes from: --peak_flops, the table, or unknown (said so)."""
+    """The peak FLOP/s for MFU and where it comes from: --peak_flops, the table, or unknown."""
     if peak_flops is not None:
         return peak_flops, f"--peak_flops={peak_flops:.4g}"
     peak = gpu_peak_flops(device_name)
@@ -169,17 +157,9 @@ def require_gpu() -> str:
     return torch.cuda.get_device_name(0)
 
 
-# ----------------------------------------------------------------------------------------------- running rows
-
-
-def bench_args(overrides: dict) -> list[str]:
-    return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
-
-
 def run_bench(args: list[str], tmp: str, timeout_s: float, script: str = "bench.py") -> dict:
-    """One `python bench.py ARGS --result_json=...` (or the largest-batch search of benchmarks/memory.py, which takes
-    bench.py's keys) in a fresh process: its JSON, or status n/a (the one-line error, exit 2) or failed (anything
-    else), with the reason."""
+    """One `python bench.py ARGS --result_json=...` (or `script`, which takes bench.py's keys) in a fresh process:
+    its JSON, or status n/a (the one-line error, exit 2) or failed (anything else), with the reason."""
     path = os.path.join(tmp, f"row{time.monotonic_ns()}.json")
     cmd = [sys.executable, script, *args, f"--result_json={path}"]
     command = "python " + " ".join(cmd[1:-1])
@@ -203,7 +183,7 @@ def run_bench(args: list[str], tmp: str, timeout_s: float, script: str = "bench.
 
 @dataclass
 class Report:
-    """Everything measured so far, written to results_dir after every row (gpu.json and gpu.md)."""
+    """Everything measured so far, rewritten to results_dir (gpu.json, gpu.md) after every row."""
     results_dir: str
     machine: dict = field(default_factory=dict)
     parts: dict = field(default_factory=dict)
@@ -225,6 +205,9 @@ class Budget:
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
+
+    def timeout_s(self) -> float:  # for a row: what is left, but at least a minute
+        return max(60.0, self.left_s())
 
     def elapsed(self) -> str:
         return f"{(time.monotonic() - self.t0) / 60:.1f} min"
@@ -250,10 +233,10 @@ def run_rows(rows: list[tuple], base: list[str], steps: list[str], budget: Budge
         accumulated = {**accumulated, **overrides} if cumulative else overrides
         entry = {"name": name, "label": label, "overrides": dict(accumulated), "reference": reference}
         if budget.left_s() <= 0:
-            entry.update(status="skipped", reason="time budget spent (--budget_minutes)")
+            entry.update(SKIPPED)
         else:
             progress(budget, f"{part} {i + 1}/{len(rows)}: {label} ...")
-            entry.update(run_bench([*base, *steps, *bench_args(accumulated)], tmp, timeout_s=max(60.0, budget.left_s())))
+            entry.update(run_bench([*base, *steps, *override_args(accumulated)], tmp, timeout_s=budget.timeout_s()))
         out.append(entry)
         progress(budget, f"{part} {i + 1}/{len(rows)}: {label}: {row_summary(entry)}")
         report.write()
@@ -263,9 +246,6 @@ def run_rows(rows: list[tuple], base: list[str], steps: list[str], budget: Budge
         r["speedup"] = first["ms_median"] / r["ms_median"] if ok else None
     report.write()
     return out
-
-
-# ----------------------------------------------------------------------------------------------- nanoGPT side by side
 
 
 def nanogpt_problems(path: str | None) -> list[str]:
@@ -280,8 +260,8 @@ def nanogpt_problems(path: str | None) -> list[str]:
 
 
 def nanogpt_bench(path: str, batch: int, bias: bool, timeout_s: float) -> dict:
-    """nanoGPT's `python bench.py --real_data=False` at this batch (block 1024, bf16, compiled) in a fresh process,
-    run in its checkout: the ms/iter it prints (the mean of its 20 timed steps)."""
+    """nanoGPT's `python bench.py --real_data=False` (block 1024, bf16, compiled) in its checkout: the ms/iter it
+    prints (the mean of its 20 timed steps)."""
     args = ["--real_data=False", f"--batch_size={batch}", "--block_size=1024", f"--bias={bias}", "--dtype=bfloat16",
             "--compile=True"]
     command = f"cd {path} && python bench.py {' '.join(args)}"
@@ -301,18 +281,17 @@ def nanogpt_bench(path: str, batch: int, bias: bool, timeout_s: float) -> dict:
 
 
 def side_by_side(args, base: list[str], budget: Budget, tmp: str, report: Report) -> dict:
-    """nanoGPT's bench.py and ours at each SIDE_BY_SIDE shape, alternating (nanoGPT first in odd rounds, ours first
-    in even ones), --rounds times; each shape's ratio is nanoGPT's median ms/iter over ours."""
+    """nanoGPT's bench.py and ours at each SIDE_BY_SIDE shape, --rounds times, who goes first alternating."""
     ours_extra = shlex.split(args.ours)
     part = report.parts["nanogpt"] = {"rows": [], "ours_extra": ours_extra, "nanogpt": os.path.abspath(args.nanogpt)}
     for round_ in range(args.rounds):
         for label, batch, bias in SIDE_BY_SIDE:
-            runs = [("nanoGPT", lambda: nanogpt_bench(args.nanogpt, batch, bias, max(60.0, budget.left_s()))),
+            runs = [("nanoGPT", lambda: nanogpt_bench(args.nanogpt, batch, bias, budget.timeout_s())),
                     ("ours", lambda: run_bench([*base, f"--batch_size={batch}", f"--bias={bias}", *SIDE_BY_SIDE_STEPS,
-                                                *ours_extra], tmp, timeout_s=max(60.0, budget.left_s())))]
+                                                *ours_extra], tmp, timeout_s=budget.timeout_s()))]
             for who, run in runs if round_ % 2 == 0 else runs[::-1]:
                 if budget.left_s() <= 0:
-                    entry = {"status": "skipped", "reason": "time budget spent (--budget_minutes)"}
+                    entry = dict(SKIPPED)
                 else:
                     progress(budget, f"round {round_ + 1}/{args.rounds}, {label}: {who} ...")
                     entry = run()
@@ -327,8 +306,8 @@ def side_by_side(args, base: list[str], budget: Budget, tmp: str, report: Report
 
 
 def side_by_side_summary(rows: list[dict]) -> list[dict]:
-    """Per shape: each side's ms/iter over the rounds, their medians, tokens/s at the median, and the ratio of the
-    medians (nanoGPT's time over ours: above 1, ours is faster)."""
+    """Per shape: each side's ms/iter, their medians, tokens/s at them, and nanoGPT's median over ours (above 1: ours
+    is faster)."""
     out = []
     for label, batch, _ in SIDE_BY_SIDE:
         ms = {who: [r["ms_mean"] for r in rows if r["shape"] == label and r["who"] == who and r["status"] == "ok"]
@@ -340,13 +319,9 @@ def side_by_side_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- the baby GPT
-
-
 def baby_gpt(results_dir: str, budget: Budget, max_minutes: float) -> dict:
-    """train.py config/train_shakespeare_char.py until an eval's val loss is <= 1.47 (then SIGTERM: it saves and
-    exits), or max_minutes. The time is the run's own elapsed_s at that eval (metrics.jsonl), from the start of
-    training setup; compile and the evals count, as in nanoGPT's ~3 minutes."""
+    """train.py config/train_shakespeare_char.py until an eval's val loss is <= 1.47 (then SIGTERM), or max_minutes.
+    The time is the run's elapsed_s at that eval: compile and the evals count, as in nanoGPT's ~3 minutes."""
     data_dir = os.path.join(ROOT, "data", "shakespeare_char")
     meta_path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(os.path.join(data_dir, "train.bin")) or not os.path.exists(meta_path):
@@ -391,9 +366,6 @@ def baby_gpt(results_dir: str, budget: Budget, max_minutes: float) -> dict:
             f"{best['iter']} ({best['elapsed_s']:.0f} s)", "seconds": None}
 
 
-# ----------------------------------------------------------------------------------------------- the report
-
-
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -408,7 +380,6 @@ def _note(r: dict) -> str:
 
 
 def markdown(machine: dict, parts: dict) -> str:
-    """The results as markdown tables (pastes into the README)."""
     out = [f"GPU benchmarks on {machine.get('device_name', '?')} (torch {machine.get('torch', '?')}, CUDA "
            f"{machine.get('cuda', '?')}); MFU peak: {machine.get('peak_source', '?')}"]
     if "nanogpt" in parts and "summary" in parts["nanogpt"]:
@@ -473,9 +444,6 @@ def markdown(machine: dict, parts: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------- main
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device_name = require_gpu()
@@ -500,12 +468,12 @@ def main(argv: list[str] | None = None) -> None:
                 progress(budget, f"recipe under the profiler (top kernels, trace in {folder}) ...")
                 report.parts["recipe"]["profile"] = run_bench(
                     [*base, *RECIPE_BENCH, *steps, "--profile=True", f"--results_dir={folder}"], tmp,
-                    timeout_s=max(60.0, budget.left_s()))
+                    timeout_s=budget.timeout_s())
                 report.parts["recipe"]["profile"]["folder"] = folder
                 report.write()
         if "headline" in args.parts:
             progress(budget, "headline: GPT-2 124M, 12 x 1024, bf16, compile ...")
-            report.parts["headline"] = run_bench([*base, *steps], tmp, timeout_s=max(60.0, budget.left_s()))
+            report.parts["headline"] = run_bench([*base, *steps], tmp, timeout_s=budget.timeout_s())
             progress(budget, f"headline: {row_summary(report.parts['headline'])}")
             report.write()
         if "attention" in args.parts:
@@ -518,17 +486,18 @@ def main(argv: list[str] | None = None) -> None:
             for path, overrides, reference in LARGEST:
                 entry = {"path": path, "reference": reference}
                 if budget.left_s() <= 0:
-                    entry.update(status="skipped", reason="time budget spent (--budget_minutes)")
+                    entry.update(SKIPPED)
                 else:
                     progress(budget, f"largest batch, {path} attention ...")
-                    entry.update(run_bench([*BENCH, "--compile=False", "--find_max_batch=True", *bench_args(overrides)],
-                                           tmp, timeout_s=max(60.0, budget.left_s()), script="benchmarks/memory.py"))
+                    entry.update(run_bench([*BENCH, "--compile=False", "--find_max_batch=True",
+                                            *override_args(overrides)], tmp, timeout_s=budget.timeout_s(),
+                                           script="benchmarks/memory.py"))
                 rows.append(entry)
                 progress(budget, f"largest batch, {path}: {row_summary(entry)}")
                 report.write()
         if "baby" in args.parts:
             if budget.left_s() <= 0:
-                report.parts["baby"] = {"status": "skipped", "reason": "time budget spent (--budget_minutes)"}
+                report.parts["baby"] = dict(SKIPPED)
             else:
                 progress(budget, f"baby GPT until val loss {BABY_TARGET} ...")
                 report.parts["baby"] = baby_gpt(args.results_dir, budget, args.baby_max_minutes)

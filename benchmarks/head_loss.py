@@ -1,26 +1,21 @@
 """
-The language-model head's loss alone, forward + backward, in each implementation at hand: the plain loss (the
-head's logits, then cross-entropy: model.cross_entropy_sum, compiled as train.py compiles the model), this project's
-fused loss (fused_loss.py, chunk by chunk), the loss that writes its gradient over the logits in the forward (llm.c's
-fused classifier: no second pass over them in the backward), and, where installed, quack-kernels' cross-entropy over
-the plain logits, liger-kernel's and cut-cross-entropy's fused linear + cross-entropy. GPT-2's head (n_embd 768,
-vocabulary 50257 padded to 50304) on the tokens of a 12 x 1024 and a 64 x 1024 micro-batch, bf16 autocast, float32
-master weights as in training.
+The language-model head's loss alone, forward + backward, in each implementation at hand: the plain loss (logits, then
+cross-entropy, compiled as train.py compiles the model), this project's fused_loss.py (chunk by chunk), llm.c's fused
+classifier (the gradient written over the logits in the forward), and, where installed, quack-kernels' cross-entropy,
+liger-kernel's and cut-cross-entropy's fused linear + cross-entropy. GPT-2's head (768 x 50304) on the tokens of a
+12 x 1024 and a 64 x 1024 micro-batch, bf16 autocast, float32 master weights as in training.
 
     python benchmarks/head_loss.py                         # on the GPU: both token counts
     python benchmarks/head_loss.py --tokens=12288 --repeats=5 --device=cpu
 
-Per implementation and token count: ms per forward + backward (median of --repeats after a warm-up; CUDA events on a
-GPU), the peak memory above the inputs, the relative error of the loss and of both gradients against the plain loss
-in float32 (bf16's rounding makes ~1e-3 to 1e-2), and whether it waits for the host (a CUDA call that synchronizes,
-caught by torch.cuda.set_sync_debug_mode: such a loss makes the training step wait each micro-step). A missing
-package is a row that names its pip command. --result_json writes the rows.
+Per row: ms per forward + backward (median of --repeats), the peak memory above the inputs, the relative error of the
+loss and both gradients against the plain loss in float32 (bf16 makes ~1e-3 to 1e-2), and whether it waits for the
+host (a synchronizing CUDA call, caught by set_sync_debug_mode). A missing package is a row that names its pip command.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -30,13 +25,12 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanogpt.optional import optional_import
+from benchmarks import markdown_table, median_ms  # noqa: E402
 from nanogpt.device import resolve_device  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from nanogpt.fused_loss import fused_linear_cross_entropy  # noqa: E402
-from nanogpt.device import DeviceClock
-from nanogpt.measure import write_json
-from benchmarks import markdown_table  # noqa: E402
+from nanogpt.measure import write_json  # noqa: E402
+from nanogpt.optional import optional_import  # noqa: E402
 from model import cross_entropy_sum  # noqa: E402
 
 N_EMBD, VOCAB, PADDED = 768, 50257, 50304
@@ -66,10 +60,9 @@ def cut_cross_entropy(x, w, t):
 
 
 class GradientInForward(torch.autograd.Function):
-    """llm.c's fused classifier in PyTorch: the forward computes the loss and the logits' gradient (softmax - one-hot;
-    0 for an ignored target and the padded columns) in one float32 (tokens x vocab) buffer, in place, then writes the
-    gradient over the logits, in their own dtype: the backward does not read the logits a second time, it multiplies
-    the kept gradient out into x's and w's. Of (tokens x vocab) tensors, the forward holds the logits and that copy."""
+    """llm.c's fused classifier: the forward computes the loss and the logits' gradient (softmax - one-hot) in one
+    float32 (tokens x vocab) buffer in place and writes it over the logits, so the backward does not read the logits
+    again; only the logits and that one copy are ever held."""
 
     @staticmethod
     def forward(ctx, x, w, t):
@@ -98,13 +91,11 @@ class GradientInForward(torch.autograd.Function):
         return (dlogits @ w.to(dlogits.dtype)).to(x.dtype), (dlogits.t() @ x.to(dlogits.dtype)).to(w.dtype), None
 
 
-def gradient_in_forward(x, w, t):
-    return GradientInForward.apply(x, w, t)
+gradient_in_forward = GradientInForward.apply
 
 
 def quack(x, w, t):
-    """quack-kernels' cross-entropy (CuTe DSL, memory-bound at speed of light on an H100) over the plain head's logits,
-    its backward written over them (inplace_backward)."""
+    """quack-kernels' cross-entropy (CuTe DSL) over the plain logits, its backward written over them."""
     if not x.is_cuda:
         raise UserError("quack-kernels: its kernels run on NVIDIA GPUs only")
     optional_import("quack", "the quack-kernels row")
@@ -120,8 +111,8 @@ IMPLEMENTATIONS = {"plain (compiled)": plain, "fused_loss.py": ours, "gradient i
 
 
 def inputs(tokens: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The head's input (tokens, n_embd) as ln_f gives it, its float32 weight (padded rows zero, as never-seen
-    tokens'), and targets with a few ignored (-1)."""
+    """The head's input (tokens, n_embd), its float32 weight (padded rows zero, as never-seen tokens'), and targets
+    with a few ignored (-1)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, N_EMBD, generator=g)
     w = torch.randn(PADDED, N_EMBD, generator=g) * 0.02
@@ -144,7 +135,6 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def waits_for_host(fn, x, w, t) -> bool | None:
-    """Whether one forward + backward makes a CUDA call that synchronizes; None off CUDA."""
     if not x.is_cuda:
         return None
     torch.cuda.set_sync_debug_mode("error")
@@ -166,24 +156,17 @@ def measure(name: str, fn, tokens: int, device: str, repeats: int) -> dict:
     except UserError as e:
         return {"name": name, "tokens": tokens, "status": "n/a", "reason": str(e)}
     ref = loss_and_grads(plain, x, w, t, autocast=False)  # float32, eager
-    errors = {k: relative_error(a, b) for k, a, b in zip(("loss", "grad_x", "grad_w"), got, ref)}
+    errors = {k: relative_error(a, b) for k, a, b in zip(("loss", "grad_x"), got, ref)}
     errors["grad_w"] = relative_error(got[2][:VOCAB], ref[2][:VOCAB])  # the padded rows: no gradient either way
     padded_grad = got[2][VOCAB:].abs().max().item() if got[2].size(0) > VOCAB else 0.0
-    clock, times = DeviceClock(device), []
-    base = torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
-    if device.startswith("cuda"):
+    cuda = device.startswith("cuda")
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(repeats):
-        a = clock.mark()
-        loss_and_grads(fn, x, w, t, autocast=True)
-        b = clock.mark()
-        times.append((a, b))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.startswith("cuda") else None
-    return {"name": name, "tokens": tokens, "status": "ok", "ms": statistics.median(clock.ms(a, b) for a, b in times),
-            "peak_mib": peak, "errors": errors, "padded_rows_grad": padded_grad,
-            "waits_for_host": waits_for_host(fn, x, w, t)}
+    ms = median_ms(lambda: loss_and_grads(fn, x, w, t, autocast=True), repeats, device)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else None
+    return {"name": name, "tokens": tokens, "status": "ok", "ms": ms, "peak_mib": peak, "errors": errors,
+            "padded_rows_grad": padded_grad, "waits_for_host": waits_for_host(fn, x, w, t)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

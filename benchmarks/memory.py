@@ -24,13 +24,13 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from nanogpt.measure import write_json
 from benchmarks import markdown_table, run_child, study_config  # noqa: E402
-from nanogpt.optional import pyplot
 from nanogpt.config import AtLeast1, Positive, check, declared_problems  # noqa: E402
 from nanogpt.device import resolve_device  # noqa: E402
+from nanogpt.distributed import Dist  # noqa: E402
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
-from nanogpt.distributed import Dist
+from nanogpt.measure import write_json  # noqa: E402
+from nanogpt.optional import pyplot  # noqa: E402
 from nanogpt.step import train_step  # noqa: E402
 
 PATHS = {"math": dict(attention="math"), "sdpa/auto": dict(attention="sdpa", sdpa_backend="auto")}
@@ -47,8 +47,7 @@ class MemoryConfig:
 
 
 def child_runs(own: MemoryConfig) -> list[dict]:
-    """Every child process of the study: (kind, path, seq_len, overrides, script). All eager (compile=False):
-    compiling would add its own memory and minutes per point."""
+    """Every child process of the study; all eager: compiling would add its own memory and minutes per point."""
     runs = []
     for path, changes in PATHS.items():
         for T in own.memory_seq_lens:
@@ -79,12 +78,9 @@ def memory_study(own: MemoryConfig, argv: list[str], device: str) -> dict:
     return {"points": points, "largest_batch": largest}
 
 
-# ----------------------------------------------------------------------------------------------- CUDA: largest batch
-
-
 def largest_fitting(fits: Callable[[int], bool], cap: int = MAX_BATCH) -> int:
-    """The largest batch size in [1, cap] for which fits() is true (0: none), assuming that a size that fits makes
-    every smaller one fit: sizes double until one does not fit, then a binary search. Never tries past cap."""
+    """The largest size in [1, cap] that fits (0: none), if every size below one that fits fits too: sizes double
+    until one does not, then a binary search."""
     lo, hi = 0, 1  # lo: the largest size that fitted (0: none), hi: the next size to try
     while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
@@ -96,7 +92,6 @@ def largest_fitting(fits: Callable[[int], bool], cap: int = MAX_BATCH) -> int:
 
 
 def step_fits(run: dict, cfg: bench.BenchConfig, batch_size: int) -> bool:
-    """Whether one training step at batch_size runs without running out of device memory."""
     trial = dataclasses.replace(cfg, batch_size=batch_size, gradient_accumulation_steps=1)
     device = run["device"]
     # A fresh scaler per trial: an out-of-memory error raised after scaler.unscale_ would leave a shared one
@@ -115,8 +110,7 @@ def step_fits(run: dict, cfg: bench.BenchConfig, batch_size: int) -> bool:
 
 
 def largest_batch(cfg: bench.BenchConfig, budget_gb: float | None) -> dict:
-    """CUDA only: the largest batch_size whose training step (forward, backward, AdamW) fits in budget_gb
-    (None: the whole GPU)."""
+    """CUDA only: the largest batch_size whose training step fits in budget_gb (None: the whole GPU)."""
     device = resolve_device(cfg.device)
     if not device.startswith("cuda"):
         raise UserError(f"find_max_batch needs CUDA (the device is {device}): on the CPU, memory is not the limit")
@@ -130,11 +124,7 @@ def largest_batch(cfg: bench.BenchConfig, budget_gb: float | None) -> dict:
     return {"max_batch": found, "budget": budget}
 
 
-# ----------------------------------------------------------------------------------------------- report
-
-
 def plot_memory(study: dict, path: str) -> str:
-    """Peak MiB against sequence length, one line per attention path."""
     plt = pyplot(CHART)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in PATHS:

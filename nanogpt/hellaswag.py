@@ -1,9 +1,6 @@
-"""
-HellaSwag, scored as build-nanogpt does ("completion style"): each example's context is followed by each of its 4
-endings, and the ending whose tokens the model finds most likely wins. acc: the lowest total loss over the ending's
-tokens; acc_norm: the lowest mean loss per token (it does not favour short endings). The examples (the validation
-set, downloaded once to data/hellaswag/, or any file in its format), their tokens, and the scoring, over DDP ranks
-too: train.py scores at evals with hellaswag=True, hellaswag.py scores a checkpoint.
+"""HellaSwag scored as build-nanogpt does ("completion style"): the context followed by each of 4 endings, the ending
+the model finds most likely wins (acc: lowest total loss over its tokens; acc_norm: lowest mean, which does not favour
+short endings). The examples, their tokens and the scoring over DDP ranks, for train.py's evals and hellaswag.py.
 """
 from __future__ import annotations
 
@@ -21,13 +18,11 @@ from nanogpt.distributed import Dist
 from nanogpt.errors import UserError
 from nanogpt.text import plural
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 CACHE = os.path.join(ROOT, "data", "hellaswag", "hellaswag_val.jsonl")
 VAL_EXAMPLES = 10042
 FORMAT = 'JSON lines of {"ctx": text, "endings": [4 texts], "label": 0-3}'
-
-
 Encoded = tuple[list[list[int]], list[int], int]  # an example's 4 token rows, its endings' token counts, its label
 
 
@@ -68,19 +63,15 @@ def _parse(line: bytes, where: str) -> Example:
         raise UserError(f"{where} is not JSON ({e.msg}): expected {FORMAT}") from None
     except (ValueError, RecursionError) as e:  # a 5000-digit number, '[' nested past Python's limit
         raise UserError(f"{where} is not JSON that Python reads ({type(e).__name__}): expected {FORMAT}") from None
-    ok = (
-        isinstance(d, dict) and isinstance(d.get("ctx"), str) and d["ctx"] and isinstance(d.get("endings"), list)
-        and len(d["endings"]) == 4 and all(isinstance(e, str) for e in d["endings"])
-        and type(d.get("label")) is int and 0 <= d["label"] < 4
-    )
-    if not ok:
-        shown = json.dumps(d)[:120]
-        raise UserError(f"{where} is not a HellaSwag example ({shown}): expected {FORMAT}")
+    if not (isinstance(d, dict) and isinstance(d.get("ctx"), str) and d["ctx"] and isinstance(d.get("endings"), list)
+            and len(d["endings"]) == 4 and all(isinstance(e, str) for e in d["endings"])
+            and type(d.get("label")) is int and 0 <= d["label"] < 4):
+        raise UserError(f"{where} is not a HellaSwag example ({json.dumps(d)[:120]}): expected {FORMAT}")
     return Example(d["ctx"], d["endings"], d["label"])
 
 
 def download(dest: str, url: str | None = None) -> None:
-    """Fetch the validation set (from URL) to `dest`, through a temporary file: no half-written copy is ever read."""
+    """Fetch the validation set through a temporary file: no half-written copy is ever read."""
     url = url or URL
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     tmp = f"{dest}.tmp.{os.getpid()}"  # per process: DDP ranks may download at once
@@ -95,24 +86,21 @@ def download(dest: str, url: str | None = None) -> None:
                             f"again later")
         os.replace(tmp, dest)
     except OSError as e:
-        raise UserError(
-            f"cannot download HellaSwag from {url} ({type(e).__name__}: {e}); check the network, or set the "
-            f"hellaswag path to a local copy of hellaswag_val.jsonl"
-        ) from None
+        raise UserError(f"cannot download HellaSwag from {url} ({type(e).__name__}: {e}); check the network, or set "
+                        f"the hellaswag path to a local copy of hellaswag_val.jsonl") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
 def encode(examples: list[Example], tokenizer: tokenizers.Tokenizer, block_size: int) -> list[Encoded]:
-    """Per example: the 4 token rows (context + " " + ending), how many tokens each row's ending has, and the label.
-    A row longer than block_size keeps its last block_size tokens (the ending must fit whole)."""
+    """Per example: 4 token rows (context + " " + ending), each ending's token count, the label. A row keeps its last
+    block_size tokens (the ending must fit whole)."""
     out = []
     for ex in examples:
         context = tokenizer.encode_ordinary(ex.context)
         endings = [tokenizer.encode_ordinary(" " + e) for e in ex.endings]
-        if max(map(len, endings)) >= block_size:
-            longest = max(map(len, endings))
+        if (longest := max(map(len, endings))) >= block_size:
             raise UserError(f"a HellaSwag ending has {longest} tokens: more than block_size={block_size} allows")
         out.append(([(context + e)[-block_size:] for e in endings], [len(e) for e in endings], ex.label))
     return out
@@ -120,8 +108,8 @@ def encode(examples: list[Example], tokenizer: tokenizers.Tokenizer, block_size:
 
 @torch.no_grad()
 def ending_losses(model, batch: list[Encoded], device: str, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """Total and mean loss over each ending's tokens: two (N, 4) float32 tensors for N encoded examples, from one
-    forward of their 4N rows, right-padded (causal attention: padding after a row never changes its logits)."""
+    """Total and mean loss over each ending's tokens, (N, 4) each, from one forward of the 4N rows right-padded
+    (causal attention: padding after a row never changes its logits)."""
     rows = [r for rows, _, _ in batch for r in rows]
     n_end = torch.tensor([n for _, ns, _ in batch for n in ns])  # (4N,)
     lengths = torch.tensor([len(r) for r in rows])
@@ -142,8 +130,7 @@ def ending_losses(model, batch: list[Encoded], device: str, ctx) -> tuple[torch.
 
 
 def evaluate(model, encoded: list[Encoded], dist: Dist, ctx, examples_per_batch: int = 4) -> dict[str, float]:
-    """acc and acc_norm over the encoded examples; under DDP each rank scores every world_size-th example and the
-    counts are summed over ranks."""
+    """acc and acc_norm; under DDP each rank scores every world_size-th example and the counts are summed."""
     was_training = model.training
     model.eval()
     counts = torch.zeros(3, dtype=torch.float64)  # right by total loss, right by mean loss, examples
@@ -169,7 +156,6 @@ def describe(result: dict[str, float]) -> str:
 
 
 def encoded_examples(path: str | None, meta: dict | None, block_size: int) -> list[Encoded]:
-    """The examples of `path` (None: the validation set) encoded once, for train.py's evals, with the dataset's
-    tokenizer (`meta`; None: GPT-2 BPE, for GPT-2's weights on data without a meta.json)."""
+    """The examples encoded once for train.py's evals, with the dataset's tokenizer (meta None: GPT-2 BPE)."""
     tokenizer = tokenizers.get_tokenizer(meta) if meta is not None else tokenizers.gpt2_tokenizer()
     return encode(load_examples(path), tokenizer, block_size)

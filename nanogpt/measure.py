@@ -1,8 +1,5 @@
-"""
-What bench.py measures with, and the studies in benchmarks/ too: the machine's description (versions, allocator,
-load), the CPU share other processes took while it ran, the peak memory of a run, the optimizer's time, the profiler,
-and a step's matmul floor. The training path never imports it.
-"""
+"""What bench.py and benchmarks/ measure with (the machine, peak memory, optimizer time, the profile, a step's matmul
+floor); the training path never imports it."""
 from __future__ import annotations
 
 import json
@@ -19,14 +16,9 @@ from nanogpt.hardware import system_info
 from nanogpt.device import DeviceClock, synchronize
 
 
-# ----------------------------------------------------------------------------------------------- the machine
-
-
 def detect_allocator(maps: str | None = None, ld_preload: str | None = None) -> str:
-    """
-    The malloc this process uses: jemalloc, tcmalloc or mimalloc when one is mapped into it (LD_PRELOAD, or
-    linked), else the C library's. On the CPU this matters: an allocator change alone can be worth ~20%.
-    """
+    """The malloc this process uses (one mapped into it or in LD_PRELOAD, else the C library's): on the CPU an
+    allocator change alone can be worth ~20%."""
     if maps is None:
         try:
             with open("/proc/self/maps") as f:
@@ -43,7 +35,7 @@ def detect_allocator(maps: str | None = None, ld_preload: str | None = None) -> 
 
 
 def machine_info(device: str) -> dict[str, str]:
-    """Versions, hardware, and how busy the machine is: other processes make CPU timings noisy."""
+    """Versions, hardware and load: other processes make CPU timings noisy."""
     info = system_info(device)
     if hasattr(os, "getloadavg"):
         info["load_1min"] = f"{os.getloadavg()[0]:.2f}/{os.cpu_count()}cpus"
@@ -62,11 +54,8 @@ def allocator_line(device: str) -> str:
 
 
 class OtherLoad:
-    """
-    The share of the machine's CPU time that other processes took while we measured (Linux, /proc/stat): the
-    machine's busy time minus this process's. A busy machine makes CPU timings slower and noisier, so the figure
-    goes next to them. None where /proc/stat is missing.
-    """
+    """The share of the CPUs other processes took while we measured (/proc/stat's busy time minus ours; None without
+    it), to show beside CPU timings, which a busy machine makes slower and noisier."""
 
     def __init__(self):
         self.fraction: float | None = None
@@ -86,7 +75,7 @@ class OtherLoad:
 
 
 def _machine_busy_s() -> float | None:
-    """CPU seconds all cores spent busy since boot (everything in /proc/stat's cpu line but idle and iowait)."""
+    """CPU seconds all cores spent busy since boot (/proc/stat's cpu line less idle and iowait)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
@@ -95,11 +84,8 @@ def _machine_busy_s() -> float | None:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-# ----------------------------------------------------------------------------------------------- peak memory
-
-
 def _max_rss_kb() -> int:
-    """The process's peak RSS from getrusage (KiB; macOS reports bytes), where there is no /proc."""
+    """Peak RSS in KiB from getrusage (macOS reports bytes), where there is no /proc."""
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -107,7 +93,7 @@ def _max_rss_kb() -> int:
 
 
 def _proc_status_kb(field: str) -> int | None:
-    """A memory field of /proc/self/status (VmRSS, VmHWM) in KiB; None where there is no /proc (not Linux)."""
+    """A field of /proc/self/status (VmRSS, VmHWM) in KiB; None without /proc."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -119,14 +105,9 @@ def _proc_status_kb(field: str) -> int | None:
 
 
 class PeakMemory:
-    """
-    Peak memory of the timed steps.
-    CUDA: torch.cuda.max_memory_allocated (tensors; the caching allocator reserves a little more).
-    CPU: how far the process's resident set grows: its peak during the timed steps (VmHWM, reset before them
-    through /proc/self/clear_refs) minus its size before the first step. So it counts what training adds to the
-    built model (activations, gradients, optimizer state, what the allocator keeps), and only peak RSS can be
-    read on the CPU, which never goes down within a process: compare runs in fresh processes.
-    """
+    """Peak memory of the timed steps. CUDA: max_memory_allocated. CPU: peak RSS during them (VmHWM, reset through
+    /proc/self/clear_refs) minus RSS before the first step: what training adds to the built model. Peak RSS never
+    goes down within a process, so compare runs in fresh processes."""
 
     def __init__(self, device: str):
         self.device = device
@@ -168,17 +149,13 @@ class PeakMemory:
         return max(0, hwm - self.base_kb) / 1024
 
 
-# ----------------------------------------------------------------------------------------------- results
-
-
 def step_profiler(device: str) -> torch.profiler.profile:
-    """torch.profiler over the profiled steps: CPU ops, and the GPU's kernels on CUDA."""
     cuda = [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else []
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
 
 
 def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -> None:
-    """The chrome trace in results_dir/trace.json, and the table of the 15 ops with the most self time."""
+    """results_dir/trace.json (chrome trace) and top_ops.txt (the 15 ops with the most self time)."""
     os.makedirs(results_dir, exist_ok=True)
     path = os.path.join(results_dir, "trace.json")
     prof.export_chrome_trace(path)
@@ -192,13 +169,12 @@ def write_profile(prof: torch.profiler.profile, results_dir: str, device: str) -
 
 
 def write_json(path: str, data: dict, fix: str = "free disk space, or give another path") -> None:
-    """Figures written whole (files.atomic_write: a reader never sees half a file); a failure is one line."""
+    """Written whole (a reader never sees half a file); a failure is one line."""
     files.write_text(path, json.dumps(data, indent=1), "the figures", fix)
 
 
 def is_result(head: bytes) -> bool:
-    """Whether a file's bytes are figures bench.py wrote (a JSON object with the run's config): a rerun writes over
-    them, never over a file of another kind (files.replaced_problem)."""
+    """Whether a file holds bench.py's figures (a JSON object with a config), which a rerun may write over."""
     try:
         return isinstance(result := json.loads(head), dict) and isinstance(result.get("config"), dict)
     except (ValueError, RecursionError):
@@ -206,9 +182,9 @@ def is_result(head: bytes) -> bool:
 
 
 class OptimizerTimer:
-    """The time of each optimizer's step (the AdamW and Muon of an optim.Optimizers) during the timed steps, in ms
-    per step: their step methods are wrapped with DeviceClock marks around each call, so a GPU's kernels are counted
-    (not their launch) and nothing waits for the device inside the steps. Read `ms` after synchronizing."""
+    """Each optimizer's step time (the AdamW and Muon of an optim.Optimizers) while `timing`: DeviceClock marks
+    around each step count a GPU's kernels, not their launch, without waiting inside the steps. Read `ms` after
+    synchronizing."""
 
     def __init__(self, optimizers, device: str):
         self.clock, self.timing = DeviceClock(device), False
@@ -228,14 +204,12 @@ class OptimizerTimer:
 
     @property
     def ms(self) -> dict[str, float]:
-        """Each optimizer's total time over the timed steps."""
         return {name: sum(self.clock.ms(a, b) for a, b in pairs) for name, pairs in self.marks.items()}
 
 
 def busy_share(intervals: list[tuple[float, float]]) -> float | None:
-    """The share of the time from the first interval's start to the last one's end that some interval covers: on a
-    profile's GPU kernels and copies, how busy the GPU was (1 - busy: the time it waited for the host). None for
-    no intervals."""
+    """The share of the span from the first start to the last end that some interval covers (None for none): on
+    a profile's GPU kernels, how busy the GPU was; the rest it waited for the host."""
     if not intervals:
         return None
     intervals = sorted(intervals)
@@ -250,15 +224,14 @@ def busy_share(intervals: list[tuple[float, float]]) -> float | None:
 
 
 def gpu_busy_share(prof: torch.profiler.profile) -> float | None:
-    """busy_share of a profile's device activity (kernels, copies, fills); None without any (a CPU profile)."""
+    """busy_share of a profile's device activity; None without any (a CPU profile)."""
     from torch.autograd import DeviceType
 
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return busy_share(spans)
 
 
-# The matmul ops a step runs (the profiler's names), their functional forms for the replay, and how many of their
-# leading arguments are operands (an out= tensor or a scalar after them is left out)
+# The profiler's matmul ops: the function that replays each, and how many leading arguments are operands
 MATMULS = {"aten::mm": (torch.mm, 2), "aten::bmm": (torch.bmm, 2), "aten::addmm": (torch.addmm, 3),
            "aten::addmm_": (torch.addmm, 3), "aten::baddbmm": (torch.baddbmm, 3), "aten::baddbmm_": (torch.baddbmm, 3)}
 PROFILER_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
@@ -267,9 +240,8 @@ SHARED_OPERAND_BYTES = 32 << 20  # larger than a CPU's or GPU's last-level cache
 
 
 def recorded_matmuls(run) -> list[tuple]:
-    """The matmuls run() makes, forward and backward, as torch's profiler records them: (function, operand shapes,
-    operand dtypes: what autocast ran them in). A ValueError for a matmul that cannot be replayed on plain tensors
-    (float8's scaled matmuls)."""
+    """run()'s matmuls as the profiler records them: (function, operand shapes, operand dtypes as autocast ran
+    them). A ValueError for one that plain tensors cannot replay (float8's scaled matmuls)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         run()
     calls = []
@@ -284,12 +256,9 @@ def recorded_matmuls(run) -> list[tuple]:
 
 
 def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[float, int]:
-    """
-    The step's matmul floor: every matmul of its forwards and backwards (recorded on the uncompiled model, no
-    optimizer step), run alone back to back on fresh tensors of the same shapes and dtypes; the best of
-    `repeats`, in ms, and the number of matmuls. A step can only approach it: everything else (softmax, norms,
-    GELU, casts, AdamW) is overhead on top. Kernels that do their matmuls inside (SDPA flash) are not in it.
-    """
+    """The step's matmul floor (ms, matmuls): its forwards' and backwards' matmuls (uncompiled, no optimizer step)
+    replayed alone. A step only approaches it: the rest (softmax, norms, casts, AdamW) is overhead; kernels that do
+    their matmuls inside (SDPA flash) are not in it."""
     def step() -> None:
         for x, y in batches:
             with ctx:
@@ -302,11 +271,9 @@ def matmul_floor(model, batches, ctx, device: str, repeats: int = 3) -> tuple[fl
 
 
 def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
-    """The matmuls `run()` does (recorded_matmuls), run alone back to back on fresh random operands of their shapes
-    and dtypes: the best of `repeats` timings in ms (each the mean of one or more replays of the whole sequence), and
-    their number. Each call gets operands of its own, so that none finds another's in cache, except operands over
-    SHARED_OPERAND_BYTES, one per shape and dtype (a tensor per call would hold every loss chunk's (vocab x C) head
-    weight at once: gigabytes for GPT-2)."""
+    """run()'s matmuls replayed back to back on random operands: the best of `repeats` in ms, and their number. Each
+    call gets operands of its own, so none finds another's in cache, except those over SHARED_OPERAND_BYTES: one per
+    shape and dtype, or every loss chunk's (vocab x C) head weight would be held at once (gigabytes for GPT-2)."""
     shared: dict = {}
 
     def fresh(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -337,10 +304,8 @@ def replayed_matmuls(run, device: str, repeats: int = 3) -> tuple[float, int]:
 
 
 def matmul_floor_or_why(raw_model, batches, ctx, device: str) -> tuple[float | None, int | None, str | None]:
-    """The step's matmul floor (ms, matmuls), or Nones and why: float8's matmuls cannot be replayed, and the GPU may
-    have no memory left for the eager step it replays: CUDA graphs keep their memory pool for the process
-    (compile_mode=reduce-overhead at 64 x 1024 held 68 of an H100's 80 GB), and the timed steps' figures must not be
-    lost to it."""
+    """matmul_floor, or Nones and why: float8's matmuls cannot be replayed, and CUDA graphs keep their pool for the
+    process (reduce-overhead at 64 x 1024 held 68 of an H100's 80 GB), which must not lose the timed steps' figures."""
     try:
         return (*matmul_floor(raw_model, batches, ctx, device), None)
     except ValueError as e:

@@ -1,14 +1,7 @@
-"""
-Training beyond one GPU's memory: FSDP2 sharding, activation checkpointing, sharded checkpoints.
-
-With parallelism="fsdp" every rank keeps only its 1/N shard of the parameters, gradients and AdamW state
-(PyTorch's own `torch.distributed.fsdp.fully_shard`, FSDP2): each transformer block and then the whole model is
-a unit whose full parameters are all-gathered just before its forward (and backward) and freed after; gradients
-are reduce-scattered. Checkpoints are written with `torch.distributed.checkpoint` (DCP, see checkpoint_file.py): each
-rank writes its own shards into a folder, so no rank ever holds the whole model; any number of ranks can load it.
-
-sample.py, export.py, hellaswag.py and init_from read a sharded folder as they read a ckpt.pt; convert_sharded.py
-writes one as a ckpt.pt.
+"""Training beyond one GPU's memory: FSDP2 sharding (fully_shard: each rank keeps 1/N of the parameters, gradients
+and AdamW state, a block's full parameters all-gathered just for its forward and backward), activation checkpointing,
+and what the step needs under them. A sharded run saves DCP folders (checkpoint_sharded.py), which sample.py,
+export.py, hellaswag.py and init_from read as they read a ckpt.pt; convert_sharded.py writes one as a ckpt.pt.
 """
 from __future__ import annotations
 
@@ -24,8 +17,6 @@ from nanogpt.errors import UserError
 from nanogpt.distributed import Dist, is_dtensor
 from model import GPT
 
-# ----------------------------------------------------------------------------------------------- the model
-
 
 @contextlib.contextmanager
 def same_random_init(seed: int, enabled: bool):
@@ -40,12 +31,9 @@ def same_random_init(seed: int, enabled: bool):
 
 
 def checkpoint_activations(model: GPT, setting: bool | int) -> int:
-    """
-    Recompute the activations of the first N blocks in the backward instead of keeping them (True: all blocks,
-    False: none); returns N. Each block's output is kept, its insides (attention, MLP: ~90% of a block's
-    activations) are recomputed, which costs about one more forward of those blocks. The blocks keep their
-    parameter names (the block's own forward is wrapped), so checkpoints do not change.
-    """
+    """Recompute the insides (~90% of the activations) of the first N blocks in the backward instead of keeping them,
+    for about one more forward of them (True: all, False: none); returns N. Wrapping the block's own forward keeps
+    the parameter names, so checkpoints do not change."""
     n_layer = len(model.transformer.h)
     n = n_layer if setting is True else 0 if setting is False else setting
     if not 0 <= n <= n_layer:
@@ -63,14 +51,9 @@ def _checkpointed(forward, *args, **kwargs):
 
 
 def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool, compile_mode: str = "default") -> GPT:
-    """
-    FSDP2: each block, then the root (embeddings, final norm, head), becomes a unit sharded over all ranks. With
-    dtype bfloat16 the all-gathered parameters are bf16 for compute while gradients are reduced, and the
-    sharded parameters and AdamW state kept, in float32. torch.compile goes on each block before sharding, as
-    PyTorch's FSDP2 guidance and torchtitan do: the per-block all-gathers stay outside the compiled graphs. The
-    model may be on the CPU: fully_shard moves each rank's shard to the mesh's device, so no GPU ever holds
-    the whole model.
-    """
+    """FSDP2: each block, then the root, a unit sharded over all ranks; under bfloat16 the gathered parameters are
+    bf16, gradients reduced and state kept in float32. Blocks are compiled before sharding (as torchtitan does), so
+    the all-gathers stay outside the graphs. The model may be on the CPU: no GPU ever holds all of it."""
     device_type = dist.device.split(":")[0]
     from torch.distributed.device_mesh import init_device_mesh  # FSDP's modules: imported where used (below)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -78,13 +61,10 @@ def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool, compile_mode:
     mesh = init_device_mesh(device_type, (dist.world_size,))
     if dtype == "float16":  # resolved from dtype="auto" on a GPU without bf16
         raise UserError("parallelism='fsdp' needs bfloat16 or float32 (no sharded grad scaler here): set --dtype")
-    if dtype == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(**(bf16 if dtype == "bfloat16" else {}))
     for block in model.transformer.h:
-        if compile:
-            # in place: the parameter names stay those of the plain model
+        if compile:  # in place: the parameter names stay those of the plain model
             block.compile(mode=None if compile_mode == "default" else compile_mode)
         # The last block's parameters are all-gathered again first thing in the backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block is not model.transformer.h[-1])
@@ -96,9 +76,8 @@ def shard_model(model: GPT, dist: Dist, dtype: str, compile: bool, compile_mode:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, dist: Dist, sync: bool):
-    """Accumulation micro-steps before the last need no gradient communication: DDP's no_sync, or FSDP2's
-    set_requires_gradient_sync (gradients then accumulate unsharded on each rank until the last micro-step's
-    reduce-scatter)."""
+    """No gradient communication in the micro-steps before the last: DDP's no_sync, or FSDP2's
+    set_requires_gradient_sync (gradients then accumulate unsharded until the last one's reduce-scatter)."""
     if sync or not dist.enabled:
         yield
     elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
@@ -113,9 +92,8 @@ def gradient_sync(model: nn.Module, dist: Dist, sync: bool):
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ that also works on FSDP's sharded gradients: the norm of each rank's shards
-    is a partial result, reduced over all ranks (full_tensor) into the total norm before any gradient is scaled.
-    Returns the total norm as a plain tensor."""
+    """clip_grad_norm_ that works on FSDP's sharded gradients too: each rank's partial norm is reduced into the total
+    (full_tensor) before any gradient is scaled. Returns the total norm as a plain tensor."""
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
     if is_dtensor(norm):
@@ -125,9 +103,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 
 def eval_batch_indices(eval_iters: int, dist: Dist, sharded: bool) -> list[tuple[int, bool]]:
-    """This rank's evaluation batches as (batch index, counted). Ranks split the batches; under FSDP every forward
-    is collective (the all-gathers), so each rank runs the same number, a rank short of batches repeating
-    one without counting it."""
+    """This rank's share of the eval batches as (index, counted). Under FSDP every forward is collective, so each
+    rank runs as many, one short repeating a batch it does not count."""
     ks = list(range(dist.rank, eval_iters, dist.world_size))
     if not sharded:
         return [(k, True) for k in ks]
@@ -136,17 +113,11 @@ def eval_batch_indices(eval_iters: int, dist: Dist, sharded: bool) -> list[tuple
 
 
 def memory_per_rank(model: nn.Module, micro_steps: int = 1, optimizer: str = "adamw") -> dict[str, int | bool]:
-    """
-    Bytes this rank holds at its peak for parameters, gradients and optimizer state, from the local shards of the
-    parameters (the whole tensors without FSDP); micro_steps: gradient accumulation micro-steps per rank. AdamW
-    keeps two float32 moments per element. Gradients have the parameters' local shape and dtype, except under
-    FSDP with micro_steps > 1: the micro-steps before the last skip the reduce-scatter (gradient_sync), so every
-    rank accumulates the whole model's gradients unsharded, in float32 (the parameters' dtype: with bf16 compute
-    FSDP accumulates them in its float32 reduce dtype). Measured on 2 ranks: 2 x the sharded gradients' bytes.
-    The last micro-step's reduce-scatters replace them unit by unit with the sharded ones, so the two never
-    coexist in full: the unsharded ones are the gradients counted ("unsharded_grads": True).
-    """
-    local = [_local(p) for p in model.parameters()]
+    """Bytes this rank holds at its peak for parameters, gradients and AdamW state (two float32 moments), from the
+    local shards. Under FSDP with micro_steps > 1 the micro-steps before the last skip the reduce-scatter, so each
+    rank accumulates the whole model's gradients unsharded in float32 (measured on 2 ranks: 2 x the sharded bytes);
+    the last one replaces them unit by unit, so those are the gradients counted ("unsharded_grads": True)."""
+    local = [p.to_local() if is_dtensor(p) else p for p in model.parameters()]
     params = sum(t.numel() * t.element_size() for t in local)
     numel = sum(t.numel() for t in local)
     unsharded_grads = micro_steps > 1 and any(is_dtensor(p) for p in model.parameters())
@@ -155,10 +126,6 @@ def memory_per_rank(model: nn.Module, micro_steps: int = 1, optimizer: str = "ad
     states = {"adamw": 2 * 4}[optimizer]
     return {"params": params, "grads": grads, "optimizer": numel * states, "numel": numel,
             "unsharded_grads": unsharded_grads}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
 
 
 def memory_text(mem: dict[str, int | bool], world_size: int) -> str:

@@ -1,7 +1,5 @@
-"""
-The tokenizers: one token per character over a dataset's own characters, or GPT-2 BPE through tiktoken; which one a
-dataset's meta.json or a checkpoint names, and the check that weights train only on data of their own tokenizer.
-"""
+"""The tokenizers (per character over a dataset's own characters, or GPT-2 BPE through tiktoken), which one meta.json
+or a checkpoint names, and the check that weights train only on data of their own tokenizer."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -15,15 +13,12 @@ from nanogpt.errors import UserError
 
 
 class Tokenizer(Protocol):
-    """What train/sample need from a tokenizer."""
-
     vocab_size: int
     eot: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
-
 
 
 class CharTokenizer:
@@ -39,10 +34,8 @@ class CharTokenizer:
         missing = set(text) - self.stoi.keys()
         if missing:
             shown = ", ".join(repr(c) for c in sorted(missing))
-            raise UserError(
-                f"character(s) {shown} not in the vocabulary: a char-level model knows only its dataset's "
-                f"{self.vocab_size} characters; remove them from the text"
-            )
+            raise UserError(f"character(s) {shown} not in the vocabulary: a char-level model knows only its "
+                            f"dataset's {self.vocab_size} characters; remove them from the text")
         stoi = self.stoi
         return [stoi[c] for c in text]
 
@@ -57,7 +50,6 @@ class CharTokenizer:
         return "".join([itos[i] for i in ids.tolist()])
 
 
-
 class GPT2Tokenizer:
     """GPT-2 BPE through tiktoken: 50257 tokens, <|endoftext|> = 50256."""
 
@@ -67,19 +59,17 @@ class GPT2Tokenizer:
         try:
             self.enc = tiktoken.get_encoding("gpt2")
         except (OSError, ValueError) as e:  # requests' errors are OSErrors; a bad cache file is a ValueError
-            raise UserError(
-                f"cannot load the GPT-2 BPE with tiktoken ({type(e).__name__}: {e}); allow the download, or set "
-                "TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cache files for gpt2"
-            ) from e
+            raise UserError(f"cannot load the GPT-2 BPE with tiktoken ({type(e).__name__}: {e}); allow the download, "
+                            "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cache files for gpt2") from e
         self.vocab_size = self.enc.n_vocab
         self.eot: int | None = self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:
-        """Encode a prompt: the literal "<|endoftext|>" becomes the end-of-text token."""
+        """A prompt: the literal "<|endoftext|>" is the end-of-text token."""
         return self.enc.encode(text, allowed_special={"<|endoftext|>"})
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Encode corpus text: special-token strings in it are ordinary text."""
+        """Corpus text: special-token strings in it are ordinary text."""
         return self.enc.encode_ordinary(text)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -90,16 +80,12 @@ class GPT2Tokenizer:
         return self.enc.decode(ids)
 
 
-
 @lru_cache(maxsize=1)
 def gpt2_tokenizer() -> GPT2Tokenizer:
-    """The GPT-2 tokenizer, e.g. to sample from GPT-2 weights when there is no meta.json."""
     return GPT2Tokenizer()
 
 
-
 def get_tokenizer(meta: dict[str, Any]) -> CharTokenizer | GPT2Tokenizer:
-    """The tokenizer that meta.json describes."""
     kind = meta.get("tokenizer")
     if kind == "gpt2":
         return gpt2_tokenizer()
@@ -110,14 +96,13 @@ def get_tokenizer(meta: dict[str, Any]) -> CharTokenizer | GPT2Tokenizer:
     raise UserError(f"meta.json tokenizer {kind!r} is unknown: expected 'char' or 'gpt2'")
 
 
-
 def recorded_meta(ckpt: dict[str, Any]) -> tuple[dict | None, str]:
-    """The tokenizer a checkpoint's model was trained with, and where that was found: the one it records, else its
+    """The tokenizer a checkpoint's model was trained with and where that was found: the one it records, else its
     dataset's meta.json; (None, why) when neither is there (nanoGPT's GPT-2 BPE runs name none)."""
     if ckpt.get("meta"):
         meta = ckpt["meta"]
-        if not (isinstance(meta, dict) and meta.get("tokenizer") in ("char", "gpt2") and type(meta.get("vocab_size")) is int
-                and meta["vocab_size"] >= 1):
+        if not (isinstance(meta, dict) and meta.get("tokenizer") in ("char", "gpt2")
+                and type(meta.get("vocab_size")) is int and meta["vocab_size"] >= 1):
             raise UserError(f"the checkpoint records a tokenizer that is not one ({str(meta)[:80]}): restore the "
                             f"checkpoint from a backup")
         return meta, "recorded in the checkpoint"
@@ -126,14 +111,11 @@ def recorded_meta(ckpt: dict[str, Any]) -> tuple[dict | None, str]:
         return None, "the checkpoint names no dataset"
     data_dir = dataset_dir(run_config.get("dataset", ""), run_config.get("data_dir"))
     meta = find_meta(data_dir)
-    return (tokenizer_meta(meta), f"from {data_dir}") if meta else (None, f"no tokenizer description in "
-                                                                                   f"{data_dir}")
-
+    return (tokenizer_meta(meta), f"from {data_dir}") if meta else (None, f"no tokenizer description in {data_dir}")
 
 
 def checkpoint_tokenizer(ckpt: dict[str, Any], log: Callable[[str], None] = print) -> Tokenizer:
-    """The tokenizer the checkpoint's model was trained with (recorded_meta), else GPT-2 BPE (nanoGPT's checkpoints
-    of GPT-2 BPE data name no tokenizer)."""
+    """recorded_meta's tokenizer, else GPT-2 BPE (nanoGPT's checkpoints of GPT-2 BPE data name none)."""
     meta, where = recorded_meta(ckpt)
     if meta is None:
         log(f"tokenizer: GPT-2 BPE ({where})")
@@ -142,13 +124,9 @@ def checkpoint_tokenizer(ckpt: dict[str, Any], log: Callable[[str], None] = prin
     return get_tokenizer(meta)
 
 
-
 def check_tokenizer(model_vocab: int, model_meta: dict | None, meta: dict, source: str, dataset: str) -> None:
-    """
-    A model trains on a dataset only with the tokenizer it was trained with: the same tokenizer (when the model's
-    is known: GPT-2's weights use GPT-2 BPE, a checkpoint records its dataset's) and a vocabulary that holds every
-    id of the dataset. nanoGPT's GPT-2 runs have 50304 rows for BPE's 50257 tokens: more rows are fine for BPE.
-    """
+    """A model trains on a dataset only with its own tokenizer (when known) and a vocabulary that holds every id;
+    more rows are fine for BPE (nanoGPT's GPT-2 runs have 50304 for its 50257 tokens)."""
     problem = None
     if model_meta is not None and (model_meta["tokenizer"], model_meta.get("itos")) != (meta["tokenizer"],
                                                                                       meta.get("itos")):

@@ -3,20 +3,12 @@
     python data/fineweb_edu/prepare.py [--num_proc 8] [--shard_tokens 100000000] [--streaming] [--out_dir DIR]
     python data/fineweb_edu/prepare.py --source my_docs.jsonl --text_field body   # a local .json/.jsonl/.txt/.parquet
 
-Every document becomes <|endoftext|> followed by its tokens (tiktoken's encode_ordinary), in a process pool; the
-token stream fills shards of `--shard_tokens` tokens one after another (a document may run across a shard's end),
-the first shard being validation: val_000000.bin, train_000001.bin, ... (the last one shorter), each with a JSON
-sidecar (dataio.write_shard), and meta.json listing them. sample-10BT (9.67M documents, ~10B tokens) gives 100
-shards of 200 MB; train.py reads them where it reads train.bin.
-
-Interrupted (Ctrl-C, a kill, a full disk), the same command continues after the last complete shard: a shard is
-written under a temporary name and renamed, then its sidecar is written, which records where in the document
-stream the next shard starts. The result is the same as one uninterrupted run. A shard that does not match its
-sidecar is an error; the options that decide the shards (source, name, text field, shard size) must not change.
-
-Loading: HF `datasets` (written against 5.2; any version with Dataset.skip), by default downloading the parquet
-files and reading them as a Dataset (tens of GB of parquet plus datasets' cache; a restart skips documents at once);
-`--streaming` reads them over the network instead (no disk, but a restart re-reads the documents it skips).
+Each document is <|endoftext|> and its tokens; the stream fills shards of --shard_tokens one after another, the first
+one val (val_000000.bin, train_000001.bin, ...), each with a JSON sidecar, listed in meta.json (sample-10BT: 100
+shards of 200 MB). Interrupted, the same command continues after the last complete shard, with the same result as one
+uninterrupted run; the options that decide the shards (source, name, text field, shard size) must not change.
+HF `datasets` (any version with Dataset.skip) downloads the parquet files (tens of GB); --streaming reads them over
+the network instead, and a restart then re-reads the documents it skips.
 """
 import multiprocessing
 import os
@@ -30,25 +22,23 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for nanogpt/ and data/
 from nanogpt.errors import UserError, exit_on_user_error  # noqa: E402
 from data.corpus import corpus_parser, eot_then_tokens, local_data_files, no_bars_in_logs, progress  # noqa: E402
-from nanogpt.dataio import GPT2_EOT, MAX_TOKEN_ID, load_meta, shard_info, sidecar_path, write_meta, write_shard  # noqa: E402
+from nanogpt.dataio import (GPT2_EOT, MAX_TOKEN_ID, load_meta, shard_info, sidecar_path,  # noqa: E402
+                            write_meta, write_shard)
 from nanogpt.tokenizers import gpt2_tokenizer  # noqa: E402
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_SOURCE, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 SHARD_TOKENS = 100_000_000
 DOCS_PER_TASK = 256  # documents per pool task: large enough to amortise the pickling, small enough to spread
-SETTINGS = ("source", "name", "text_field", "shard_tokens")  # what decides the shards; a restart must not change it
+SETTINGS = ("source", "name", "text_field", "shard_tokens")  # what decides the shards
 
 
 def shard_path(out_dir: Path, index: int) -> Path:
     return out_dir / f"{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
-def open_corpus(
-    source: str, local: tuple[str, list[str]] | None, name: str | None, streaming: bool, num_proc: int,
-    cache_dir: str | None,
-) -> Any:
-    """The corpus as a datasets.Dataset (or IterableDataset when streaming), in its fixed order."""
+def open_corpus(source: str, local: tuple[str, list[str]] | None, name: str | None, streaming: bool, num_proc: int,
+                cache_dir: str | None) -> Any:
     from datasets import load_dataset  # slow to import; only this script needs it
 
     if local is not None:
@@ -65,14 +55,11 @@ def open_corpus(
     except OSError as e:  # no network (ConnectionError), an unknown dataset or name (FileNotFoundError)
         if local is not None:
             raise
-        raise UserError(
-            f"cannot load hub dataset {source} ({name}) ({type(e).__name__}: {e}); check the network and the "
-            "names, or pass --source with a local .json/.jsonl/.txt/.parquet file or folder"
-        ) from e
+        raise UserError(f"cannot load hub dataset {source} ({name}) ({type(e).__name__}: {e}); check the network and "
+                        "the names, or pass --source with a local .json/.jsonl/.txt/.parquet file or folder") from e
 
 
 def text_batches(ds: Any, skip: int, text_field: str, source: str) -> Iterator[list[str]]:
-    """The documents' texts from document `skip` on, DOCS_PER_TASK at a time."""
     if ds.column_names is not None and text_field not in ds.column_names:  # None: a stream that does not say
         raise UserError(f"--text_field {text_field}: no such field in {source}; its fields are {ds.column_names}")
     if skip and skip >= getattr(ds, "num_rows", skip + 1):  # all read (Dataset.skip refuses; a stream just ends)
@@ -82,17 +69,14 @@ def text_batches(ds: Any, skip: int, text_field: str, source: str) -> Iterator[l
 
 
 def resume_point(out_dir: Path, settings: dict[str, Any]) -> tuple[list[dict[str, Any]], list[int]]:
-    """The complete shards already in out_dir (sidecars, from index 0 on) and the stream position where the next
-    shard starts: [document, token within it]. Files of later, incomplete shards are removed."""
+    """The complete shards' sidecars and where the next shard starts: [document, token]. Later files are removed."""
     done: list[dict[str, Any]] = []
     while shard_path(out_dir, len(done)).is_file() and sidecar_path(shard_path(out_dir, len(done))).is_file():
         side = shard_info(shard_path(out_dir, len(done)))  # a shard that does not match its sidecar: UserError
         changed = [f"{k} {side.get(k)!r} -> {settings[k]!r}" for k in SETTINGS if side.get(k) != settings[k]]
         if changed:
-            raise UserError(
-                f"{out_dir} holds shards prepared with other settings ({'; '.join(changed)}): prepare with the same "
-                "settings to continue, or into another --out_dir"
-            )
+            raise UserError(f"{out_dir} holds shards prepared with other settings ({'; '.join(changed)}): prepare "
+                            "with the same settings to continue, or into another --out_dir")
         done.append(side)
     for stale in out_dir.glob("*_*.*"):  # a torn shard's temporary file, a shard whose sidecar was never written
         if stale.name.startswith(("val_", "train_")) and _index(stale) >= len(done):
@@ -105,22 +89,12 @@ def _index(path: Path) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def prepare(
-    source: str = DEFAULT_SOURCE,
-    out_dir: str | os.PathLike[str] = SCRIPT_DIR,
-    num_proc: int = 1,
-    shard_tokens: int = SHARD_TOKENS,
-    name: str | None = DEFAULT_NAME,
-    text_field: str = "text",
-    streaming: bool = False,
-    cache_dir: str | None = None,
-    on_batch: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
-    """Tokenize `source` into shards in out_dir, continuing after the complete shards already there; return meta.
-
-    `name` is the hub dataset's config (ignored for local files); `on_batch(shard index, tokens buffered)` is called
-    after each batch of documents is added to the shard being filled (tests inject faults there).
-    """
+def prepare(source: str = DEFAULT_SOURCE, out_dir: str | os.PathLike[str] = SCRIPT_DIR, num_proc: int = 1,
+            shard_tokens: int = SHARD_TOKENS, name: str | None = DEFAULT_NAME, text_field: str = "text",
+            streaming: bool = False, cache_dir: str | None = None,
+            on_batch: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Tokenize `source` into shards, after the complete ones already there; return meta. `on_batch(shard index,
+    tokens buffered)` runs after each batch of documents (tests inject faults there)."""
     if num_proc < 1:
         raise UserError(f"--num_proc {num_proc} must be >= 1")
     if shard_tokens < 1:
@@ -131,17 +105,13 @@ def prepare(
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens, more than uint16 shards hold ({MAX_TOKEN_ID + 1})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = dict(
-        source=source if local is None else str(Path(source).expanduser().resolve()),
-        name=name if local is None else None,
-        text_field=text_field, shard_tokens=shard_tokens,
-    )
+    settings = dict(source=source if local is None else str(Path(source).expanduser().resolve()),
+                    name=name if local is None else None, text_field=text_field, shard_tokens=shard_tokens)
     done, (doc, offset) = resume_point(out_dir, settings)
     if (out_dir / "meta.json").is_file():
         meta = load_meta(out_dir)
-        if meta.get("shards") == {"val": [shard_path(out_dir, 0).name], "train": [
-            shard_path(out_dir, i).name for i in range(1, len(done))
-        ]}:
+        names = [shard_path(out_dir, i).name for i in range(max(1, len(done)))]
+        if meta.get("shards") == {"val": names[:1], "train": names[1:]}:
             print(f"{out_dir} is prepared already: its meta.json lists the {len(done)} complete shards there")
             return meta
     if done:
@@ -187,17 +157,13 @@ def prepare(
             pool.terminate()
 
     if len(done) < 2:
-        raise UserError(
-            f"--source {source} has {sum(s['tokens'] for s in done):,} tokens: not more than one shard of "
-            f"--shard_tokens {shard_tokens:,}, which is the val shard; prepare again into an empty --out_dir with a "
-            "lower --shard_tokens"
-        )
+        raise UserError(f"--source {source} has {sum(s['tokens'] for s in done):,} tokens: not more than one shard "
+                        f"of --shard_tokens {shard_tokens:,}, which is the val shard; prepare again into an empty "
+                        "--out_dir with a lower --shard_tokens")
     shards = [shard_path(out_dir, i).name for i in range(len(done))]
-    meta = dict(
-        vocab_size=tok.vocab_size, tokenizer="gpt2", dtype="uint16", eot=GPT2_EOT, **settings,
-        shards={"val": shards[:1], "train": shards[1:]}, val_tokens=done[0]["tokens"],
-        train_tokens=sum(s["tokens"] for s in done[1:]), documents=doc,
-    )
+    meta = dict(vocab_size=tok.vocab_size, tokenizer="gpt2", dtype="uint16", eot=GPT2_EOT, **settings,
+                shards={"val": shards[:1], "train": shards[1:]}, val_tokens=done[0]["tokens"],
+                train_tokens=sum(s["tokens"] for s in done[1:]), documents=doc)
     write_meta(out_dir, meta)
     return meta
 

@@ -18,7 +18,6 @@ SCRIPT_DIR = Path(__file__).resolve().parent
 
 
 def prepare(text: str, source: str, out_dir: Path) -> dict:
-    """Split `text` 90/10 by characters, encode each part with GPT-2 BPE, write the dataset; return meta."""
     tok = gpt2_tokenizer()
     # encode_ordinary: a literal "<|endoftext|>" in the corpus is text, not the special token
     return write_split(out_dir, text, tok.encode_ordinary, {"vocab_size": tok.vocab_size, "tokenizer": "gpt2",

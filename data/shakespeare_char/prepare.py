@@ -17,7 +17,6 @@ SCRIPT_DIR = Path(__file__).resolve().parent
 
 
 def prepare(text: str, source: str, out_dir: Path) -> dict:
-    """Encode `text` one token per character, split 90/10, write the dataset to `out_dir`; return meta."""
     chars = sorted(set(text))  # the vocabulary, ordered as nanoGPT orders it
     meta = {"vocab_size": len(chars), "tokenizer": "char", "itos": chars}
     return write_split(out_dir, text, get_tokenizer(meta).encode, {**meta, "source": source})
