@@ -20,15 +20,15 @@ from nanogpt.errors import UserError
 
 class KVCache:
     """
-    Keys and values of the positions seen so far, for every layer of a model of `config` (its GPTConfig), so that generating one more token costs one
-    position of compute instead of the whole context. Every buffer is allocated up front at (B, nh, size, hs) and
-    written in place at the positions given as a tensor. size: the positions the caller will store, at most
-    block_size (the default). generate() asks for what it needs, not the whole block: GPT-2 XL's 48 layers hold
-    2 x 48 x 1600 x 4 B = 600 KiB per position and sample, 2.9 GiB for 5 samples of block_size 1024 in float32.
-    static=True (the compiled decoding step): attention reads the whole buffers, the slots not yet written masked
-    out, so a step has the same shapes at every position and compiles once per size. static=False (eager):
-    attention reads only the slots written so far (`length`), which is less memory to read per token early on.
-    dtype: what the attention produces (bfloat16 under bf16 autocast or for a bf16 model).
+    Keys and values of the positions seen so far, for every layer of a model of `config` (its GPTConfig), so that
+    generating one more token costs one position of compute instead of the whole context. Every buffer is allocated
+    up front at (B, nh, size, hs) and written in place at the positions given as a tensor. size: the positions the
+    caller will store, at most block_size (the default). generate() asks for what it needs, not the whole block:
+    GPT-2 XL's 48 layers hold 2 x 48 x 1600 x 4 B = 600 KiB per position and sample, 2.9 GiB for 5 samples of
+    block_size 1024 in float32. static=True (the compiled decoding step): attention reads the whole buffers, the
+    slots not yet written masked out, so a step has the same shapes at every position and compiles once per size.
+    static=False (eager): attention reads only the slots written so far (`length`), which is less memory to read per
+    token early on. dtype: what the attention produces (bfloat16 under bf16 autocast or for a bf16 model).
     """
 
     def __init__(

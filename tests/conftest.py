@@ -55,3 +55,13 @@ def data_dir(tmp_path):
     d = tmp_path / "tinychar"
     make_char_dataset(d)
     return d
+
+
+@pytest.fixture()
+def wandb_settings(monkeypatch):
+    """wandb reads its settings (WANDB_MODE, the server, the key) once per process: a test that changes them has them
+    read anew at its end too, its environment undone, so that the tests after it see the process's own."""
+    wandb = pytest.importorskip("wandb")
+    yield wandb
+    monkeypatch.undo()
+    wandb.teardown()

@@ -77,7 +77,7 @@ def test_flash_impl_fa4_is_refused_in_one_line_where_it_cannot_run():
         "flash_impl='fa3' is not one of default, fa4"]
 
 
-def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch):
+def test_wandb_finds_the_key_where_wandb_login_writes_it_or_needs_none_offline(tmp_path, monkeypatch, wandb_settings):
     """wandb_problem asks wandb itself: its key in the netrc file `wandb login` writes or in WANDB_API_KEY, for the
     server it logs to (WANDB_BASE_URL); none needed offline; a key of the wrong form named."""
     wandb = pytest.importorskip("wandb")

@@ -276,8 +276,8 @@ def test_wandb_log_without_wandb_installed_is_one_line_before_the_model(data_dir
         "error: wandb_log=True needs wandb, which is not installed: pip install wandb (or --wandb_log=False)"]
 
 
-def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, tmp_path, monkeypatch, capsys):
-    pytest.importorskip("wandb")
+def test_wandb_log_without_a_login_names_wandb_login_and_offline_mode(data_dir, tmp_path, monkeypatch, capsys,
+                                                                      wandb_settings):
     no_wandb_login(monkeypatch, tmp_path / "home")
     r = wandb_run(data_dir, tmp_path, monkeypatch, capsys)
     assert r.returncode == 2
