@@ -51,6 +51,7 @@ def ablation(tmp_path_factory):
     return {"out": out, "rows": saved["rows"], "printed": printed, "json": saved, "dir": results}
 
 
+@pytest.mark.slow
 def test_ablation_prints_every_row_of_the_studies_in_order(ablation):
     assert [(c[0], c[1]) for c in ablation["printed"]] == EXPECTED_ROWS
     assert [(r["study"], r["label"]) for r in ablation["rows"]] == EXPECTED_ROWS
@@ -58,6 +59,7 @@ def test_ablation_prints_every_row_of_the_studies_in_order(ablation):
     assert all(r["threads"] == 1 for r in ablation["rows"] if r["status"] == "ok")  # the parent's environment
 
 
+@pytest.mark.slow  # the module's ablation fixture runs 13 bench.py processes
 def test_rows_the_cpu_cannot_run_carry_the_reason_and_no_numbers(ablation):
     reasons = {(r["study"], r["name"]): r for r in ablation["rows"] if r["status"] != "ok"}
     assert set(reasons) == {("attention", "efficient"), ("cumulative", "tf32")}
@@ -73,6 +75,7 @@ def test_rows_the_cpu_cannot_run_carry_the_reason_and_no_numbers(ablation):
             assert cells[-1] == "" or cells[-1].startswith("busy machine: other processes took")
 
 
+@pytest.mark.slow  # the module's ablation fixture runs 13 bench.py processes
 def test_ablation_json_matches_the_printed_table(ablation):
     for r, cells in zip(ablation["rows"], ablation["printed"]):
         if r["status"] != "ok":
@@ -88,6 +91,7 @@ def test_ablation_json_matches_the_printed_table(ablation):
     assert ablation["json"]["machine"]["allocator"] == detect_allocator()
 
 
+@pytest.mark.slow  # the module's ablation fixture runs 13 bench.py processes
 def test_techniques_change_the_speed_not_the_loss(ablation):
     ran = [r for r in ablation["rows"] if r["status"] == "ok"]
     float32 = [r for r in ran if r["dtype"] == "float32"]
@@ -110,6 +114,7 @@ def test_speedups_are_against_the_first_row_of_each_study():
     assert [r["speedup"] for r in rows] == [1.0, 2.0, None, 0.25, None, None]  # b's first row did not run
 
 
+@pytest.mark.slow  # the module's ablation fixture runs 13 bench.py processes
 def test_a_skipped_cumulative_row_leaves_its_change_out_of_the_rows_below(ablation):
     cumulative = [r for r in ablation["rows"] if r["study"] == "cumulative"]
     assert [r["name"] for r in cumulative] == [
@@ -123,6 +128,7 @@ def test_a_skipped_cumulative_row_leaves_its_change_out_of_the_rows_below(ablati
     assert "--sdpa_backend='flash' --vocab_padding_multiple=64" in flash_pad["command"]
 
 
+@pytest.mark.slow  # the module's ablation fixture runs 13 bench.py processes
 def test_the_bar_chart_is_a_picture(ablation):
     image = matplotlib.image.imread(ablation["dir"] / "ablation.png")  # (H, W, RGBA) floats
     assert image.shape[0] > 300 and image.shape[1] > 600 and image[..., :3].std() > 0.05  # not blank

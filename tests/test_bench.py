@@ -53,6 +53,7 @@ def number(text: str) -> float:
     return float(text.replace(",", "").rstrip("x"))
 
 
+@pytest.mark.slow
 def test_a_run_prints_its_figures_and_writes_the_same_to_its_json(tmp_path):
     out = bench_script(f"--result_json={tmp_path / 'run.json'}")
     assert "device is cpu and no config file was given: loading config/bench_cpu.py" in out
@@ -101,6 +102,7 @@ class FakeClock:
         self.now += next(self.step_ms) / 1000
 
 
+@pytest.mark.slow
 def test_figures_follow_the_step_times_and_the_counted_flops(tmp_path, monkeypatch, capsys):
     """In-process run with a clock the test controls: the timed steps take 30, 10, 50, 20, 40 ms. The MFU's
     expected value comes from FLOPs that PyTorch's FlopCounterMode counts in one real training step."""
@@ -146,6 +148,7 @@ def test_the_warm_up_time_is_the_warm_up_steps_own(monkeypatch, capsys):
     assert "warm-up: 0.9 s\n" in capsys.readouterr().out  # compile=False: nothing compiled
 
 
+@pytest.mark.slow
 def test_the_optimizers_share_of_the_step_is_each_optimizers_own_time(monkeypatch, capsys):
     """With Muon, AdamW's step takes 2 ms and Muon's 5 ms on the test's clock, inside steps of 30 + 7 and 10 + 7 ms:
     bench reports each optimizer's time per step and their share of the mean step, 7 / 27."""
@@ -176,6 +179,7 @@ def test_the_optimizers_share_of_the_step_is_each_optimizers_own_time(monkeypatc
     assert "optimizer: 7.00 ms per step (muon 5.00 ms, adamw 2.00 ms), 25.9% of the mean step" in out
 
 
+@pytest.mark.slow
 def test_profile_writes_a_chrome_trace_and_prints_the_top_ops(tmp_path):
     out = bench_script("--profile=True", f"--results_dir={tmp_path}")
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -318,6 +322,7 @@ def test_floor_operands_are_fresh_per_call_except_large_ones(monkeypatch):
     assert seen[0][0] is seen[1][0] and seen[0][1] is not seen[1][1]
 
 
+@pytest.mark.slow
 def test_the_profiled_steps_come_after_the_loss_so_it_is_the_same_with_or_without_them(tmp_path):
     """--profile runs 5 more steps under the profiler after the timed ones; the held-out loss is taken before them,
     so a profiled run reports the loss every run reports, after the timed steps."""

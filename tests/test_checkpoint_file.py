@@ -242,6 +242,7 @@ def test_checkpoint_model_config_fills_the_gelu_of_older_checkpoints_and_drops_t
     assert checkpoint_model_config({**ours, "fused_loss": True}) == checkpoint_model_config(ours)
 
 
+@pytest.mark.slow
 def test_a_checkpoints_recorded_fields_of_any_content_are_read_as_one_line_or_used(data_dir, tmp_path, capsys):
     """A checkpoint whose recorded fields (iteration, best val loss, settings, model_args, run id, tokenizer, RNG,
     world size, wall time...) hold any JSON value, edited by hand or written by another program: what a resume reads

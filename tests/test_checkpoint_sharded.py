@@ -64,6 +64,7 @@ train(tiny_config({data!r}, {out!r}, max_iters=4, eval_interval=2, parallelism="
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["dcp_finish", "before_link"])
 def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tmp_path, stage):
     out = tmp_path / "run"
@@ -81,6 +82,7 @@ def test_sigkill_during_a_sharded_save_leaves_a_loadable_checkpoint(data_dir, tm
     assert kept == ["ckpt_sharded", os.readlink(out / "ckpt_sharded")] and kept[1].startswith("ckpt_sharded_0000004_")
 
 
+@pytest.mark.slow
 def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_once_written(tmp_path):
     """async_save: training changes the weights (in place, as the optimizer does) while DCP writes; the folder holds
     the step's weights and optimizer state, and ckpt_sharded names it only after finish()."""
@@ -132,6 +134,7 @@ def test_a_save_in_the_background_keeps_the_weights_of_its_step_and_links_only_o
         cleanup_distributed(dist)
 
 
+@pytest.mark.slow
 def test_fsdp_keeps_the_best_checkpoint_across_a_stop_and_resume(data_dir, tmp_path, monkeypatch, capsys):
     """always_save_checkpoint=False (nanoGPT's own Shakespeare config) was refused under FSDP. Now the best val
     loss's folder keeps a second link, ckpt_sharded_best, while a stop saves the latest in ckpt_sharded."""
@@ -213,6 +216,7 @@ cleanup_distributed(dist, barrier=True)
 """
 
 
+@pytest.mark.slow
 def test_every_rank_returns_from_a_sharded_save_once_the_link_names_it(tmp_path):
     """Rank 0 links ckpt_sharded to the new folder once every shard is written; the other ranks wait for that
     (a barrier) before they return, so none goes on (a stop's exit, a resume of the folder) while the link still
@@ -269,6 +273,7 @@ def fsdp_run(tmp_path_factory):
     return root / "tinychar", root / "run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_sharded_folder_is_one_line_for_every_command_that_reads_it(fsdp_run, tmp_path, capsys, damage):
     """Bug: a shard file or DCP's .metadata cut short or removed (a copy interrupted, a file deleted) ended a resume,
@@ -305,6 +310,7 @@ def test_a_damaged_sharded_folder_is_one_line_for_every_command_that_reads_it(fs
         assert folder_state(out) == before and not (tmp_path / "hf").exists(), name
 
 
+@pytest.mark.slow
 def test_a_damaged_shard_stops_every_rank_of_a_torchrun_resume(data_dir, tmp_path):
     """On 2 ranks each reads its part of every shard file: rank 1's file cut short (found before DCP reads) or
     garbled (found by DCP's read, which it reports on every rank) stops both ranks with the one line, none left

@@ -44,6 +44,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+@pytest.mark.slow
 def test_resume_reads_the_newest_checkpoint_by_iteration_whatever_the_format(data_dir, tmp_path, capsys):
     """Bug: FSDP always took the sharded folder and DDP the file, so a folder at iter 4 beside a ckpt.pt at iter 6
     restarted an FSDP run at 4, silently. Here: FSDP to 4, without FSDP to 6 (from the folder: the only
@@ -101,6 +102,7 @@ def stop_at(monkeypatch, stage: str) -> None:
         monkeypatch.setattr(train_module, "train_step", step_then_signal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelism, optimizer", [("fsdp", "adamw"), ("ddp", "adamw"), ("ddp", "muon")])
 @pytest.mark.parametrize("stage", ["iter-0 eval", "first step"])
 def test_a_stop_before_the_first_step_resumes_exactly(data_dir, tmp_path, monkeypatch, parallelism, optimizer,
@@ -121,6 +123,7 @@ def test_a_stop_before_the_first_step_resumes_exactly(data_dir, tmp_path, monkey
     assert max_diff(*saved) == 0.0  # from the saves: a sharded run returns no model (its group is gone)
 
 
+@pytest.mark.slow
 def test_saves_remove_only_the_names_they_write(data_dir, tmp_path):
     """Bug: every sharded save deleted any out_dir entry starting with ckpt_sharded_, a user's backup too."""
     out = tmp_path / "run"
@@ -140,6 +143,7 @@ def test_saves_remove_only_the_names_they_write(data_dir, tmp_path):
     assert (out / "ckpt_sharded_keep_iter5" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_a_sharded_folder_is_read_wherever_a_file_is(data_dir, tmp_path, capsys):
     """Bug: export.py called the folder 'truncated or corrupt ... start again', a folder with only ckpt_sharded
     had 'no checkpoint', and init_from=out/ckpt_sharded tried to download GPT-2."""
@@ -206,6 +210,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+@pytest.mark.slow
 def test_reading_weights_maps_the_file_and_never_reads_the_optimizer_state(tmp_path):
     """Bug: sample.py, export.py and hellaswag.py read the whole checkpoint, optimizer state included, into memory
     (1,031 vs 615 MB max RSS for a 45M model)."""

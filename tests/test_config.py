@@ -230,6 +230,7 @@ def out_of_range(meta: Range, integer: bool):
     return st.one_of(options)
 
 
+@pytest.mark.slow
 def test_an_out_of_range_value_of_any_numeric_setting_is_one_line_and_changes_nothing(data_dir, tmp_path, capsys):
     """Bug: --max_nonfinite_skips=-1 stopped the first step over finite figures (after the start was accepted);
     --keep_last=-1, --warmup_iters=-5 and --min_lr=-1 passed silently; --seed=-1 was a traceback from numpy after the

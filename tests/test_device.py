@@ -34,6 +34,7 @@ print(applied, before - rss_kb())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_keep_freed_memory_stops_glibc_returning_buffers_to_the_os():
     """On for a run on any CPU device name; a GPU run leaves malloc as it is (its activations are not malloc's)."""

@@ -4,6 +4,8 @@ RNG of each rank's own, fresh and resumed. Each test runs train.main through a s
 thing and prints it."""
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
@@ -90,6 +92,7 @@ def torchrun(tmp_path, observe: str, cfg, *torchrun_args: str) -> subprocess.Com
                           timeout=HANG_S, env={**__import__("os").environ, "OBSERVE": observe})
 
 
+@pytest.mark.slow
 def test_ddp_all_reduces_the_gradients_once_per_step_whatever_the_micro_steps(data_dir, tmp_path):
     """With 2 micro-steps per rank, the first runs under no_sync: as many all-reduces as with 1 micro-step per rank."""
     counts = {}
@@ -103,6 +106,7 @@ def test_ddp_all_reduces_the_gradients_once_per_step_whatever_the_micro_steps(da
     assert counts[4] == counts[2]
 
 
+@pytest.mark.slow
 def test_no_rank_exits_while_rank_0_still_writes_the_stops_checkpoint(data_dir, tmp_path):
     """A SIGTERM to rank 1 alone; rank 0's save takes seconds: rank 1 waits at the barrier and exits only after
     rank 0's checkpoint is written (a rank that exits first lets torchrun, or a scheduler that sees one process end,
@@ -117,6 +121,7 @@ def test_no_rank_exits_while_rank_0_still_writes_the_stops_checkpoint(data_dir, 
     assert exits >= saved, (exits, saved)
 
 
+@pytest.mark.slow
 def test_each_ddp_rank_draws_its_own_dropout_fresh_and_resumed(data_dir, tmp_path):
     cfg = tiny_config(data_dir, tmp_path / "run", max_iters=4, eval_interval=2, dropout=0.1,
                       gradient_accumulation_steps=2, report=False)
@@ -159,6 +164,7 @@ def test_a_torchrun_restart_keeps_its_process_groups_keys_apart_from_the_failed_
     assert "store" not in seen and seen["backend"] == "gloo"
 
 
+@pytest.mark.slow
 def test_ranks_whose_settings_differ_are_refused_in_one_line_before_anything_changes(data_dir, tmp_path):
     """A review's reproduction: a config file that reads RANK (max_iters 4 on rank 0, 6 on rank 1) left rank 1
     waiting forever in a collective rank 0 never made; n_layer that differs ended in DDP's own RuntimeError. Every
@@ -178,6 +184,7 @@ def test_ranks_whose_settings_differ_are_refused_in_one_line_before_anything_cha
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_micro_steps_that_do_not_split_over_the_ranks_are_refused_on_every_rank(data_dir, tmp_path):
     """gradient_accumulation_steps=3 on 2 ranks would train 1 micro-batch per rank (2 a step) while logging 3's
     tokens: one line, exit status 2, and no out_dir made. (The rank that refuses first ends the job: torchrun may

@@ -169,6 +169,7 @@ def test_bf16_model_cache_follows_the_weights_dtype_and_tracks_float32() -> None
     torch.testing.assert_close(torch.cat(pieces, 1).double(), reference, atol=2e-2, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_decode_compiles_once_per_generation_for_a_deep_model_and_matches_eager() -> None:
     """10 layers (more than dynamo's recompile limit of 8, which per-layer compiles hit). The step's shapes are
     fixed by the cache's size, so a generation compiles at most once however many positions it steps through (and
@@ -280,6 +281,7 @@ def test_the_window_runs_its_last_block_for_the_last_position_alone_and_gives_th
     torch.testing.assert_close(window, full.float(), atol=1e-7, rtol=0)  # _window_logits returns float32
 
 
+@pytest.mark.slow
 def test_the_sliding_phase_casts_each_weight_to_the_window_dtype_once_not_once_a_step() -> None:
     """The window past block_size runs in one autocast context for the whole phase: 9 window steps cast the
     (128, 32) weights (each block's c_fc, the head) to bf16 as often as 2 steps do (autocast in a context per step

@@ -76,6 +76,7 @@ def test_round_trip_logits_and_bitwise_reimport_char_run(tmp_path, capsys, gelu,
             assert not bias and k.endswith(".bias") and not v.any(), k
 
 
+@pytest.mark.slow
 def test_nanogpt_gpt2_checkpoint_exports_with_tokenizer_and_generates_our_greedy_tokens(tmp_path, gpt2_bpe, capsys):
     """nanoGPT's 50304-row GPT-2 run (compiled-model prefixes): exported with 50257 rows and the GPT-2 tokenizer;
     HF's greedy generate from the folder alone gives the tokens of our sample.py."""
@@ -108,6 +109,7 @@ def test_nanogpt_gpt2_checkpoint_exports_with_tokenizer_and_generates_our_greedy
     assert theirs == ours
 
 
+@pytest.mark.slow
 def test_what_gpt2_cannot_express_is_refused_in_one_line(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, block_size=16))
@@ -236,6 +238,7 @@ def files_of(folder) -> dict[str, bytes]:
             for p in sorted(Path(folder).rglob("*"))}
 
 
+@pytest.mark.slow
 def test_a_failed_write_at_each_step_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch, capsys):
     """The second export into a folder fails at each of its write operations in turn (tests/faulty_disk.py: a full
     disk, a read-only folder): one line, exit status 2, and the first export's files byte for byte (one it would remove
@@ -278,6 +281,7 @@ ls -A {mnt} {mnt}/empty > {tmp}/listing
 """
 
 
+@pytest.mark.slow
 def test_a_full_small_file_system_keeps_the_earlier_export_and_leaves_nothing_partial(tmp_path):
     """Bug: on a real full disk safetensors' writer raises SafetensorError('... No space left on device (os error
     28)'), no OSError: the export ended in a traceback, and the second one into a folder left the new model's

@@ -56,6 +56,7 @@ def signal_during_step(monkeypatch, sig: int, step: int) -> None:
 RUN = dict(max_iters=60, lr_decay_iters=60, eval_interval=1000, log_interval=1, dropout=0.1)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(data_dir, tmp_path, monkeypatch):
     reference = train(tiny_config(data_dir, tmp_path / "ref", **RUN))
     signal_during_step(monkeypatch, signal.SIGTERM, step=6)  # in this process, during iter 5 -> 6
@@ -102,6 +103,7 @@ def test_a_stop_between_evals_keeps_the_best_checkpoint_and_its_resume_the_best_
         pytest.approx(result["best_val_loss"])
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(data_dir, tmp_path):
     # dropout off: each rank has its own dropout RNG, which one process with 2 micro-steps cannot replay
     run = {**RUN, "gradient_accumulation_steps": 2, "dropout": 0.0}
@@ -240,6 +242,7 @@ def test_a_damaged_checkpoint_gives_each_reader_a_fix_it_has_and_the_whole_cause
                     or quoted.endswith(" ...") and first_line.startswith(quoted[:-4] + " ")), (args, quoted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["optimizer", "iter_num", "best_val_loss"])
 def test_a_stripped_checkpoint_is_one_line_naming_the_field_and_its_weights_still_sample(data_dir, tmp_path, field,
                                                                                          capsys):
@@ -319,6 +322,7 @@ def test_checkpoint_whose_weights_do_not_fit_names_the_keys(data_dir, tmp_path, 
     assert "its model_args do not match its weights: block_size=32 (its weights have 7)" in line
 
 
+@pytest.mark.slow
 def test_resume_with_changed_settings_lists_them(data_dir, tmp_path):
     cfg = tiny_config(data_dir, tmp_path / "out", max_iters=2, eval_interval=2)
     train(cfg)
@@ -573,6 +577,7 @@ exit_on_user_error(lambda: train.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_while_the_stops_checkpoint_is_written_is_one_line(data_dir, tmp_path):
     """Bug: a second Ctrl-C inside the stop's torch.save was a double traceback ending in torch's zip writer's
     "unexpected pos". It is the second Ctrl-C's one line and exit 1; the save at iter 2 stays, no temporary file."""
@@ -700,6 +705,7 @@ def test_a_stop_during_an_eval_cuts_it_short_and_skips_it(data_dir, tmp_path, mo
     assert [r["iter"] for r in records if "val_loss" in r] == [0]
 
 
+@pytest.mark.slow
 def test_a_stop_between_micro_steps_drops_the_step_and_resumes_bitwise(data_dir, tmp_path, monkeypatch):
     # SIGTERM during micro-step 2 of 4 of iteration 5: the run stops before micro-step 3 (not after the whole step:
     # under torchrun a big model's step may outlast the SIGKILL that follows), saving the state before iteration 5,
@@ -746,6 +752,7 @@ cleanup_distributed(d)
 """
 
 
+@pytest.mark.slow
 def test_an_out_dir_that_not_every_rank_sees_is_named_at_start(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SHARED_PROBE.format(root=ROOT))

@@ -47,6 +47,7 @@ def make_bpe_dataset(data_dir, tokenizer: tokenizers.GPT2Tokenizer, n_lines: int
     return meta
 
 
+@pytest.mark.slow
 def test_finetune_from_a_local_hf_gpt2_folder_lowers_the_loss(tmp_path, gpt2_bpe):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -126,6 +127,7 @@ def gpt2_token_files(data_dir) -> None:
         dataio.write_tokens(data_dir / f"{split}.bin", np.arange(3000) % 50257)
 
 
+@pytest.mark.slow
 def test_gpt2_name_with_the_hub_unreachable_fails_fast_naming_hf_hub_offline(tmp_path):
     # Not offline mode, no cache, and a hub address that refuses connections (so no test machine downloads GPT-2).
     # from_pretrained's own retries took ~30 s here (5 per file, with backoff) before the same error.
@@ -146,6 +148,7 @@ def test_gpt2_name_with_the_hub_unreachable_fails_fast_naming_hf_hub_offline(tmp
     assert sum(waits) < 0.5, waits
 
 
+@pytest.mark.slow
 def test_gpt2_name_offline_without_cache_is_a_one_line_error(tmp_path):
     gpt2_token_files(tmp_path / "data")  # the data is checked first
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -172,6 +175,7 @@ def test_a_folder_without_weights_is_a_one_line_error_naming_it(tmp_path):
     assert str(e.value).endswith("): pass a local folder written by save_pretrained")
 
 
+@pytest.mark.slow
 def test_a_shape_key_that_disagrees_with_the_weights_is_refused_and_the_report_shows_the_shape_that_trains(tmp_path):
     """Bug: --n_head/--n_embd given with init_from=<checkpoint> were silently replaced by the checkpoint's, while the
     config line and report.md showed the user's values."""

@@ -109,6 +109,7 @@ prep.prepare({source!r}, {out!r}, num_proc=1, shard_tokens=101, cache_dir={cache
 """
 
 
+@pytest.mark.slow
 def test_prepare_killed_then_restarted_writes_the_shards_of_an_uninterrupted_run(tmp_path, gpt2_bpe):
     docs = documents(90, seed=1)
     pq.write_table(pa.table({"text": docs, "id": list(range(90))}), tmp_path / "docs.parquet")
@@ -189,6 +190,7 @@ def make_sharded(data_dir, val: np.ndarray, train_parts: list[np.ndarray], vocab
     dataio.write_meta(data_dir, {**meta, "shards": {"val": names[:1], "train": names[1:]}})
 
 
+@pytest.mark.slow
 def test_sharded_split_reads_exactly_the_windows_of_its_concatenation(tmp_path):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 1000, 1000).astype(np.uint16)

@@ -117,6 +117,7 @@ def losses(out_dir, key: str = "loss") -> list[float]:
     return [r[key] for r in map(json.loads, open(out_dir / "metrics.jsonl")) if key in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_steps_per_rank, checkpointing", [(1, False), (2, True)])
 def test_fsdp_on_2_ranks_equals_one_process_with_the_same_global_batch(
     data_dir, tmp_path, measuring_train, micro_steps_per_rank, checkpointing
@@ -145,6 +146,7 @@ RESUME = dict(gradient_accumulation_steps=2, max_iters=8, lr_decay_iters=8, eval
               dropout=0.0)
 
 
+@pytest.mark.slow
 def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_run(data_dir, tmp_path):
     reference = train(tiny_config(data_dir, tmp_path / "ref", **RESUME))
     ref_params = reference["model"].state_dict()
@@ -179,6 +181,7 @@ def test_resume_from_1_to_2_ranks_and_from_ckpt_pt_continues_the_uninterrupted_r
     assert max_diff(ref_params, sharded_params(tmp_path / "plain")) < TOL
 
 
+@pytest.mark.slow
 def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(data_dir, tmp_path):
     run = {**RESUME, "max_iters": 16, "lr_decay_iters": 16, "eval_interval": 1000}
     reference = train(tiny_config(data_dir, tmp_path / "ref", **run))
@@ -206,6 +209,7 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
 ASYNC = {**RESUME, "max_iters": 8, "lr_decay_iters": 8, "eval_interval": 1000, "checkpoint_interval": 2}
 
 
+@pytest.mark.slow
 def test_async_saves_on_2_ranks_stop_and_resume_as_the_uninterrupted_run(data_dir, tmp_path):
     """Two ranks whose saves are written in the background (a group of their own beside the training's), a SIGTERM
     to rank 1 at iter 5 (the save of iter 4 possibly still in flight), a resume to the end, also in the background:
@@ -232,6 +236,7 @@ def test_async_saves_on_2_ranks_stop_and_resume_as_the_uninterrupted_run(data_di
         "ckpt_sharded", "ckpt_sharded_0000008_0"]
 
 
+@pytest.mark.slow
 def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_dir, tmp_path):
     """SIGKILL right after the save of iter 4, written in the background, was linked (training went on meanwhile):
     the resume starts at iter 4 and ends with the uninterrupted run's weights."""
@@ -252,6 +257,7 @@ def test_a_kill_after_a_background_save_is_linked_resumes_from_it_exactly(data_d
     assert diff < TOL
 
 
+@pytest.mark.slow
 def test_the_memory_line_counts_the_unsharded_float32_gradients_of_bf16_accumulation(data_dir, tmp_path,
                                                                                       measuring_train):
     """bf16 compute: FSDP accumulates the no-sync micro-steps' gradients in its float32 reduce dtype, not in bf16
@@ -263,6 +269,7 @@ def test_the_memory_line_counts_the_unsharded_float32_gradients_of_bf16_accumula
     assert "(whole model, unsharded" in r.stdout
 
 
+@pytest.mark.slow
 def test_init_from_gpt2_weights_loads_them_once_then_shards(data_dir, tmp_path, monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -318,6 +325,7 @@ exit_on_user_error(lambda: train.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tmp_path):
     script = tmp_path / "nan_on_rank_1.py"
     script.write_text(NAN_ON_RANK_1.format(root=ROOT))
@@ -330,6 +338,7 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(data_dir, tm
     assert r.stderr.count("error: non-finite loss at iter 4 ") == 2, r.stderr[-3000:]  # as the log counts: the 4th step
 
 
+@pytest.mark.slow
 def test_the_scripts_start_without_importing_fsdp_and_find_its_shards_once_imported():
     """FSDP and DTensor took 1.2 s of every sample.py start on 2 cores: the scripts' modules import them only where
     a run shards (train.py and bench.py still get them through torch.optim, which imports torch._dynamo);

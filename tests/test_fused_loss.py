@@ -211,6 +211,7 @@ def test_gradient_accumulation_with_fused_loss_equals_one_plain_batch():
     assert max((params[True][k] - params[False][k]).abs().max().item() for k in params[True]) < 1e-6
 
 
+@pytest.mark.slow
 def test_compiled_fused_loss_equals_eager_plain():
     idx, targets = model_batch(seed=4)
     plain = tiny_model(fused=False)
@@ -226,6 +227,7 @@ def test_compiled_fused_loss_equals_eager_plain():
         assert rel(grads[1][1][n], g) < 1e-5, n
 
 
+@pytest.mark.slow
 def test_ddp_with_fused_loss_equals_one_plain_process(tmp_path):
     """torchrun --nproc_per_node=2 (gloo) with the fused loss == 1 process with the plain loss and 2 micro-steps:
     same parameters after 4 steps and the same logged losses (train and eval)."""

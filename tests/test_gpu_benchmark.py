@@ -37,6 +37,7 @@ def test_peak_of_every_device_name(name: str) -> None:
     assert gpu.device_peak(name, 123e12) == (123e12, "--peak_flops=1.23e+14")  # the user's figure wins
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_refuses_in_one_line() -> None:
     r = run_script(["benchmarks/gpu.py", "--parts=headline"], timeout=120)
     assert r.returncode == 2 and r.stdout == ""

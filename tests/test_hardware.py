@@ -129,6 +129,7 @@ def test_a_refused_forced_kernel_is_the_one_line_error_even_compiled(tmp_path) -
     check_attention_kernel(model.eval(), compile=True)  # without dropout (eval) flash runs: nothing raised
 
 
+@pytest.mark.slow
 def test_forced_kernel_compiles_into_one_graph_or_is_refused(monkeypatch) -> None:
     # a forced kernel's sdpa_kernel context must not break the compiled graph (torch before 2.5 broke it at
     # every layer's attention and ran attention eagerly)

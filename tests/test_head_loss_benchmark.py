@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import head_loss as bench_loss  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain (compiled)", "fused_loss.py", "gradient in forward"])
 def test_a_row_measures_the_loss_and_its_errors_against_float32(name):
     fn = bench_loss.plain if name == "plain (compiled)" else bench_loss.IMPLEMENTATIONS[name]  # eager here
@@ -25,6 +26,7 @@ def test_a_row_measures_the_loss_and_its_errors_against_float32(name):
     assert row["padded_rows_grad"] == 0
 
 
+@pytest.mark.slow
 def test_a_wrong_loss_shows_in_its_errors():
     """The errors are measured, not assumed: a loss that drops the ignore_index is far from the reference."""
     import torch.nn.functional as F
@@ -49,6 +51,7 @@ def test_bad_arguments_are_refused_in_one_line():
         bench_loss.parse_args(["--only=lig"])
 
 
+@pytest.mark.slow
 def test_the_gradient_written_in_the_forward_is_the_plain_losss_in_float32():
     """llm.c's way (the gradient computed with the loss, over the logits' buffer): in float32, without autocast, the
     loss and both gradients are the plain loss's to float32's rounding, the ignored targets and padded rows included."""
@@ -77,6 +80,7 @@ def logits_sized_float32_buffers(fn, tokens: int) -> tuple[int, int]:
     return made, most
 
 
+@pytest.mark.slow
 def test_the_gradient_in_forward_makes_one_float32_copy_of_the_logits():
     """Its point is memory: the bf16 logits are copied to float32 once, and the loss, the softmax and the gradient are
     computed in that one buffer, the peak the benchmark reports on a GPU. A second copy, or a kernel's temporary of

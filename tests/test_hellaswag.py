@@ -96,6 +96,7 @@ def test_batched_scores_equal_a_brute_force_loss_per_example(tmp_path):
     assert sum(s["hellaswag_acc_norm"] * s["hellaswag_n"] for s in shares) == pytest.approx(right[1])
 
 
+@pytest.mark.slow
 def test_training_with_hellaswag_logs_acc_and_learns_the_right_endings(tmp_path, capsys):
     write_examples(tmp_path / "hs.jsonl")
     rows = [json.loads(line) for line in open(tmp_path / "hs.jsonl")]

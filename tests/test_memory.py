@@ -14,6 +14,7 @@ from helpers import hide_module, run_in_process
 from test_bench import TINY, bench_script, table_rows
 
 
+@pytest.mark.slow
 def test_math_attention_needs_at_least_its_attention_matrices_more_than_sdpa(tmp_path):
     out = bench_script("--memory_seq_lens=256,1024", f"--results_dir={tmp_path}", script="benchmarks/memory.py")
     study = json.loads((tmp_path / "memory.json").read_text())
@@ -84,6 +85,7 @@ def test_the_studys_keys_are_refused_out_of_their_declared_ranges_in_one_message
                             "memory_seq_lens=(0, 256) must be positive lengths, e.g. 256,512,1024")
 
 
+@pytest.mark.slow
 def test_the_largest_batch_search_is_cuda_only(tmp_path):
     cfg, _ = bench.load_config(TINY)
     with pytest.raises(UserError, match="find_max_batch needs CUDA"):

@@ -42,6 +42,7 @@ def test_a_new_run_starts_its_own_metrics_file_and_a_resume_appends(data_dir, tm
     assert starts[0]["run_id"] == starts[1]["run_id"] != records(previous / "metrics.jsonl")[0]["start"]["run_id"]
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_is_skipped_with_a_warning_and_the_next_append_starts_a_new_line(data_dir, tmp_path, capsys):
     """Bug: a line cut short by a kill made every later resume end in a JSONDecodeError at the report, and plot.py
     fail; the resumed run appended after the torn line."""
@@ -72,6 +73,7 @@ def test_the_runs_wall_time_continues_across_resumes(data_dir, tmp_path, monkeyp
     assert times == sorted(times) and metrics(out, "loss")[4]["elapsed_s"] > saved
 
 
+@pytest.mark.slow
 def test_metrics_lines_of_any_content_are_skipped_with_a_warning_or_read(tmp_path, capsys):
     """A metrics.jsonl line edited by hand, of another program or damaged: any JSON value, or a record whose fields
     hold any JSON value, is read as a record (plot and report draw it) or skipped with the one warning; never an

@@ -416,6 +416,7 @@ print(json.dumps({"file": model.__file__, "logits": list(logits.shape), "before"
 """
 
 
+@pytest.mark.slow
 def test_model_py_works_copied_alone_into_an_empty_folder(tmp_path) -> None:
     """People copy model.py into their own projects, as nanoGPT's: there it builds a model, trains steps and generates
     with torch alone (no module of this project, nor transformers, imported), computes the loss it is handed, and

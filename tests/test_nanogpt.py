@@ -139,6 +139,7 @@ def test_char_checkpoint_of_65_rows_samples_unpadded(repo_root):
     assert result.texts[0] == "".join(SHAKESPEARE_CHARS[i] for i in expected)
 
 
+@pytest.mark.slow
 def test_gpt2_sized_checkpoint_never_samples_or_decodes_the_padded_ids(repo_root, gpt2_bpe):
     """nanoGPT's GPT-2 runs have 50304 rows for GPT-2 BPE's 50257 tokens. Rows past the tokenizer get logits that
     would take all the probability; sampling must still draw only real tokens, which then decode."""
@@ -178,6 +179,7 @@ def to_nanogpt_format(ckpt_path, run_keys: dict) -> None:
     torch.save(state, ckpt_path)
 
 
+@pytest.mark.slow
 def test_resume_from_a_nanogpt_checkpoint_continues_its_optimizer_state_bitwise(tmp_path):
     """4 steps + nanoGPT-format checkpoint + resume for 4 more == 8 uninterrupted steps, bitwise (CPU float32, no
     dropout). Adam restarted from zero moments would differ, so this shows that its state was continued."""
@@ -350,6 +352,7 @@ def test_nanogpt_readme_commands_are_valid_here():
             assert script.startswith("data/") and script.endswith("/prepare.py") and not args, line
 
 
+@pytest.mark.slow
 def test_a_nanogpt_cpu_checkpoint_with_its_float16_default_resumes_on_the_cpu(tmp_path, capsys):
     """Bug (a regression no test caught): nanoGPT records dtype='float16' (its default, also for a CPU run); a resume
     without a config took it and refused it on the CPU. It now runs in this machine's best dtype, saying so."""

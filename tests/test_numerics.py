@@ -12,6 +12,7 @@ from benchmarks import numerics
 from test_bench import TINY, bench_script, table_rows
 
 
+@pytest.mark.slow
 def test_numerics_errors_are_small_and_bf16_is_less_exact_than_float32(tmp_path):
     out = bench_script(f"--results_dir={tmp_path}", script="benchmarks/numerics.py")
     rows = table_rows(out, tuple(numerics.PATHS))

@@ -54,6 +54,7 @@ def same_weights(a: dict, b: dict) -> bool:
 # ----------------------------------------------------------------------------------------------- starts in one folder
 
 
+@pytest.mark.slow
 def test_the_same_command_again_keeps_the_first_run_whole(data_dir, tmp_path, capsys):
     """Bug: a rerun of the command overwrote the run's ckpt.pt (iter 15) with the new run's iter-4 checkpoint."""
     out = tmp_path / "rs"
@@ -85,6 +86,7 @@ def test_init_from_auto_starts_then_resumes_then_has_nothing_to_do(data_dir, tmp
     assert len({s["run_id"] for s in starts}) == 1 == len({load_checkpoint(str(out / "ckpt.pt"))["run_id"]})
 
 
+@pytest.mark.slow
 def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_only_the_new(data_dir, tmp_path, capsys):
     """Bug: after a single-process run to iter 20 (ckpt.pt) and an FSDP run from scratch to iter 10 (ckpt_sharded) in
     the same folder, sample.py, export.py and resume read the old run's ckpt.pt (the newer iteration)."""
@@ -100,6 +102,7 @@ def test_a_new_run_of_another_format_moves_the_old_one_aside_and_readers_see_onl
     assert r.returncode == 0 and f"{out}/ckpt_sharded at iter 10" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_each_rerun_moves_a_whole_run_into_previous_and_says_how_much_space_it_takes(data_dir, tmp_path, capsys):
     """previous/ grows by a whole run at every rerun of the command: the line that says where the run went says
     how much space it takes (as du counts it: keep_last's hard links once)."""
@@ -129,6 +132,7 @@ def test_a_refused_start_in_a_used_folder_moves_nothing(data_dir, tmp_path):
     assert sorted(os.listdir(out)) == before and not previous_runs(out)
 
 
+@pytest.mark.slow
 def test_a_start_that_saves_nothing_changes_nothing_in_the_folder(data_dir, tmp_path, capsys):
     """Bug: config/eval_gpt2.py (eval_only, init_from=gpt2) in the out_dir of a training job (init_from=auto) moved the
     job's files aside, and its requeue started again at iter 0. A start that only evaluates (eval_only, or a resume
@@ -175,6 +179,7 @@ def stopped_in_step():
             proc.communicate()
 
 
+@pytest.mark.slow
 def test_a_live_run_holds_its_folder_a_second_start_is_refused_and_a_killed_runs_folder_is_free(data_dir, tmp_path,
                                                                                                 stopped_in_step, capsys):
     """Bug: nothing stopped a second start beside a live run: the same command again moved the live run's files
@@ -209,6 +214,7 @@ def test_a_live_run_holds_its_folder_a_second_start_is_refused_and_a_killed_runs
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 9 and not previous_runs(out)
 
 
+@pytest.mark.slow
 def test_a_start_refused_by_any_check_changes_nothing_and_is_no_start_of_the_run(data_dir, tmp_path, capsys):
     """Bug: these checks ran after the start was accepted: a refused new run had moved the run in out_dir aside and
     written its own run.json and start line; a refused resume had written a start line, which report.md then counted
@@ -245,6 +251,7 @@ def test_a_start_refused_by_any_check_changes_nothing_and_is_no_start_of_the_run
     assert "in 2 starts" in report and report.count("| resume |") == 1
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_run_is_never_read(data_dir, tmp_path):
     """A ckpt.pt copied in from another run beside this run's sharded folder: resume, sample and export skip it."""
     out, other = tmp_path / "run", tmp_path / "other"
@@ -275,6 +282,7 @@ def test_init_from_auto_decides_once_and_never_announces_a_resume_it_refuses(dat
     assert folder_state(out) == before
 
 
+@pytest.mark.slow
 def test_resume_without_the_config_file_continues_the_run_bitwise(data_dir, tmp_path, capsys):
     """nanoGPT's habit: `python train.py --init_from=resume --out_dir=DIR` takes the model shape, optimizer and
     every other setting it is not given from the checkpoint's run (it failed: 'the checkpoint's model differs')."""
@@ -299,6 +307,7 @@ def test_resume_without_the_config_file_continues_the_run_bitwise(data_dir, tmp_
     assert max_diff(reference["model"].state_dict(), resumed["model"]) == 0.0
 
 
+@pytest.mark.slow
 def test_keep_last_prunes_only_its_own_runs_snapshots(data_dir, tmp_path):
     """Bug: a new run with keep_last=2 after a run to iter 30 with keep_last=3 deleted its own snapshots and kept the
     old run's ckpt_0000025.pt and ckpt_0000030.pt."""
@@ -367,6 +376,7 @@ def test_a_runs_names_in_a_folder_that_holds_no_run_are_not_moved_as_one(data_di
 # ----------------------------------------------------------------------------------------------- damaged files
 
 
+@pytest.mark.slow
 def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warns(data_dir, tmp_path, capsys,
                                                                                  monkeypatch):
     """Bug: a run.json edited by hand ended a start in a traceback (TypeError moving the run aside, AttributeError
@@ -413,6 +423,7 @@ def test_damaged_or_foreign_files_are_one_line_each_and_a_finished_run_only_warn
 # ----------------------------------------------------------------------------------------------- a hard kill
 
 
+@pytest.mark.slow
 def test_checkpoint_interval_bounds_the_work_a_sigkill_loses(data_dir, tmp_path):
     """No SIGTERM, no eval in reach: a SIGKILL at step 8 leaves the checkpoint of iter 6 (checkpoint_interval=3),
     and a resume continues from it. Without checkpoint_interval nothing since the start would be saved."""
@@ -458,6 +469,7 @@ def _worker_pid(out, rank: int, restart: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_continues_after_a_rank_is_killed_and_ends_as_an_uninterrupted_run(data_dir, tmp_path):
     """torchrun restarts every worker with the same arguments (init_from=scratch): the restart resumes the newest
     checkpoint, and the run ends with the weights of a run that was never killed (it saved at the same iterations:
@@ -518,6 +530,7 @@ def _static_torchrun(script, args: list[str], nproc: int, max_restarts: int = 0)
                           timeout=HANG_S)
 
 
+@pytest.mark.slow
 def test_a_torchrun_restart_of_another_job_under_the_same_rendezvous_id_never_resumes_its_run(data_dir, tmp_path):
     """Bug: job A's run recorded torchrun's run id, "none" for every static rendezvous; job B (init_from=scratch),
     whose first attempt failed before moving anything, restarted and resumed A's checkpoint. B's restart follows
@@ -551,6 +564,7 @@ def _agents(cfg_args: list[str], port: int, cwd=(ROOT, ROOT), nproc: int = 2) ->
     return [subprocess.CompletedProcess(p.args, p.wait(timeout=HANG_S), *p.communicate()) for p in procs]
 
 
+@pytest.mark.slow
 def test_two_agents_train_a_world_of_4_that_resumes_at_worlds_of_2_and_1(data_dir, tmp_path):
     run = dict(max_iters=6, lr_decay_iters=10, eval_interval=3, dropout=0.0, gradient_accumulation_steps=4,
                report=False)
@@ -571,6 +585,7 @@ def test_two_agents_train_a_world_of_4_that_resumes_at_worlds_of_2_and_1(data_di
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5  # gradient sums in another order
 
 
+@pytest.mark.slow
 def test_two_agents_with_node_local_out_dirs_are_refused_in_one_line(data_dir, tmp_path):
     """Each agent in its own working directory with a relative out_dir: two folders, as on two nodes without a shared
     file system. The run stops at the start, naming the node that cannot see rank 0's files."""
@@ -585,6 +600,7 @@ def test_two_agents_with_node_local_out_dirs_are_refused_in_one_line(data_dir, t
     assert errors and "is not shared" in errors[0] and "node rank 1" in errors[0]
 
 
+@pytest.mark.slow
 def test_two_agents_train_fsdp_at_a_world_of_4_that_resumes_at_worlds_of_2_and_1(data_dir, tmp_path):
     run = dict(max_iters=4, lr_decay_iters=8, eval_interval=2, dropout=0.0, gradient_accumulation_steps=4,
                report=False, parallelism="fsdp")
@@ -609,6 +625,7 @@ def test_two_agents_train_fsdp_at_a_world_of_4_that_resumes_at_worlds_of_2_and_1
 # ----------------------------------------------------------------------------------------------- a start under fault
 
 
+@pytest.mark.slow
 def test_a_start_that_trains_no_step_moves_nothing(data_dir, tmp_path, capsys):
     """Bug: --max_iters=0 (also with --init_from=DIR) in a folder that held a run moved the run to previous/ and wrote
     a new run.json, saving nothing: a requeued init_from=auto job then started again at iter 0. A start that trains no
@@ -800,6 +817,7 @@ def test_a_restart_without_a_job_id_never_resumes_a_run_without_one(tmp_path):
     assert outdir.resolve_init_from("scratch", str(out), restart=1, job=None)[0] == "scratch"
 
 
+@pytest.mark.slow
 def test_run_json_of_any_content_is_read_as_one_line_or_used(tmp_path):
     """run.json edited by hand, damaged or of another program: whatever JSON it holds (any type, size, nesting, in any
     field), what reads it (a start's decision, a torchrun restart, the move aside, finding a checkpoint) either uses

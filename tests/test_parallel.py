@@ -70,6 +70,7 @@ def test_nanogpts_shakespeare_config_runs_under_fsdp(tmp_path):
     cfg.check(1)  # was refused: always_save_checkpoint=False with sharded checkpoints
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_shards_and_grads():
     from nanogpt.distributed import cleanup_distributed, setup_distributed
 

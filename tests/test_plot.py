@@ -27,6 +27,7 @@ def pixels_of(image: np.ndarray, color: str) -> int:
     return int((np.abs(image[..., :3] - rgb).max(axis=-1) < 0.08).sum())
 
 
+@pytest.mark.slow
 def test_two_runs_draw_two_coloured_curves_into_the_png(two_runs, tmp_path):
     out = plot_runs([str(r) for r in two_runs], str(tmp_path / "loss.png"))
     image = matplotlib.image.imread(out)  # (H, W, RGBA) floats in [0, 1]
@@ -37,6 +38,7 @@ def test_two_runs_draw_two_coloured_curves_into_the_png(two_runs, tmp_path):
     assert pixels_of(image, "C2") == 0  # and no third run
 
 
+@pytest.mark.slow
 def test_the_command_line_writes_the_png_and_names_a_missing_run(two_runs, tmp_path):
     r = run_script(["plot.py", str(two_runs[0]), f"--out={tmp_path / 'one.png'}"], timeout=120)
     assert r.returncode == 0, r.stderr
@@ -52,6 +54,7 @@ def test_the_command_line_writes_the_png_and_names_a_missing_run(two_runs, tmp_p
         f"folder); loss picture was not written: free disk space, or give another --out"), r.stderr
 
 
+@pytest.mark.slow
 def test_without_matplotlib_plot_py_is_one_line_naming_the_pip_command(tmp_path):
     # a fresh process where matplotlib cannot be imported, as on a machine without it
     hidden = ("import runpy, sys; sys.modules['matplotlib'] = None; "
@@ -61,6 +64,7 @@ def test_without_matplotlib_plot_py_is_one_line_naming_the_pip_command(tmp_path)
     assert r.stderr.splitlines() == ["error: plot.py needs matplotlib, which is not installed: pip install matplotlib"]
 
 
+@pytest.mark.slow
 def test_out_never_writes_over_a_file_that_is_not_a_picture(two_runs, tmp_path):
     """A review's reproduction: `plot.py RUN --out=RUN/ckpt.pt` replaced the run's checkpoint with a PNG, exit 0.
     A file there that is not a PNG is refused in one line; an earlier picture is written over as before."""

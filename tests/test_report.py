@@ -1,6 +1,8 @@
 """report.py: the page a train.py run writes at its end (out_dir/report.md), checked against the run's own files."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import matplotlib.image
@@ -47,6 +49,7 @@ def test_the_reports_sample_runs_under_the_runs_autocast(tmp_path, monkeypatch):
     assert "## A sample from the final weights" in (tmp_path / "out" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_report_after_a_resume_covers_the_whole_run_and_each_start(tmp_path):
     """Bug: a run resumed from iter 10 to 15 showed only the last start, and MFU n/a where the log printed one."""
     import dataclasses

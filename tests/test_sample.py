@@ -67,6 +67,7 @@ def one_line_error(result) -> str:
 # ----------------------------------------------------------------------------------- a char-level checkpoint
 
 
+@pytest.mark.slow
 def test_char_checkpoint_same_seed_same_text_and_right_shape(char_run):
     out_dir, meta = char_run
     args = [f"--out_dir={out_dir}", "--start=The ", "--num_samples=3", "--max_new_tokens=40", *CPU]
@@ -97,6 +98,7 @@ def test_char_checkpoint_same_seed_same_text_and_right_shape(char_run):
     assert [len(ids) for ids in result.ids] == [44, 44, 44]
 
 
+@pytest.mark.slow
 def test_prompt_from_file(char_run, tmp_path):
     out_dir, _ = char_run
     prompt = tmp_path / "prompt.txt"
@@ -134,6 +136,7 @@ def save_tiny_hf_gpt2(path) -> GPT2LMHeadModel:
     return hf.eval()
 
 
+@pytest.mark.slow
 def test_hf_folder_greedy_tokens_match_hf_generate_and_seeded_text_repeats(tmp_path, gpt2_bpe):
     folder = tmp_path / "tiny-gpt2"
     hf = save_tiny_hf_gpt2(folder)
@@ -217,6 +220,7 @@ def test_a_checkpoint_recording_no_tokenizer_whose_data_moved_is_refused(char_ru
     )
 
 
+@pytest.mark.slow
 def test_unknown_init_from():
     assert one_line_error(run_sample("--init_from=gpt5", *CPU)) == (
         "error: init_from='gpt5' is not one of resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl, a folder with a HF "
@@ -224,6 +228,7 @@ def test_unknown_init_from():
     )
 
 
+@pytest.mark.slow
 def test_missing_checkpoint(tmp_path):
     out_dir = tmp_path / "never-trained"
     out_dir.mkdir()
@@ -233,6 +238,7 @@ def test_missing_checkpoint(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_characters_outside_the_vocabulary_are_named(char_run):
     out_dir, meta = char_run
     assert one_line_error(run_sample(f"--out_dir={out_dir}", "--start=Zé king@", *CPU)) == (
@@ -241,6 +247,7 @@ def test_characters_outside_the_vocabulary_are_named(char_run):
     )
 
 
+@pytest.mark.slow
 def test_missing_prompt_file(tmp_path):
     path = tmp_path / "no-such-prompt.txt"
     assert one_line_error(run_sample(f"--start=FILE:{path}", *CPU)) == (
@@ -248,6 +255,7 @@ def test_missing_prompt_file(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_gpt2_name_offline_without_cache(tmp_path):
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     line = one_line_error(run_sample("--init_from=gpt2-xl", *CPU, env=env))
@@ -355,6 +363,7 @@ def test_attention_auto_takes_sdpa_for_a_block_longer_than_math_wins_at(char_run
     assert sample_module.load_model(cfg)[0].config.attention == "sdpa"
 
 
+@pytest.mark.slow
 def test_math_attention_with_an_sdpa_backend_is_one_line(tmp_path):
     assert one_line_error(run_sample(f"--out_dir={tmp_path}", "--attention=math", "--sdpa_backend=flash", *CPU)) == (
         "error: sdpa_backend='flash' chooses a kernel of attention=sdpa, not of math: use --attention=sdpa (or auto), "
@@ -362,6 +371,7 @@ def test_math_attention_with_an_sdpa_backend_is_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_an_unknown_attention_is_one_line_before_any_weight_is_read(tmp_path):
     # the out_dir is empty: a check after reading weights would report the missing checkpoint instead
     assert one_line_error(run_sample(f"--out_dir={tmp_path}", "--attention=flash", *CPU)) == (
@@ -477,6 +487,7 @@ sample.main([f"--out_dir={out_dir}", "--num_samples=8", "--max_new_tokens=200", 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_sampling_on_a_cpu_keeps_freed_memory_so_window_steps_do_not_fault_in_fresh_pages(tmp_path):
     """Every window step past block_size allocates the same large buffers (scores, MLP activations) again: with
@@ -501,6 +512,7 @@ print("frozen after the run", gc.get_freeze_count(), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_the_command_moves_its_imports_objects_out_of_the_collectors_way_at_exit(char_run):
     """The objects the imports make (torch's, ~170k) are never garbage: at exit, before the interpreter's last
     collections walk them (0.3 s of a one-token command), the command moves them to the collector's permanent

@@ -185,6 +185,7 @@ def test_a_resume_in_a_file_says_it_is_a_file(tmp_path):
         start.check_out_dir(TrainConfig(out_dir=str(tmp_path / "nowhere"), init_from="resume"))
 
 
+@pytest.mark.slow
 def test_a_model_past_the_machines_memory_is_one_line_before_anything_changes(data_dir, tmp_path, capsys):
     """Bug: n_embd=4194304 (within its declared range) ended in the allocator's RuntimeError traceback when the model
     was built. Now one line that names the model and the size asked for, exit 2, and no out_dir made."""

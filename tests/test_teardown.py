@@ -70,6 +70,7 @@ def run_to_the_end(probe, cfg, *extra) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_every_end_of_a_2_rank_run_frees_the_process_group_and_exits_cleanly(busy_cpu, probe, tmp_path, parallelism):
     data, out = tmp_path / "tinychar", tmp_path / "run"

@@ -72,6 +72,7 @@ def test_lr_schedule_warmup_cosine_and_floor():
     assert get_lr(150, dataclasses.replace(cfg, lr_decay_iters=None)) < 1.0  # defaults to max_iters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path, optimizer):
     """torchrun --nproc_per_node=2 (gloo, 2 micro-steps per rank: the first under no_sync) == 1 process with 4
@@ -103,6 +104,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
             assert a["tok_s"] * a["ms"] / 1000 == pytest.approx(tokens) == b["tok_s"] * b["ms"] / 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(data_dir, tmp_path, optimizer):
     """2N iterations == N iterations + resume for N more: same loss and bitwise-equal parameters (CPU float32),
@@ -139,6 +141,7 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_value(data_dir, tmp_path)
     assert ckpt["best_val_loss"] == worse["best_val_loss"] == first["val_loss"]
 
 
+@pytest.mark.slow
 def test_compiled_run_matches_eager_and_saves_plain_state(data_dir, tmp_path, capsys):
     common = dict(max_iters=6, eval_interval=3)
     eager = train(tiny_config(data_dir, tmp_path / "eager", **common))
@@ -158,6 +161,7 @@ def restore_determinism():
     torch.use_deterministic_algorithms(before)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("restore_determinism")
 def test_deterministic_makes_compiled_steps_bitwise_repeatable(data_dir, tmp_path):
     # Without it, torch.compile's CPU embedding backward accumulates with atomic adds: the same step's gradient
@@ -180,6 +184,7 @@ def test_deterministic_makes_compiled_steps_bitwise_repeatable(data_dir, tmp_pat
     assert all(torch.equal(g, grads[0]) for g in grads[1:])
 
 
+@pytest.mark.slow
 def test_bf16_autocast_run_tracks_float32(data_dir, tmp_path):
     def run(name: str, **changes) -> tuple[dict, set]:
         """The run's figures, and the dtypes every Linear layer's output had during it."""
@@ -198,6 +203,7 @@ def test_bf16_autocast_run_tracks_float32(data_dir, tmp_path):
     assert bf16["val_loss"] == pytest.approx(f32["val_loss"], abs=0.05)
 
 
+@pytest.mark.slow
 def test_missing_train_bin_is_a_one_line_error_naming_prepare(tmp_path):
     d = tmp_path / "shakespeare_char"
     make_char_dataset(d)

@@ -109,6 +109,7 @@ def check_outcome(disk, error, stderr, before, out, capsys_out="") -> None:
         assert loads(out / "ckpt.pt") <= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS, errno.EACCES], ids=["ENOSPC", "EROFS", "EACCES"])
 def test_a_new_run_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_path, monkeypatch, capsys, err):
     """A new run in a folder that holds a finished run: the lock, the move to previous/, run.json, metrics.jsonl's
@@ -132,6 +133,7 @@ def test_a_new_run_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_p
         check_outcome(disk, error, stderr, before, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS], ids=["ENOSPC", "EROFS"])
 @pytest.mark.parametrize("run_json", [True, False], ids=["run.json", "no run.json"])
 def test_a_resume_fails_at_each_write_in_turn_and_loses_nothing(data_dir, tmp_path, monkeypatch, capsys, run_json,
@@ -253,6 +255,7 @@ def small_disk_run(data_dir, tmp_path, size: str) -> list[str]:
     return log.read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_on_a_full_small_file_system_is_one_line_and_the_last_one_stays(data_dir, tmp_path):
     """Bug: on a real full file system torch's writer raises RuntimeError('[enforce fail at inline_container.cc]
     unexpected pos ...'), not the OSError a patched disk raises, and the run ended in a traceback. On a 600 KB tmpfs
@@ -302,6 +305,7 @@ print('checkpoint', found.name, found.iter_num)
 """
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_on_a_full_small_file_system_is_one_line_and_the_last_one_stays(data_dir, tmp_path):
     """Bug: on a real full file system DCP raised its CheckpointException (a BaseException, which the save's
     `except Exception` let through) over torch's writer's RuntimeError('unexpected pos ...'), whose OSError it does
@@ -335,6 +339,7 @@ def test_torchs_writer_finding_its_file_short_is_a_failed_write():
     assert not files.caused_by_os_error(RuntimeError("shape mismatch: unexpected pos"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS], ids=["ENOSPC", "EROFS"])
 def test_a_first_start_in_a_new_folder_fails_at_each_write_and_the_same_command_then_runs(data_dir, tmp_path,
                                                                                          monkeypatch, capsys, err):
