@@ -48,7 +48,7 @@ from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_use
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
 from nanogpt.mfu import mfu_text
-from nanogpt.optim import Optimizers, build_optimizer
+from nanogpt.optim import Optimizers, build_optimizer, hidden_matrices
 from nanogpt.start import StartPlan
 from nanogpt.step import (NonFiniteError, NonFiniteGuard, OneStepLate, StepInterrupted, batch_generator, get_batch,
                           setup_process, to_device, train_batches, train_step)
@@ -171,7 +171,8 @@ def setup(plan: StartPlan, dist: Dist, stop: StopRequest) -> Training:
     # the model: on the device, or sharded over the ranks (FSDP)
     raw_model = place_model(loaded.model, cfg, dist, machine.dtype, ctx, log)
     log.print(f"model: {raw_model.get_num_params() / 1e6:.2f}M parameters, {raw_model.config}")
-    log.print(parallel.memory_text(parallel.memory_per_rank(raw_model, accum_steps), dist.world_size))
+    muon = hidden_matrices(raw_model) if cfg.optimizer == "muon" else []  # one moment each (Muon's momentum)
+    log.print(parallel.memory_text(parallel.memory_per_rank(raw_model, accum_steps, muon), dist.world_size))
     # the optimizer: AdamW (fused where the device has the kernel), or Muon + AdamW; float16's grad scaler
     optimizer = build_optimizer(raw_model, cfg, device_type, verbose=dist.master)
     scaler = torch.amp.GradScaler(device_type, enabled=machine.dtype == "float16")

@@ -112,19 +112,20 @@ def eval_batch_indices(eval_iters: int, dist: Dist, sharded: bool) -> list[tuple
     return [(k, True) for k in ks] + [(0, False)] * (rounds - len(ks))
 
 
-def memory_per_rank(model: nn.Module, micro_steps: int = 1, optimizer: str = "adamw") -> dict[str, int | bool]:
-    """Bytes this rank holds at its peak for parameters, gradients and AdamW state (two float32 moments), from the
-    local shards. Under FSDP with micro_steps > 1 the micro-steps before the last skip the reduce-scatter, so each
-    rank accumulates the whole model's gradients unsharded in float32 (measured on 2 ranks: 2 x the sharded bytes);
-    the last one replaces them unit by unit, so those are the gradients counted ("unsharded_grads": True)."""
+def memory_per_rank(model: nn.Module, micro_steps: int = 1, one_moment: list = ()) -> dict[str, int | bool]:
+    """Bytes this rank holds at its peak for parameters, gradients and optimizer state (AdamW: two float32 moments;
+    the parameters in `one_moment`, Muon's, one), from the local shards. Under FSDP with micro_steps > 1 the
+    micro-steps before the last skip the reduce-scatter, so each rank accumulates the whole model's gradients
+    unsharded in float32 (measured on 2 ranks: 2 x the sharded bytes); the last one replaces them unit by unit, so
+    those are the gradients counted ("unsharded_grads": True)."""
     local = [p.to_local() if is_dtensor(p) else p for p in model.parameters()]
     params = sum(t.numel() * t.element_size() for t in local)
     numel = sum(t.numel() for t in local)
     unsharded_grads = micro_steps > 1 and any(is_dtensor(p) for p in model.parameters())
     # a DTensor's numel() is the whole tensor's
     grads = sum(p.numel() * p.element_size() for p in model.parameters()) if unsharded_grads else params
-    states = {"adamw": 2 * 4}[optimizer]
-    return {"params": params, "grads": grads, "optimizer": numel * states, "numel": numel,
+    states = 8 * numel - 4 * sum(p.numel() for p in one_moment)
+    return {"params": params, "grads": grads, "optimizer": states, "numel": numel,
             "unsharded_grads": unsharded_grads}
 
 

@@ -124,3 +124,23 @@ def test_the_xl_fsdp_config_states_the_memory_line_of_8_ranks():
                         r"= ([\d.]+) GiB", line).groups()
     stated = "params {} GiB + grads {} GiB (unsharded) + AdamW {} GiB = {} GiB per GPU".format(*figures)
     assert stated in comment, stated
+
+
+@pytest.mark.slow
+def test_the_memory_line_counts_the_optimizers_real_state(data_dir, tmp_path, capsys):
+    """The memory line train.py prints counts the state the optimizer holds after a step: AdamW's two moments per
+    element, Muon's one momentum for the blocks' matrices (it said AdamW's for a Muon run too)."""
+    from nanogpt.optim import build_optimizer
+
+    for optimizer in ("adamw", "muon"):
+        cfg = tiny_config(data_dir, tmp_path / optimizer, optimizer=optimizer, max_iters=1, eval_interval=1)
+        model = train(cfg)["model"]
+        logged = int(re.search(r"memory per rank: .*; (\d+) bytes\)", capsys.readouterr().out)[1])
+        opt = build_optimizer(model, cfg, "cpu", verbose=False)
+        x = torch.randint(0, 11, (2, 8))
+        model(x, x)[1].backward()
+        opt.step()
+        held = sum(t.numel() * t.element_size() for o in opt.optimizers.values() for s in o.state.values()
+                   for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert logged == 2 * weights + held, optimizer  # params, their float32 gradients, the optimizer's state
