@@ -18,7 +18,7 @@ from model import GPT
 from nanogpt import checkpoint_file, checkpoints, dataio, hellaswag, outdir, parallel, tokenizers
 from nanogpt.checkpoint_file import checkpoint_model_config
 from nanogpt.checkpoints import FoundCheckpoint
-from nanogpt.config import Machine, TrainConfig, coerce, config_summary, declared_problems, type_name
+from nanogpt.config import Machine, TrainConfig, check, coerce, config_summary, declared_problems, type_name
 from nanogpt.device import resolve_device, resolve_dtype
 from nanogpt.distributed import Dist, check_shared_out_dir, torchrun_job
 from nanogpt.hardware import system_info
@@ -114,10 +114,12 @@ def settings_of_the_run(cfg: TrainConfig, given: set[str], saved: dict,
             notes.append(f"dtype: the run's {taken.pop('dtype')!r} cannot run here, so 'auto' "
                          f"({resolve_dtype('auto', resolve_device(cfg.device))}); give --dtype to choose")
     resumed = replace(cfg, **taken)
-    cannot = [p for p in resumed.problems(world_size) if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
+    problems = resumed.problems(world_size)
+    cannot = [p for p in problems if any(p.startswith(f"{k}=") or f" {k}=" in p for k in taken)]
     if cannot:  # a run of another machine (flash_impl='fa4', compile_mode='reduce-overhead' on a CPU)
         raise UserError(f"the run's own settings (from its checkpoint: not given here) cannot run here: "
                         f"{'; '.join(cannot)}: give these settings on the command line")
+    check(problems)  # a given setting that the run's rule out (keep_last for an FSDP run's sharded saves)
     return resumed, [f"{k}={v!r}" for k, v in taken.items()] + notes
 
 

@@ -159,6 +159,14 @@ def test_a_setting_of_the_run_this_machine_cannot_run_is_named_as_the_runs():
     assert (resumed.compile_mode, resumed.flash_impl) == ("default", "default")  # given: the user's, not the run's
 
 
+def test_a_given_setting_that_the_runs_own_settings_rule_out_is_refused():
+    """Bug: `--init_from=resume --keep_last=2` on an FSDP run (parallelism='fsdp' taken from its checkpoint) trained on
+    and silently kept no saves: only problems naming a taken key were checked once the run's settings were taken."""
+    cfg = TrainConfig(out_dir="here", device="cpu", keep_last=2)
+    with pytest.raises(UserError, match=r"keep_last=2 is not supported with sharded checkpoints"):
+        start.settings_of_the_run(cfg, given={"keep_last"}, saved={"parallelism": "fsdp"})
+
+
 def test_init_from_a_folder_without_weights_says_what_it_lacks(finished_run, tmp_path):
     """Bug: a folder holding only ckpt_best.pt (or nothing) as init_from said its weights 'were trained with another
     tokenizer (gpt2, 50257 tokens)'. Now the line says what the folder lacks, and names a checkpoint file it holds."""
