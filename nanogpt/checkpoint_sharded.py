@@ -270,10 +270,9 @@ def convert_to_single_file(folder: str, path: str | None = None) -> str:
     if state.get("optimizer_saved", True):  # else: saved before the first step, an empty state as torch saves it
         load_sharded(folder, model, optimizer)
     state = {k: v for k, v in state.items() if k not in ("sharded", "optimizer_saved")}
-    if state.get("best_file") == SHARDED:  # the folder held the best weights: now this file does
-        state["best_file"] = os.path.basename(path)
-    elif state.get("best_file") == SHARDED_BEST:  # kept in the other folder, which this file does not copy
-        state["best_file"] = None
+    if state.get("best_file") in (SHARDED, SHARDED_BEST):  # the folder held the best weights: now this file does,
+        # where it is one a run reads (ckpt.pt); the other folder's (SHARDED_BEST) this file does not copy
+        state["best_file"] = CKPT if state["best_file"] == SHARDED and os.path.basename(path) == CKPT else None
     save_checkpoint(path, {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
     return path
 

@@ -356,6 +356,18 @@ def test_convert_never_writes_over_another_runs_checkpoint_or_a_foreign_file(fsd
         checkpoint_sharded.convert_to_single_file(str(run / outdir.SHARDED), str(tmp_path / "converted.pt"))
 
 
+def test_a_conversion_to_a_file_of_another_name_is_read_by_every_reader(data_dir, tmp_path):
+    """Bug: `convert_sharded.py out/ckpt_sharded_best best.pt` (its --help's example) of a run with
+    always_save_checkpoint=False recorded best_file='best.pt', which every reader then refused as damaged."""
+    from nanogpt.checkpoint_file import load_checkpoint
+
+    run = tmp_path / "run"
+    train(tiny_config(data_dir, run, max_iters=2, eval_interval=2, parallelism="fsdp", always_save_checkpoint=False))
+    for name, best_file in (("best.pt", None), ("ckpt.pt", outdir.CKPT)):
+        path = checkpoint_sharded.convert_to_single_file(str(run / outdir.SHARDED_BEST), str(tmp_path / name))
+        assert load_checkpoint(path)["best_file"] == best_file
+
+
 def test_a_sharded_save_whose_train_state_cannot_be_written_leaves_no_folder(data_dir, tmp_path):
     """The shards written, the folder's completion mark (train_state.pt) refused by a full disk: the folder is never
     complete and no link names it, so it goes (it held the disk's space); the run stops on the save before."""
