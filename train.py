@@ -43,7 +43,7 @@ from nanogpt.config import TrainConfig
 from nanogpt.device import autocast_context, set_tf32
 from nanogpt.distributed import (DDP_SETTINGS, Dist, check_same_settings, checkpoint_group, run_in_group,
                                  setup_distributed)
-from nanogpt.signals import SecondCtrlC, StopRequest
+from nanogpt.signals import SecondCtrlC, StopRequest, resume_command
 from nanogpt.errors import RunError, Stopped, UserError, WriteError, exit_on_user_error, say, stop_behind
 from nanogpt.hardware import check_attention_kernel, system_info, use_flash_impl
 from nanogpt.metrics import Logger
@@ -379,12 +379,13 @@ class Loop:
         stays whatever happens), and stop with one line that says which."""
         with contextlib.suppress(NonFiniteError):
             self.reports.report(self.readout.flush())
+        resume = resume_command(self.training.cfg.out_dir)
         try:
             self.saves.save(self.iter_num, self.best_val_loss, improved=False, stopping=True)
-            saved = f"a checkpoint at iter {self.iter_num} was saved (resume with --init_from=resume)"
+            saved = f"a checkpoint at iter {self.iter_num} was saved (resume with {resume})"
         except WriteError:
             newest = newest_checkpoint(self.training.cfg.out_dir)
-            saved = (f"{newest} is intact (resume with --init_from=resume)" if newest else
+            saved = (f"{newest} is intact (resume with {resume})" if newest else
                      "no checkpoint was saved, so there is nothing to resume: start again once the disk has room")
         raise RunError(f"{error}. The run stopped at iter {self.iter_num}: {saved}")
 
@@ -392,7 +393,7 @@ class Loop:
         self.reports.report(self.readout.flush())  # a non-finite step before the stop stops the run, saving nothing
         self.saves.save(self.iter_num, self.best_val_loss, improved=False, stopping=True)
         # run_in_group ends the ranks together, once rank 0's checkpoint is on disk
-        raise Stopped(self.stop.message(self.iter_num), self.stop.exit_code())
+        raise Stopped(self.stop.message(self.iter_num, self.training.cfg.out_dir), self.stop.exit_code())
 
     def end(self) -> dict:
         """The report (rank 0, a run that saved) and the run's final figures; the model, unless sharded (FSDP's

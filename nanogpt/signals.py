@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 import signal
 import time
 
@@ -10,6 +11,10 @@ import torch.distributed as torch_dist
 
 from nanogpt.distributed import Dist
 from nanogpt.errors import Interrupted, stop_behind
+
+
+def resume_command(out_dir: str) -> str:
+    return f"python train.py --init_from=resume --out_dir={shlex.quote(out_dir)}"
 
 
 class StopRequest:
@@ -83,9 +88,9 @@ class StopRequest:
         """128 + this rank's signal (SIGTERM where another rank got it)."""
         return 128 + (self.signal if self.signal is not None else signal.SIGTERM)
 
-    def message(self, iter_num: int) -> str:
+    def message(self, iter_num: int, out_dir: str) -> str:
         name = signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
-        return f"stopped by {name} after iter {iter_num}; checkpoint saved: resume with --init_from=resume"
+        return f"stopped by {name} after iter {iter_num}; checkpoint saved: resume with {resume_command(out_dir)}"
 
     def __enter__(self) -> "StopRequest":
         return self

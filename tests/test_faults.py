@@ -64,7 +64,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_reaches_the_uninterrupted_loss(da
         train(tiny_config(data_dir, tmp_path / "run", **RUN))
     stopped_at = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter_num"]
     assert stopped_at == 6  # the step that was running when the signal came completes, then the run stops
-    assert str(stop.value) == "stopped by SIGTERM after iter 6; checkpoint saved: resume with --init_from=resume"
+    assert str(stop.value) == ("stopped by SIGTERM after iter 6; checkpoint saved: resume with "
+                               f"python train.py --init_from=resume --out_dir={tmp_path / 'run'}")
     assert stop.value.code == 143  # 128 + SIGTERM: a clean stop, not a failure (1)
     monkeypatch.undo()
     resumed = train(tiny_config(data_dir, tmp_path / "run", **RUN, init_from="resume"))

@@ -192,7 +192,7 @@ def test_sigterm_under_fsdp_saves_every_shard_and_resume_on_1_rank_continues(dat
                     "SIGTERM", "4", "1", *config_args(cfg)], timeout=HANG_S)
     err = r.stderr
     assert r.returncode != 0
-    assert "checkpoint saved: resume with --init_from=resume" in err
+    assert f"checkpoint saved: resume with python train.py --init_from=resume --out_dir={tmp_path / 'run'}" in err
     folder = tmp_path / "run" / outdir.SHARDED
     stopped_at = checkpoint_sharded.read_train_state(str(folder))["iter_num"]
     assert stopped_at == 4, err[-2000:]

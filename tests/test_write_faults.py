@@ -102,7 +102,7 @@ def check_outcome(disk, error, stderr, before, out, capsys_out="") -> None:
     if said[1] or said[2]:
         found = find_checkpoint(str(out))
         assert (found.name if said[2] else "ckpt.pt", found.iter_num) == (said[2] or "ckpt.pt", int(said[1] or said[3]))
-        assert "(resume with --init_from=resume)" in message, message
+        assert f"(resume with python train.py --init_from=resume --out_dir={out})" in message, message
     else:  # a resume would find nothing: the line must not say to resume
         assert not (out / "ckpt.pt").exists() and "--init_from=resume" not in message, message
     if (out / "ckpt.pt").exists():
@@ -321,8 +321,8 @@ def test_a_sharded_checkpoint_on_a_full_small_file_system_is_one_line_and_the_la
     assert len(errors) == 1 and "Traceback" not in "\n".join(lines), lines[-12:]
     assert errors[0].startswith(f"error: could not write sharded checkpoint {mnt / 'out' / 'ckpt_sharded_0000004_0'} ("
                                 ), errors
-    assert errors[0].endswith("The run stopped at iter 4: ckpt_sharded at iter 2 is intact (resume with "
-                              "--init_from=resume)"), errors
+    assert errors[0].endswith("The run stopped at iter 4: ckpt_sharded at iter 2 is intact (resume with python train.py "
+                              f"--init_from=resume --out_dir={mnt / 'out'})"), errors
     exit_at = lines.index("exit 1")
     assert lines[exit_at + 1:] == ["ckpt_sharded", "ckpt_sharded_0000002_0", "metrics.jsonl", "run.json",
                                    "checkpoint ckpt_sharded 2"], lines[exit_at:]
