@@ -36,7 +36,6 @@ attention = "auto"
 
 learning_rate = 8e-3
 max_iters = 450
-lr_decay_iters = 450
 min_lr = 8e-4
 beta2 = 0.99
 warmup_iters = 50

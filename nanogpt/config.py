@@ -202,15 +202,15 @@ class StepConfig:
     bias, which a model trained from scratch leaves out.
     """
     # data
-    dataset: str = "openwebtext"
+    dataset: str = "openwebtext"  # data/<dataset>/: train.bin, val.bin, meta.json
     data_dir: str | None = None  # default: data/<dataset> in the repository
     gradient_accumulation_steps: AtLeast1[int] = 5 * 8  # micro-steps per optimizer step, over all DDP ranks together
     batch_size: AtLeast1[int] = 12  # micro-batch size per rank
-    block_size: AtLeast1[int] = GPTConfig.block_size
+    block_size: AtLeast1[int] = GPTConfig.block_size  # context length: tokens per sequence
 
     # model
-    n_layer: AtLeast1[int] = GPTConfig.n_layer
-    n_head: AtLeast1[int] = GPTConfig.n_head
+    n_layer: AtLeast1[int] = GPTConfig.n_layer  # transformer blocks
+    n_head: AtLeast1[int] = GPTConfig.n_head  # attention heads per block
     n_embd: AtLeast1[int] = GPTConfig.n_embd  # a multiple of n_head
     dropout: Fraction[float] = GPTConfig.dropout  # 0 for pretraining, try 0.1+ for fine-tuning
     bias: bool = False  # GPTConfig's True is GPT-2's; from scratch False is a bit better and faster
@@ -230,8 +230,8 @@ class StepConfig:
 
     # AdamW
     learning_rate: AtLeast0[float] = 6e-4  # max learning rate (with Muon: of the embeddings, head and 1-D parameters)
-    weight_decay: AtLeast0[float] = 1e-1
-    beta1: Fraction[float] = 0.9
+    weight_decay: AtLeast0[float] = 1e-1  # AdamW's, on the 2-D weights only
+    beta1: Fraction[float] = 0.9  # AdamW's betas
     beta2: Fraction[float] = 0.95
     grad_clip: AtLeast0[float] = 1.0  # clip the gradient norm at this value; 0 disables clipping
     fused_adamw: bool | None = None  # None: fused where the device has the kernel
@@ -248,7 +248,7 @@ class StepConfig:
     deterministic: bool = False  # bitwise repeatable runs, compiled ones too (torch.use_deterministic_algorithms)
     keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed buffers instead of returning them (faster steps)
     peak_flops: Positive[float | None] = None  # MFU's denominator; None: a known GPU's, or the CPU's measured peak
-    seed: Seed[int] = 1337
+    seed: Seed[int] = 1337  # the weights' init, dropout and the batches
 
     def problems(self, world_size: int = 1) -> list[str]:
         """What is wrong with these keys for a run of world_size ranks on this machine, one phrase each: the declared
@@ -342,10 +342,10 @@ class WeightsSource:
 @dataclass
 class TrainConfig(StepConfig):
     # I/O
-    out_dir: Folder = "out"
-    eval_interval: AtLeast1[int] = 2000
-    log_interval: AtLeast1[int] = 1
-    eval_iters: AtLeast1[int] = 200
+    out_dir: Folder = "out"  # the run's folder: checkpoints, metrics.jsonl, report.md
+    eval_interval: AtLeast1[int] = 2000  # steps between evals (each may save a checkpoint)
+    log_interval: AtLeast1[int] = 1  # steps between loss lines
+    eval_iters: AtLeast1[int] = 200  # batches per split in an eval
     eval_only: bool = False  # evaluate once and exit
     always_save_checkpoint: bool = True  # else save only when the val loss improves
     init_from: str = "scratch"  # scratch, resume, auto (resume if out_dir has one), gpt2*, a HF folder, a checkpoint
@@ -356,7 +356,7 @@ class TrainConfig(StepConfig):
     report: bool = True  # at the end, write out_dir/report.md: command, machine, settings, speed, losses, a sample
 
     # logging
-    wandb_log: bool = False
+    wandb_log: bool = False  # log to Weights & Biases too (pip install wandb)
     wandb_project: str = "owt"
     wandb_run_name: str = "gpt2"
     hellaswag: bool = False  # also score HellaSwag (acc, acc_norm; see hellaswag.py) at evals
@@ -365,8 +365,8 @@ class TrainConfig(StepConfig):
 
     # learning rate schedule: linear warmup, then cosine decay to min_lr
     max_iters: AtLeast0[int] = 600000  # optimizer steps
-    decay_lr: bool = True
-    warmup_iters: AtLeast0[int] = 2000
+    decay_lr: bool = True  # warmup, then cosine to min_lr; False: learning_rate throughout
+    warmup_iters: AtLeast0[int] = 2000  # linear warmup steps
     lr_decay_iters: AtLeast0[int | None] = None  # None: max_iters (~ Chinchilla: about max_iters)
     min_lr: AtLeast0[float] = 6e-5  # ~ learning_rate / 10
     max_nonfinite_skips: AtLeast0[int] = 0  # steps with a non-finite loss or grad norm skipped per run, then an error
