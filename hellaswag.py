@@ -33,7 +33,7 @@ REFERENCE = {"gpt2": (0.2859, 0.2955), "gpt2-xl": (0.3842, 0.4893)}
 
 @dataclass
 class HellaSwagConfig(WeightsSource):  # init_from, out_dir, ckpt
-    path: str | None = None  # a HellaSwag-format file; None: the validation set, downloaded to data/hellaswag/
+    path: str | None = None  # JSON lines of {"ctx", "endings": [4], "label": 0-3}; None: the validation set, downloaded
     max_examples: Annotated[int, Range(0, note="0: all")] = 0  # score only the first this many examples
     device: str = "auto"  # "auto", "cpu", "cuda", ... (under torchrun: each rank's GPU)
     dtype: Annotated[str, OneOf("auto", *DTYPES)] = "auto"  # auto: bf16 on a GPU that has it, else float32
