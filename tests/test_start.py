@@ -167,6 +167,32 @@ def test_a_given_setting_that_the_runs_own_settings_rule_out_is_refused():
         start.settings_of_the_run(cfg, given={"keep_last"}, saved={"parallelism": "fsdp"})
 
 
+def test_a_resume_on_n_ranks_checks_the_runs_gradient_accumulation_not_the_default(finished_run, tmp_path,
+                                                                                    monkeypatch):
+    """Bug: `torchrun --nproc_per_node=3 train.py --init_from=resume --out_dir=DIR` of a run with
+    gradient_accumulation_steps=3 was refused: 'gradient_accumulation_steps=40 is not divisible by the 3 DDP
+    processes', the default that the resume replaces with its run's, checked before it was taken."""
+    import torch
+
+    data_dir, out = finished_run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    ckpt = torch.load(copy / "ckpt.pt", weights_only=False)
+    ckpt["config"]["gradient_accumulation_steps"] = 3  # a run of 3 ranks
+    torch.save(ckpt, copy / "ckpt.pt")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for init_from in ("resume", "auto"):
+        with start.begin(TrainConfig(out_dir=str(copy), init_from=init_from), given={"init_from", "out_dir"}) as plan:
+            assert plan.cfg.gradient_accumulation_steps == 3
+    given = TrainConfig(out_dir=str(copy), init_from="resume", gradient_accumulation_steps=4)
+    with pytest.raises(UserError, match="gradient_accumulation_steps=4 is not divisible by the 3 DDP processes"):
+        with start.begin(given, given={"init_from", "out_dir", "gradient_accumulation_steps"}):
+            pass
+    with pytest.raises(UserError, match="gradient_accumulation_steps=40 is not divisible by the 3 DDP processes"):
+        with start.begin(TrainConfig(out_dir=str(tmp_path / "new"), init_from="auto"), given={"init_from"}):
+            pass  # auto with no checkpoint: a new run of the settings given
+
+
 def test_init_from_a_folder_without_weights_says_what_it_lacks(finished_run, tmp_path):
     """Bug: a folder holding only ckpt_best.pt (or nothing) as init_from said its weights 'were trained with another
     tokenizer (gpt2, 50257 tokens)'. Now the line says what the folder lacks, and names a checkpoint file it holds."""
