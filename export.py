@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt import checkpoints, dataio, files, tokenizers
+from nanogpt import checkpoints, dataio, files, outdir, tokenizers
 from nanogpt.checkpoint_file import checkpoint_model_config, clean_state_dict
 from nanogpt.config import Folder, check, declared_problems
 from nanogpt.errors import UserError, exit_on_user_error
@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     check(declared_problems(cfg))
     if os.path.lexists(cfg.to) and not os.path.isdir(cfg.to):
         raise UserError(f"to={cfg.to!r} is a file, not a folder: give a folder to write the model in")
+    if run := outdir.run_files_in(cfg.to):  # --init_from=FOLDER would then read the HF files, not the checkpoint
+        raise UserError(f"to={cfg.to!r} is a training run's folder ({', '.join(run)}): give the export a folder of "
+                        f"its own, e.g. --to=hf-model")
     found = checkpoints.find_checkpoint(cfg.out_dir, cfg.ckpt)
     path = found.path
     ckpt = checkpoints.read_weights(path, found.state)  # mapped, weights only (a sharded folder gathered on the CPU)

@@ -361,6 +361,11 @@ def check_entries(out_dir: str) -> None:
                         f"{out_dir} (nothing there was changed), or give another --out_dir")
 
 
+def run_files_in(folder: str) -> list[str]:
+    """The names in `folder` that only a run writes (run.json, checkpoints): a run's folder where there are any."""
+    return sorted(n for n in os.listdir(folder) if _A_RUNS.fullmatch(n)) if os.path.isdir(folder) else []
+
+
 def _is_kind(path: str, kind: str) -> bool:
     if not os.path.lexists(path):
         return True

@@ -185,6 +185,11 @@ def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     assert e.value.exit_code == 2 and not (tmp_path / "hf").exists()
     with pytest.raises(UserError, match="^out_dir='' names no folder"):
         export.main(["--out_dir=", f"--to={tmp_path / 'hf'}"])
+    # the run's own folder (or any run's): --init_from=FOLDER would then read the HF files beside the checkpoint
+    with pytest.raises(UserError, match=f"^to='{tmp_path}' is a training run's folder \\(ckpt.pt\\): give the export "
+                                        "a folder of its own") as e:
+        export.main([f"--out_dir={tmp_path}", f"--to={tmp_path}"])
+    assert e.value.exit_code == 2 and sorted(os.listdir(tmp_path)) == ["afile", "ckpt.pt"]
     assert (tmp_path / "afile").read_text() == "mine\n" and (tmp_path / "ckpt.pt").read_bytes() == ckpt
 
 
