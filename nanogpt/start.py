@@ -59,7 +59,7 @@ def begin(cfg: TrainConfig, given: set[str] | None = None) -> Iterator[StartPlan
     """The start decided (decide), out_dir held for this run until the block ends (by rank 0, for every rank; not by
     an evaluation that saves nothing). `given`: the keys the user set (None: every key)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.check(1 if cfg.init_from in ("resume", "auto") else world_size)  # a resume's world size: in decide
+    check(declared_problems(cfg))  # the values given; what goes together, once a resume took its run's (decide)
     check_out_dir(cfg)
     with outdir.hold(cfg.out_dir, enabled=not cfg.eval_only and int(os.environ.get("RANK", "0")) == 0):
         yield decide(cfg, given, world_size)
@@ -84,7 +84,8 @@ def decide(cfg: TrainConfig, given: set[str] | None = None, world_size: int = 1)
                 notes.append(f"resuming the run's settings (not given here): {', '.join(taken)}")
         if cfg.parallelism == "fsdp":  # a file and a sharded folder at the same iteration: FSDP reads the folder
             found = checkpoints.find_checkpoint(cfg.out_dir, prefer_sharded=True)
-    cfg.check(world_size)  # the settings that start: a resume's own gradient_accumulation_steps for the world size
+    if init_from != "resume" or given is None:  # else settings_of_the_run checked them, the run's taken (not defaults)
+        cfg.check(world_size)
     return StartPlan(cfg, cfg.machine(), notes, found, job)
 
 

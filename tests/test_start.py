@@ -128,6 +128,30 @@ def test_decide_resumes_a_torchrun_restart_of_the_same_job_only(finished_run, tm
     assert plan.job == "job-a"
 
 
+def test_a_resume_is_checked_with_its_runs_settings_not_the_defaults(finished_run, tmp_path, monkeypatch):
+    """Bug: `--init_from=resume --out_dir=DIR` checked the settings before taking the run's, so the defaults refused
+    what the run's own settings allow: async_save=True on an FSDP run ("parallelism='ddp' saves one file"),
+    hellaswag_interval=4 on a run with eval_interval=2 ("a multiple of eval_interval=2000"), and 3 ranks for a run
+    of gradient_accumulation_steps=6 ("40 is not divisible by the 3 DDP processes")."""
+    import torch
+
+    _, out = finished_run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    ckpt = torch.load(copy / "ckpt.pt", weights_only=True)
+    ckpt["config"].update(gradient_accumulation_steps=6, parallelism="fsdp")
+    torch.save(ckpt, copy / "ckpt.pt")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = TrainConfig(out_dir=str(copy), init_from="resume", async_save=True, hellaswag_interval=4)
+    with start.begin(cfg, given={"out_dir", "init_from", "async_save", "hellaswag_interval"}) as plan:
+        c = plan.cfg
+        assert (c.parallelism, c.gradient_accumulation_steps, c.eval_interval) == ("fsdp", 6, 2)  # the run's
+        assert c.async_save and c.hellaswag_interval == 4  # given
+    with pytest.raises(UserError, match=r"hellaswag_interval=3 must be 0 or a multiple of eval_interval=2"):
+        start.begin(TrainConfig(out_dir=str(copy), init_from="resume", hellaswag_interval=3),
+                    given={"out_dir", "init_from", "hellaswag_interval"}).__enter__()
+
+
 def test_decide_refuses_a_resume_with_nothing_to_resume(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
