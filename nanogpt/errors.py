@@ -4,6 +4,7 @@ main runs under to print them without a traceback: a UserError (a WriteError too
 project's, so that every module can raise them."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Callable, NoReturn
@@ -62,6 +63,9 @@ def exit_on_user_error(main: Callable[[], object]) -> object:
         return main()
     except UserError as e:
         fail(str(e), e.exit_code)
+    except BrokenPipeError:  # stdout's reader has gone (`--help | head`): end quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit fails again
+        sys.exit(128 + signal.SIGPIPE)
     except BaseException as e:
         stop = stop_behind(e)
         if isinstance(stop, Stopped):

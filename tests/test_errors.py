@@ -28,6 +28,21 @@ def test_a_ctrl_c_is_one_line_and_exit_130(capsys):
     assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
 
 
+@pytest.mark.slow
+def test_help_into_a_pipe_closed_early_ends_quietly():
+    """Bug: `python train.py --help | head` ended in a BrokenPipeError traceback; a reader that has gone ends the
+    command quietly, 128 + SIGPIPE, as a Unix tool does."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    p = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the script has printed anything (its imports take longer)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
 def test_a_stop_that_another_exception_wraps_is_still_one_line(capsys):
     """Bug: a SIGTERM while Python set a class body's names (a dataclass field's __set_name__, in `import
     torch._dynamo` during train.py's start) came out as `RuntimeError: Error calling __set_name__ ...` (Python 3.11
