@@ -131,7 +131,8 @@ def test_train_help_text_of_some_keys(capsys):
     assert keys["min_lr"] == ["6e-05", "float", "~ learning_rate / 10 [at least 0]"]  # the range its type declares
     assert keys["optimizer"] == ["'adamw'", "str", "muon: Muon for the blocks' matrices, AdamW the rest "
                                                    "[one of adamw, muon]"]
-    assert keys["out_dir"][2] == "[not empty; give a folder: '.' for the current one]"
+    assert keys["out_dir"][2] == ("the run's folder: checkpoints, metrics.jsonl, report.md [not empty; give a folder: "
+                                  "'.' for the current one]")
     assert out.index("StepConfig (config.py)") < out.index("--seed=") < out.index("TrainConfig (config.py)")
 
 
